@@ -219,6 +219,8 @@ class Encoder:
         """Encode media items; the result list is in input order."""
         if isinstance(items, (bytes, bytearray, memoryview, Image.Image, VideoChunk)):
             items = [items]
+        elif not isinstance(items, (list, tuple)):
+            raise MediaError("bad_input", f"encode takes a list of items, not a {type(items).__name__}")
         cfg = processor or self.spec.preprocess
         prepared = [self._prepare(item, cfg) for item in items]
         results: list[EncodedMedia] = []

@@ -2,8 +2,9 @@
 
 Images (Pillow): the header is checked (size, pixel count, aspect ratio) before any pixel is
 decoded; EXIF orientation is applied; every mode becomes RGB deterministically:
-- alpha (RGBA, LA, PA, P with transparency) is composited over opaque white, so what a viewer
-  sees on a white page is what the model sees (transparent pixels' hidden RGB never leaks in);
+- alpha (RGBA, LA, PA, premultiplied RGBa/La, palette alpha, PNG colour-key tRNS) is composited
+  over opaque white, so what a viewer sees on a white page is what the model sees (transparent
+  pixels' hidden RGB never leaks in);
 - 16/32-bit greyscale (I;16*, I) is scaled to 8 bits by rounding v * 255 / 65535; float (F) is
   clipped to 0..255; CMYK, YCbCr, LAB, HSV use Pillow's conversion (ICC profiles are ignored);
 - animated images (GIF, APNG, WebP) use their first frame.
@@ -71,14 +72,14 @@ def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
     _check_size(data, limits)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore")  # bomb and corrupt-EXIF warnings: we raise or carry on
             img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise MediaError("too_many_pixels", str(e)) from None
     except UnidentifiedImageError:
         msg = "not a recognised image format (JPEG, PNG, WebP, GIF, BMP, TIFF)"
         raise MediaError("unsupported_format", msg) from None
-    except (OSError, ValueError, SyntaxError) as e:
+    except Exception as e:  # Pillow's plugins raise many types on malformed headers
         raise MediaError("corrupt", f"image header cannot be read: {e}") from None
     if img.format not in IMAGE_FORMATS:
         raise MediaError("unsupported_format", f"image format {img.format} is not accepted")
@@ -101,7 +102,7 @@ def image_to_rgb(img: Image.Image, limits: MediaLimits) -> torch.Tensor:
         raise
     except Image.DecompressionBombError as e:
         raise MediaError("too_many_pixels", str(e)) from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
+    except Exception as e:  # OSError, SyntaxError, TypeError, ... depending on the plugin
         raise MediaError("corrupt", f"image data cannot be decoded (truncated or damaged?): {e}") from None
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
@@ -110,17 +111,27 @@ def decode_image(data: bytes, limits: MediaLimits) -> torch.Tensor:
     return image_to_rgb(open_image(data, limits), limits)
 
 
+def _over_white(rgba: Image.Image) -> Image.Image:
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     mode = img.mode
+    if mode in ("RGBa", "La"):  # premultiplied: colour + (1 - alpha) * white
+        a = np.asarray(img).astype(np.int32)
+        alpha = a[..., -1:]
+        rgb = a[..., :-1] + ((255 - alpha) * 255 + 127) // 255
+        rgb = np.clip(rgb, 0, 255).astype(np.uint8)
+        return Image.fromarray(np.repeat(rgb, 3, axis=-1) if mode == "La" else rgb, "RGB")
+    if "transparency" in img.info and mode in ("P", "RGB", "L", "1", "I", "I;16"):
+        return _over_white(img.convert("RGBA"))  # palette alpha or a colour key (PNG tRNS)
     if mode == "RGB":
         return img
     if mode == "P":
-        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
-        mode = img.mode
-    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
+        return img.convert("RGB")
+    if mode in ("RGBA", "LA", "PA"):
+        return _over_white(img.convert("RGBA"))
     if mode.startswith("I;16") or mode == "I":
         a = np.asarray(img).astype(np.int64)
         a = (np.clip(a, 0, 65535) * 255 + 32767) // 65535
@@ -172,13 +183,15 @@ def decode_video(
 
     _check_size(data, limits)
     try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except av.FFmpegError as e:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="replace")
+    except (av.FFmpegError, UnicodeDecodeError, ValueError) as e:
         raise MediaError("unsupported_format", f"not a decodable video container: {e}") from None
     try:
         if not container.streams.video:
             raise MediaError("no_frames", "the container has no video stream")
         stream = container.streams.video[0]
+        if stream.codec_context is None:
+            raise MediaError("unsupported_format", f"video codec {stream.codec_tag!r} is not supported")
         check_dimensions(stream.codec_context.width or 1, stream.codec_context.height or 1, limits, "video")
         rate = stream.average_rate or stream.guessed_rate
         native_fps = float(rate) if rate else 0.0
@@ -207,7 +220,7 @@ def decode_video(
                 stamps.append(float(t))
     except MediaError:
         raise
-    except (av.FFmpegError, ValueError, OSError, EOFError) as e:
+    except Exception as e:  # FFmpegError, UnicodeDecodeError, ... from damaged containers
         raise MediaError("corrupt", f"video cannot be decoded: {e}") from None
     finally:
         container.close()
