@@ -26,6 +26,12 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .errors import MediaError
 from .spec import MediaLimits, PreprocessConfig
 
+# Pillow warns on damaged metadata (corrupt EXIF, ...) and on large images; we either raise a
+# MediaError or carry on, so these warnings are noise in service logs. Filtered once, process-wide:
+# `warnings.catch_warnings` per call is not thread-safe, and decoding runs in thread pools.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO"})
 
 
@@ -71,9 +77,7 @@ def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Open (header only) and vet an image; pixels are not decoded yet."""
     _check_size(data, limits)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # bomb and corrupt-EXIF warnings: we raise or carry on
-            img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise MediaError("too_many_pixels", str(e)) from None
     except UnidentifiedImageError:
@@ -91,13 +95,11 @@ def image_to_rgb(img: Image.Image, limits: MediaLimits) -> torch.Tensor:
     """Decode (first frame), orient and convert to [H, W, 3] uint8. See module doc for modes."""
     check_dimensions(*img.size, limits)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if getattr(img, "n_frames", 1) > 1:
-                img.seek(0)
-            img.load()
-            img = ImageOps.exif_transpose(img)
-            rgb = _to_rgb(img)
+        if getattr(img, "n_frames", 1) > 1:
+            img.seek(0)
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        rgb = _to_rgb(img)
     except MediaError:
         raise
     except Image.DecompressionBombError as e:
