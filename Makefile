@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo worker test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -14,13 +14,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,dynamo]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/mm-encoder demo
+
+worker: $(STAMP)
+	$(BIN)/python -m mm_encoder.worker
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -31,6 +34,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/encoder.py
+	$(BIN)/python bench/wire.py
+	$(BIN)/python bench/worker.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

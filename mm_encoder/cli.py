@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -58,9 +59,10 @@ def _print_table(rows: list[dict]) -> None:
         )
 
 
-def cmd_encode(args: argparse.Namespace, refs: list[str]) -> int:
+def cmd_encode(args: argparse.Namespace, refs: list[str], enc: Encoder | None = None) -> int:
     t0 = time.perf_counter()
-    enc = Encoder.from_pretrained(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
+    if enc is None:
+        enc = Encoder.from_pretrained(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
     load_ms = (time.perf_counter() - t0) * 1e3
     rows, failed = [], 0
     for ref in refs:
@@ -81,7 +83,51 @@ def cmd_encode(args: argparse.Namespace, refs: list[str]) -> int:
     return 1 if failed else 0
 
 
+async def _demo_service(enc: Encoder, refs: list[str]) -> None:
+    """The same samples through the encode worker over loopback HTTP: cold, then from cache."""
+    import aiohttp
+
+    from . import wire
+    from .settings import WorkerSettings
+    from .worker import Worker
+
+    worker = Worker(WorkerSettings(_cli_parse_args=[], http_port=0), encoder=enc)
+    await worker.start()
+    url = f"http://127.0.0.1:{worker.http_port}/v1/encode"
+    print(f"\nencode worker on {url} (model {enc.name}):")
+    try:
+        async with aiohttp.ClientSession() as session:
+            for ref in refs:
+                data = Path(ref).read_bytes()
+                body = msgpack_request(enc.name, data)
+                for attempt in ("cold", "again"):
+                    async with session.post(url, data=body, headers={"Content-Type": "application/msgpack"}) as r:
+                        payload = await r.read()
+                        if r.status != 200:
+                            raise MMEncoderError(f"worker answered {r.status}: {payload[:200]!r}", "demo_failed")
+                        msg = wire.decode(payload)
+                        timing = r.headers["Server-Timing"]
+                        total = next(p.split("dur=")[1] for p in timing.split(", ") if p.startswith("total"))
+                        print(f"  {Path(ref).name} ({attempt}): {r.headers['X-MM-Cache']:8s} {len(payload):7d} B "
+                              f"wire v1 ({msg.length} tokens x {msg.shape[1]} {msg.dtype}, "
+                              f"{len(msg.grid_thws)} grid(s)) in {float(total):.1f} ms  [{timing}]")
+    finally:
+        await worker.stop()
+
+
+def msgpack_request(model: str, data: bytes) -> bytes:
+    import msgpack
+
+    return msgpack.packb({"model": model, "data": data})
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["worker"]:  # `mm-encoder worker ...` == `python -m mm_encoder.worker ...`
+        from .worker import main as worker_main
+
+        return worker_main(argv[1:])
     p = argparse.ArgumentParser(prog="mm-encoder", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -97,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on CUDA, fp32 on CPU)")
         s.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("models", help="list registered models")
+    sub.add_parser("worker", help="run the encode worker (see python -m mm_encoder.worker --help)")
     args = p.parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -105,8 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             for spec in list_models():
                 print(f"{spec.name:20s} -> {spec.projector.out_dim:5d}  aliases: {', '.join(spec.aliases) or '-'}")
             return 0
-        refs = args.media if args.cmd == "encode" else [str(SAMPLES / "sample.jpg"), str(SAMPLES / "sample.mp4")]
-        return cmd_encode(args, refs)
+        if args.cmd == "encode":
+            return cmd_encode(args, args.media)
+        refs = [str(SAMPLES / "sample.jpg"), str(SAMPLES / "sample.mp4")]
+        enc = Encoder.from_pretrained(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
+        rc = cmd_encode(args, refs, enc)
+        if rc == 0 and not args.json:
+            asyncio.run(_demo_service(enc, refs))
+        return rc
     except MMEncoderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -45,13 +45,23 @@ class EncodedMedia:
 
 
 @dataclass
-class _Prepared:
+class Prepared:
+    """One image or video chunk, preprocessed and ready for a forward pass."""
+
     pixel_values: torch.Tensor
     grid: Grid
     mm_hash: str
     modality: str
     timestamp: str | None
     timings_ms: dict[str, float]
+
+    @property
+    def num_patches(self) -> int:
+        return self.pixel_values.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid[1] * self.grid[2] // 4  # 2x2 merge; sd2_tpool pools time away
 
 
 def _ms(t0: float) -> float:
@@ -177,7 +187,23 @@ class Encoder:
         cfg = processor or self.spec.preprocess
         return media.decode_video(bytes(data), cfg, self.limits, source_hash=content_hash(data))
 
-    def _prepare(self, item: Item, cfg: PreprocessConfig) -> _Prepared:
+    def prepare(self, item: Item, processor: PreprocessConfig | None = None) -> Prepared:
+        """Decode, hash and preprocess one item (CPU-pool work; no model state is touched)."""
+        return self._prepare(item, processor or self.spec.preprocess)
+
+    def prepare_media(self, data: bytes, processor: PreprocessConfig | None = None) -> list[Prepared]:
+        """Image or video bytes (sniffed) -> one Prepared per image or per video chunk."""
+        if media.sniff_modality(data) != "video":
+            return [self.prepare(data, processor)]
+        t0 = time.perf_counter()
+        chunks = self.decode_video(data, processor)
+        share = _ms(t0) / len(chunks)  # the video's decode time, split over its chunks
+        prepared = [self.prepare(c, processor) for c in chunks]
+        for p in prepared:
+            p.timings_ms["decode"] += share
+        return prepared
+
+    def _prepare(self, item: Item, cfg: PreprocessConfig) -> Prepared:
         identity = self.identity(cfg)
         t0 = time.perf_counter()
         timestamp = None
@@ -210,7 +236,7 @@ class Encoder:
         t1 = time.perf_counter()
         pixel_values, grid = self._preprocess_rgb(rgb, cfg, video=modality == "video")
         timings = {"decode": decode_ms, "preprocess": _ms(t1)}
-        return _Prepared(pixel_values, grid, h, modality, timestamp, timings)
+        return Prepared(pixel_values, grid, h, modality, timestamp, timings)
 
     # --- encoding ---------------------------------------------------------------------------
 
@@ -223,32 +249,40 @@ class Encoder:
             raise MediaError("bad_input", f"encode takes a list of items, not a {type(items).__name__}")
         cfg = processor or self.spec.preprocess
         prepared = [self._prepare(item, cfg) for item in items]
-        results: list[EncodedMedia] = []
-        pending: list[tuple[list[_Prepared], torch.Tensor, float, torch.cuda.Event | None]] = []
-        for batch in self._batches(prepared):
-            t0 = time.perf_counter()
+        return self.finish(prepared, *self.forward(prepared))
+
+    @torch.inference_mode()
+    def forward(self, prepared: Sequence[Prepared]) -> tuple[list[torch.Tensor], float]:
+        """Device work: forward passes of at most `max_batch_patches` patches each.
+
+        Returns one host tensor [num_tokens, out_dim] per item (input order) and the forward time
+        in ms. On CUDA the copies to pinned memory run on a side stream, overlapping the next batch.
+        """
+        t0 = time.perf_counter()
+        pending: list[tuple[list[Prepared], torch.Tensor, torch.cuda.Event | None]] = []
+        for batch in self._batches(list(prepared)):
             pixels = batch[0].pixel_values if len(batch) == 1 else torch.cat([p.pixel_values for p in batch])
             out = self.model(pixels, [p.grid for p in batch])
-            host, event = self._to_host(out)
-            pending.append((batch, host, _ms(t0), event))
-        for batch, host, forward_ms, event in pending:
-            t0 = time.perf_counter()
+            pending.append((batch, *self._to_host(out)))
+        outputs: list[torch.Tensor] = []
+        for batch, host, event in pending:
             if event is not None:
                 event.synchronize()
-            start = 0
-            for p in batch:
-                n = p.grid[1] * p.grid[2] // 4
-                timings = {**p.timings_ms, "forward": forward_ms, "postprocess": _ms(t0)}
-                timings["total"] = sum(timings.values())
-                results.append(
-                    EncodedMedia(host[start : start + n], p.grid, n, p.mm_hash, p.modality, p.timestamp, timings)
-                )
-                start += n
-        return results  # batches are contiguous runs of the input, so this is input order
+            outputs.extend(host.split([p.num_tokens for p in batch]))
+        return outputs, _ms(t0)
 
-    def _batches(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
+    @staticmethod
+    def finish(prepared: Sequence[Prepared], outputs: Sequence[torch.Tensor], forward_ms: float) -> list[EncodedMedia]:
+        results = []
+        for p, out in zip(prepared, outputs, strict=True):
+            timings = {**p.timings_ms, "forward": forward_ms}
+            timings["total"] = sum(timings.values())
+            results.append(EncodedMedia(out, p.grid, p.num_tokens, p.mm_hash, p.modality, p.timestamp, timings))
+        return results
+
+    def _batches(self, prepared: list[Prepared]) -> list[list[Prepared]]:
         """Greedy packing in input order; an item larger than the cap goes alone."""
-        batches: list[list[_Prepared]] = []
+        batches: list[list[Prepared]] = []
         size = 0
         for p in prepared:
             n = p.pixel_values.shape[0]
@@ -274,16 +308,8 @@ class Encoder:
 
     def encode_file(self, data: bytes, processor: PreprocessConfig | None = None) -> list[EncodedMedia]:
         """Image or video bytes (sniffed) -> one result per image or per video chunk."""
-        if media.sniff_modality(data) != "video":
-            return self.encode([data], processor)
-        t0 = time.perf_counter()
-        chunks = self.decode_video(data, processor)
-        share = _ms(t0) / len(chunks)  # the video's decode time, split over its chunks
-        results = self.encode(chunks, processor)
-        for r in results:
-            r.timings_ms["decode"] += share
-            r.timings_ms["total"] += share
-        return results
+        prepared = self.prepare_media(data, processor)
+        return self.finish(prepared, *self.forward(prepared))
 
 
 def _dtype(d: str | torch.dtype) -> torch.dtype:

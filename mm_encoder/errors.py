@@ -7,11 +7,14 @@ class MMEncoderError(Exception):
     """Base class: `code` is stable and machine-readable, the message says what to change."""
 
     code = "error"
+    http_status = 400  # what the HTTP transport answers; subclasses refine it per code
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, http_status: int | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        if http_status is not None:
+            self.http_status = http_status
 
     @property
     def message(self) -> str:
@@ -39,21 +42,24 @@ class MediaError(MMEncoderError):
     """Bad media from the user. Never cached, never fatal to the process."""
 
     code = "corrupt"
+    http_status = 422
 
     def __init__(self, code: str, message: str):
         if code not in MEDIA_ERROR_CODES:
             raise ValueError(f"unknown media error code {code!r}")
-        super().__init__(message, code)
+        super().__init__(message, code, 413 if code == "too_large" else 422)
 
 
 class CheckpointError(MMEncoderError):
     """A checkpoint that does not match the model: lists every missing/unexpected/mis-shaped tensor."""
 
     code = "bad_checkpoint"
+    http_status = 500
 
 
 class UnknownModelError(MMEncoderError, KeyError):
     code = "unknown_model"
+    http_status = 404
 
     def __init__(self, name: str, served: list[str]):
         super().__init__(f"unknown model {name!r}; served names: {', '.join(served)}")

@@ -63,3 +63,12 @@ def test_demo_subprocess_prints_summary():
     assert "sample.jpg" in r.stdout and "sample.mp4 @00:00:00.000" in r.stdout
     assert "mm_hash=" in r.stdout and "tokens=" in r.stdout and "forward=" in r.stdout
     assert "RANDOM weights" in r.stderr
+    # then the same samples through the encode worker over loopback HTTP: computed, then cached
+    assert "encode worker on http://127.0.0.1:" in r.stdout
+    assert "sample.jpg (cold): forward" in r.stdout and "sample.jpg (again): mm_hash" in r.stdout
+    assert "sample.mp4 (cold): forward" in r.stdout and "2 grid(s)" in r.stdout
+
+
+def test_worker_subcommand_reports_bad_options(capsys):
+    assert main(["worker", "--http-port", "-1"]) == 2
+    assert "nothing to serve" in capsys.readouterr().err

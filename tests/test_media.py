@@ -754,7 +754,7 @@ def mutated(draw, seeds: dict[str, bytes], region=None):
     data = bytearray(seeds[name])
     lo, hi = region(data) if region else (0, len(data))
     for _ in range(draw(st.integers(1, 6))):
-        i = draw(st.integers(lo, hi - 1))
+        i = draw(st.integers(lo, min(hi, len(data)) - 1))  # a splice may have shortened the data
         op = draw(st.sampled_from(["set", "flip"] if region else ["set", "flip", "splice"]))
         if op == "set":
             data[i] = draw(st.integers(0, 255))

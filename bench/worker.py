@@ -1,0 +1,183 @@
+"""Encode-worker benchmark (not a test): requests/s and latency percentiles over loopback HTTP.
+
+    python bench/worker.py [--quick] [--rounds 2] [--json out.json]
+
+Starts the real worker (`python -m mm_encoder.worker`, model `tiny`) as a separate process and
+drives it from this process with aiohttp at a fixed concurrency, bounded in count and time:
+- alias hits: the same URL again and again (served from the URL-alias LRU, no download);
+- mm_hash hits: the same bytes in a msgpack body (hash, then the mm_hash LRU);
+- full encodes: a distinct image per request (decode, preprocess, forward, pack), at 448x448 and
+  full HD, with the postprocess pool (`--post-workers 1`) and without it (`0`: packing runs on
+  the device thread, so it cannot overlap the next forward).
+Both pool settings are measured in alternating rounds in one run; medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import msgpack
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from media_factory import image_bytes, natural_image  # noqa: E402
+
+
+class WorkerProcess:
+    def __init__(self, **settings):
+        env = {**os.environ, "MM_ENCODER_HTTP_PORT": "0", "MM_ENCODER_LOG_LEVEL": "WARNING"}
+        env.update({f"MM_ENCODER_{k.upper()}": (json.dumps(v) if isinstance(v, list) else str(v))
+                    for k, v in settings.items()})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_encoder.worker", "--model", "tiny"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        line = self.proc.stdout.readline()
+        if "ready" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"worker did not start: {line!r}")
+        self.url = f"http://127.0.0.1:{int(line.split('http_port=')[1].split()[0])}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def drive(session, url: str, bodies, concurrency: int, max_requests: int, max_seconds: float) -> dict:
+    """Send up to `max_requests` requests (cycling through `bodies`) for at most `max_seconds`."""
+    latencies: list[float] = []
+    errors = 0
+    next_i = 0
+    deadline = time.perf_counter() + max_seconds
+
+    async def one_client():
+        nonlocal next_i, errors
+        while next_i < max_requests and time.perf_counter() < deadline:
+            ctype, body = bodies[next_i % len(bodies)]
+            next_i += 1
+            t0 = time.perf_counter()
+            async with session.post(f"{url}/v1/encode", data=body, headers={"Content-Type": ctype}) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    latencies.sort()
+    n = len(latencies)
+    return {
+        "requests": n,
+        "errors": errors,
+        "rps": n / wall,
+        "p50_ms": latencies[n // 2],
+        "p99_ms": latencies[min(n - 1, int(n * 0.99))],
+    }
+
+
+def msgpack_body(data: bytes) -> tuple[str, bytes]:
+    return "application/msgpack", msgpack.packb({"model": "tiny", "data": data})
+
+
+async def start_origin(files: dict[str, bytes]) -> tuple[web.AppRunner, int]:
+    async def handle(request):
+        return web.Response(body=files[request.match_info["name"]], content_type="image/png")
+
+    app = web.Application()
+    app.router.add_get("/{name}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+async def run(args) -> dict:
+    scale = 0.25 if args.quick else 1.0
+    sizes = {"448x448": (448, 448), "full-HD": (1920, 1080)}
+    n_full = {"448x448": int(200 * scale), "full-HD": int(40 * scale)}
+    images = {
+        name: [msgpack_body(image_bytes(natural_image(w, h, seed=1000 + i), "JPEG", quality=90))
+               for i in range(n_full[name] + 8)]
+        for name, (w, h) in sizes.items()
+    }
+    hit_png = image_bytes(natural_image(448, 448, seed=1), "JPEG", quality=90)
+    origin, origin_port = await start_origin({"a.jpg": hit_png})
+    results: dict[str, list[dict]] = {}
+    try:
+        for _ in range(args.rounds):
+            for post in (1, 0):
+                worker = WorkerProcess(post_workers=post, fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
+                try:
+                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                        warm = images["448x448"][-8:]
+                        await drive(s, worker.url, warm, 2, len(warm), 60)
+                        for name in sizes:
+                            key = f"full encode {name}, post_workers={post}"
+                            bodies = images[name][: n_full[name]]
+                            results.setdefault(key, []).append(
+                                await drive(s, worker.url, bodies, args.concurrency, len(bodies), 120 * scale)
+                            )
+                        if post == 1:
+                            url_req = json.dumps({"model": "tiny", "url": f"http://127.0.0.1:{origin_port}/a.jpg"})
+                            alias = [("application/json", url_req.encode())]
+                            await drive(s, worker.url, alias, 1, 1, 30)
+                            results.setdefault("alias hit (URL)", []).append(
+                                await drive(s, worker.url, alias, 32, int(4000 * scale), 20)
+                            )
+                            byts = [msgpack_body(hit_png)]
+                            results.setdefault("mm_hash hit (448x448 JPEG bytes)", []).append(
+                                await drive(s, worker.url, byts, 32, int(4000 * scale), 20)
+                            )
+                finally:
+                    worker.stop()
+    finally:
+        await origin.cleanup()
+    summary = {}
+    for key, rows in results.items():
+        summary[key] = {m: statistics.median(r[m] for r in rows) for m in ("rps", "p50_ms", "p99_ms")}
+        summary[key]["requests"] = sum(r["requests"] for r in rows)
+        summary[key]["errors"] = sum(r["errors"] for r in rows)
+    for name in sizes:
+        with_pool = summary[f"full encode {name}, post_workers=1"]["rps"]
+        without = summary[f"full encode {name}, post_workers=0"]["rps"]
+        summary[f"full encode {name}, post_workers=1"]["vs_no_pool"] = with_pool / without
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=8, help="clients for full encodes (hits use 32)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    summary = asyncio.run(run(args))
+    print(f"worker benchmark: model tiny, CPU, {os.cpu_count()} cores, {args.rounds} rounds, medians")
+    print("| scenario | requests | errors | req/s | p50 ms | p99 ms | vs no pool |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for key, r in summary.items():
+        ratio = f"{r['vs_no_pool']:.2f}x" if "vs_no_pool" in r else ""
+        print(f"| {key} | {r['requests']} | {r['errors']} | {r['rps']:.1f} | {r['p50_ms']:.1f} | "
+              f"{r['p99_ms']:.1f} | {ratio} |")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""The encode worker over real HTTP on loopback: results, caches, single-flight, backpressure,
+cancellation, errors and graceful shutdown. Only the model is small (`tiny`, random weights)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import aiohttp
+import msgpack
+import pytest
+import torch
+from media_factory import image_bytes, natural_image, video_bytes
+from worker_fixtures import ForwardGate, post_json, run_canary, run_origin, run_worker, url_for, wait_for
+
+from mm_encoder import wire
+
+PNG = image_bytes(natural_image(120, 90, seed=1))
+PNG2 = image_bytes(natural_image(96, 64, seed=2))
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def metric(worker, name: str, **labels) -> float:
+    return worker.service.metrics.value(name, labels)
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_encode_data_url_matches_direct_encoder(tiny, session):
+    async with run_worker(tiny) as w:
+        status, headers, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+    assert status == 200, body
+    assert headers["Content-Type"] == wire.CONTENT_TYPE
+    msg = wire.decode(body)
+    direct = tiny.encode([PNG])[0]
+    assert msg.mm_hash == headers["X-MM-Hash"] == direct.mm_hash
+    assert msg.model == "tiny" and msg.modality == "image" and msg.dtype == "bfloat16"
+    assert msg.grid_thws == (tuple(direct.grid_thw),) and msg.shape == (direct.num_tokens, 256)
+    assert torch.equal(msg.embeds, direct.embeds.to(torch.bfloat16))
+    stages = {part.split(";")[0].strip() for part in headers["Server-Timing"].split(",")}
+    assert {"decode", "preprocess", "queue", "forward", "pack", "total", "cache"} <= stages
+
+
+async def test_msgpack_bytes_request_and_video(tiny, session):
+    clip = video_bytes(frames=40, fps=10)  # 4 s at 2 fps: 8 frames, 2 chunks
+    async with run_worker(tiny) as w:
+        req = msgpack.packb({"model": "TINY", "data": clip, "modality": "video"})
+        async with session.post(url_for(w), data=req, headers={"Content-Type": "application/msgpack"}) as r:
+            assert r.status == 200, await r.text()
+            msg = wire.decode(await r.read())
+    direct = tiny.encode_file(clip)
+    assert msg.modality == "video" and len(msg.grid_thws) == len(direct) == 2
+    assert msg.timestamps == tuple(d.timestamp for d in direct)
+    assert torch.equal(msg.embeds, torch.cat([d.embeds for d in direct]).to(torch.bfloat16))
+
+
+async def test_same_request_gives_byte_identical_bodies_without_caches(tiny, session):
+    async with run_worker(tiny, cache_bytes=0, alias_cache_entries=0) as w:
+        bodies = [(await post_json(session, w, {"model": "tiny", "url": data_url(PNG)}))[2] for _ in range(2)]
+        assert metric(w, "mm_encoder_forward_items_total") == 2  # computed twice, not cached
+    assert bodies[0] == bodies[1]
+
+
+async def test_legacy_json_base64_on_accept(tiny, session):
+    async with run_worker(tiny) as w:
+        _, _, v1 = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+        status, headers, body = await post_json(
+            session, w, {"model": "tiny", "url": data_url(PNG)}, Accept="application/json"
+        )
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    legacy, new = wire.decode_json(body), wire.decode(v1)
+    assert legacy.mm_hash == new.mm_hash and torch.equal(legacy.embeds, new.embeds)
+    assert len(body) > len(v1)
+
+
+async def test_single_flight_url(tiny, session):
+    """16 identical URL requests while the origin is held: 1 download, 1 forward, 15 coalesced."""
+    async with run_origin() as origin:
+        origin.files["a.png"] = PNG
+        origin.gate = asyncio.Event()
+        async with run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
+            payload = {"model": "tiny", "url": origin.url("a.png")}
+            tasks = [asyncio.create_task(post_json(session, w, payload)) for _ in range(16)]
+            await wait_for(lambda: w.service._inflight == 16 and origin.waiting == 1, what="16 requests in flight")
+            assert origin.hits["a.png"] == 1
+            origin.gate.set()
+            results = await asyncio.gather(*tasks)
+            assert {r[0] for r in results} == {200}
+            assert len({r[2] for r in results}) == 1
+            assert origin.hits["a.png"] == 1
+            assert metric(w, "mm_encoder_fetches_total") == 1
+            assert metric(w, "mm_encoder_forward_items_total") == 1
+            assert metric(w, "mm_encoder_coalesced_total", stage="fetch") == 15
+            assert sorted(r[1]["X-MM-Cache"] for r in results).count("coalesced") == 15
+
+
+async def test_single_flight_same_content_under_sixteen_urls(tiny, session):
+    """Different URLs, same bytes: 16 downloads but one forward (coalesced or cached on mm_hash)."""
+    async with run_origin() as origin:
+        for i in range(16):
+            origin.files[f"{i}.png"] = PNG
+        origin.gate = asyncio.Event()
+        async with run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
+            tasks = [
+                asyncio.create_task(post_json(session, w, {"model": "tiny", "url": origin.url(f"{i}.png")}))
+                for i in range(16)
+            ]
+            await wait_for(lambda: origin.waiting == 16, what="16 downloads held")
+            origin.gate.set()
+            results = await asyncio.gather(*tasks)
+            assert {r[0] for r in results} == {200} and len({r[2] for r in results}) == 1
+            assert metric(w, "mm_encoder_fetches_total") == 16
+            assert metric(w, "mm_encoder_forward_items_total") == 1
+
+
+async def test_alias_and_mm_hash_hits_skip_their_work(tiny, session):
+    async with run_origin() as origin:
+        origin.files["a.png"] = origin.files["b.png"] = PNG
+        async with run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
+            first = await post_json(session, w, {"model": "tiny", "url": origin.url("a.png")})
+            again = await post_json(session, w, {"model": "tiny", "url": origin.url("a.png")})
+            assert first[1]["X-MM-Cache"] == "forward" and again[1]["X-MM-Cache"] == "alias"
+            assert origin.hits["a.png"] == 1 and first[2] == again[2]  # alias hit: no download
+
+            other_url = await post_json(session, w, {"model": "tiny", "url": origin.url("b.png")})
+            assert other_url[1]["X-MM-Cache"] == "mm_hash" and origin.hits["b.png"] == 1
+            other_scope = await post_json(session, w, {"model": "tiny", "url": origin.url("a.png"), "scope": "t2"})
+            assert other_scope[1]["X-MM-Cache"] == "mm_hash"  # aliases never answer across scopes
+            assert origin.hits["a.png"] == 2
+            smaller = await post_json(
+                session, w, {"model": "tiny", "url": origin.url("a.png"), "processor": {"in_patch_limit": 16}}
+            )
+            assert smaller[1]["X-MM-Cache"] == "forward"  # processor settings are part of the identity
+            assert wire.decode(smaller[2]).length < wire.decode(first[2]).length
+
+            assert metric(w, "mm_encoder_forward_items_total") == 2
+            assert metric(w, "mm_encoder_cache_hits_total", level="alias") == 1
+            assert metric(w, "mm_encoder_cache_hits_total", level="mm_hash") == 3
+            async with session.get(url_for(w, "/metrics")) as r:
+                text = await r.text()
+            assert 'mm_encoder_cache_hits_total{level="alias"} 1.0' in text
+            assert 'mm_encoder_stage_seconds_count{stage="forward"} 2.0' in text
+
+
+async def test_full_queue_gives_503_and_hits_still_served(tiny, session):
+    async with run_origin() as origin:
+        origin.files["slow.png"] = PNG
+        origin.gate = asyncio.Event()
+        async with run_worker(tiny, max_pending=1, retry_after_s=2, fetch_allow_hosts=[origin.allow]) as w:
+            cached = await post_json(session, w, {"model": "tiny", "url": data_url(PNG2)})
+            held = asyncio.create_task(post_json(session, w, {"model": "tiny", "url": origin.url("slow.png")}))
+            await wait_for(lambda: origin.waiting == 1, what="the first download to be held")
+            status, headers, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+            assert status == 503 and headers["Retry-After"] == "2"
+            assert json.loads(body)["error"]["code"] == "overloaded"
+            hit = await post_json(session, w, {"model": "tiny", "url": data_url(PNG2)})
+            assert hit[0] == 200 and hit[2] == cached[2]  # cache hits need no queue slot
+            origin.gate.set()
+            assert (await held)[0] == 200
+            assert (await post_json(session, w, {"model": "tiny", "url": data_url(PNG)}))[0] == 200
+            assert metric(w, "mm_encoder_rejected_total", reason="overloaded") == 1
+
+
+async def test_cancelled_request_never_reaches_the_device(tiny):
+    async with run_worker(tiny) as w:
+        gate = ForwardGate(w.service)
+        async with aiohttp.ClientSession() as s1, aiohttp.ClientSession() as s2:
+            first = asyncio.create_task(post_json(s1, w, {"model": "tiny", "url": data_url(PNG)}))
+            await wait_for(lambda: gate.entered == 1, what="the first forward to start")
+            second = asyncio.create_task(post_json(s2, w, {"model": "tiny", "url": data_url(PNG2)}))
+            await wait_for(lambda: len(w.service._jobs) == 1, what="the second item to be queued")
+            second.cancel()  # the client goes away ...
+            await s2.close()
+            await wait_for(lambda: w.service._jobs[0].future.cancelled(), what="the queued job to be cancelled")
+            gate.release()
+            assert (await first)[0] == 200
+            await wait_for(lambda: not w.service._jobs, what="the queue to empty")
+        assert metric(w, "mm_encoder_forward_items_total") == 1  # ... and its forward never ran
+        assert metric(w, "mm_encoder_requests_total", transport="http", outcome="cancelled") == 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "code"),
+    [
+        ({"model": "nope", "url": data_url(PNG)}, 404, "unknown_model"),
+        ({"model": "tiny"}, 400, "bad_request"),
+        ({"model": "tiny", "url": data_url(PNG), "data": "x"}, 400, "bad_request"),
+        ({"model": "tiny", "url": data_url(PNG), "extra": 1}, 400, "bad_request"),
+        ({"model": "tiny", "url": data_url(PNG), "processor": {"in_patch_limit": 10**9}}, 400, "bad_request"),
+        ({"model": "tiny", "url": data_url(PNG), "modality": "video"}, 422, "bad_input"),
+        ({"model": "tiny", "url": data_url(PNG[:300])}, 422, "corrupt"),
+        ({"model": "tiny", "url": data_url(b"")}, 422, "empty"),
+        ({"model": "tiny", "url": "ftp://example.com/a.png"}, 400, "forbidden_scheme"),
+        ({"model": "tiny", "url": "http://127.0.0.1:9/a.png"}, 403, "forbidden_address"),
+        ({"model": "tiny", "url": "http://169.254.169.254/latest/meta-data"}, 403, "forbidden_address"),
+    ],
+)
+async def test_bad_requests_get_typed_errors_and_are_not_cached(tiny, session, payload, status, code):
+    async with run_worker(tiny) as w:
+        for _ in range(2):  # the same error twice: nothing was cached
+            got, headers, body = await post_json(session, w, payload)
+            err = json.loads(body)["error"]
+            assert (got, err["code"]) == (status, code), err
+            assert headers["Content-Type"].startswith("application/json") and err["message"]
+        if code == "unknown_model":
+            assert "tiny" in err["message"]
+        assert len(w.service.bodies) == 0 and len(w.service.alias) == 0
+        ok = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+        assert ok[0] == 200  # and the worker keeps serving
+
+
+FORBIDDEN_HOSTS = [
+    "127.0.0.1", "localhost", "2130706433", "0x7f000001", "0177.0.0.1", "127.1", "[::ffff:127.0.0.1]",
+    "0.0.0.0", "[::1]", "10.0.0.1", "100.64.0.1", "169.254.169.254", "[fd00:ec2::254]",
+]
+
+
+async def test_forbidden_addresses_refused_and_canary_sees_nothing(tiny, session):
+    """Through the worker: every spelling of an internal address, and a redirect from an allowed
+    origin to the canary, is refused with 403 before any connection is made."""
+    async with run_canary() as canary, run_origin() as origin:
+        origin.redirects["hop"] = f"http://127.0.0.1:{canary.port}/x.png"
+        async with run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
+            urls = [f"http://{host}:{canary.port}/x.png" for host in FORBIDDEN_HOSTS] + [origin.url("hop")]
+            for url in urls:
+                status, _, body = await post_json(session, w, {"model": "tiny", "url": url})
+                assert status in (400, 403), (url, body)
+                assert json.loads(body)["error"]["code"] in ("forbidden_address", "bad_url"), (url, body)
+            assert origin.hits["hop"] == 1
+            assert await canary.settled_count() == 0
+            assert len(w.service.alias) == 0 and len(w.service.bodies) == 0
+            assert (await post_json(session, w, {"model": "tiny", "url": data_url(PNG)}))[0] == 200
+
+
+async def test_non_json_bodies_and_unknown_routes(tiny, session):
+    async with run_worker(tiny, max_body_bytes=4096) as w:
+        async with session.post(url_for(w), data=b"{not json", headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "bad_request"
+        async with session.post(url_for(w), data=b"\xc1", headers={"Content-Type": "application/msgpack"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "bad_request"
+        async with session.post(url_for(w), data=b"x", headers={"Content-Type": "text/plain"}) as r:
+            assert r.status == 400
+        big = msgpack.packb({"model": "tiny", "data": b"\0" * 10_000})
+        async with session.post(url_for(w), data=big, headers={"Content-Type": "application/msgpack"}) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+        async with session.get(url_for(w, "/nope")) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+async def test_health_ready_models_metrics(tiny, session):
+    async with run_worker(tiny) as w:
+        async with session.get(url_for(w, "/health")) as r:
+            assert r.status == 200
+        async with session.get(url_for(w, "/ready")) as r:
+            assert r.status == 200 and (await r.json())["model"] == "tiny"
+        async with session.get(url_for(w, "/v1/models")) as r:
+            data = (await r.json())["data"]
+            assert data[0]["id"] == "tiny" and data[0]["out_dim"] == 256
+        async with session.get(url_for(w, "/metrics")) as r:
+            text = await r.text()
+            assert "mm_encoder_pending" in text and "mm_encoder_cache_bytes" in text
+
+
+async def test_graceful_shutdown_loses_no_inflight_response(tiny, session):
+    async with run_worker(tiny) as w:
+        gate = ForwardGate(w.service)
+        payloads = [{"model": "tiny", "url": data_url(img)} for img in (PNG, PNG2)]
+        tasks = [asyncio.create_task(post_json(session, w, p)) for p in payloads]
+        await wait_for(lambda: w.service._inflight == 2, what="two requests in flight")
+        stopping = asyncio.create_task(w.stop())
+        await wait_for(lambda: w.service.draining, what="drain to begin")
+        refused = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+        assert refused[0] == 503 and json.loads(refused[2])["error"]["code"] == "draining"
+        async with session.get(url_for(w, "/ready")) as r:
+            assert r.status == 503
+        gate.release()
+        results = await asyncio.gather(*tasks)
+        await stopping
+        assert [r[0] for r in results] == [200, 200]
+        for (_, headers, body) in results:
+            assert wire.decode(body).mm_hash == headers["X-MM-Hash"]
+
+
+@pytest.mark.parametrize(("limit", "forwards"), [(8192, 2), (1, 4)])
+async def test_queued_items_share_a_forward_up_to_the_patch_limit(tiny, session, limit, forwards):
+    """While one forward runs, three more items queue; they go in one forward if they fit under
+    `batch_max_patches`, else one forward each (a big item fills the device alone)."""
+    async with run_worker(tiny, batch_max_patches=limit) as w:
+        gate = ForwardGate(w.service)
+        imgs = [image_bytes(natural_image(64 + 8 * i, 48, seed=10 + i)) for i in range(4)]
+        first = asyncio.create_task(post_json(session, w, {"model": "tiny", "url": data_url(imgs[0])}))
+        await wait_for(lambda: gate.entered == 1, what="the first forward")
+        rest = [asyncio.create_task(post_json(session, w, {"model": "tiny", "url": data_url(i)})) for i in imgs[1:]]
+        await wait_for(lambda: len(w.service._jobs) == 3, what="three queued items")
+        gate.release()
+        results = await asyncio.gather(first, *rest)
+        assert [r[0] for r in results] == [200] * 4
+        assert metric(w, "mm_encoder_forwards_total") == forwards
+        assert metric(w, "mm_encoder_forward_items_total") == 4
+        for img, (_, _, body) in zip(imgs, results, strict=True):  # batching never mixes items up
+            assert torch.equal(wire.decode(body).embeds, tiny.encode([img])[0].embeds.to(torch.bfloat16))
+
+
+def test_batch_composition_does_not_change_bits_on_cpu(tiny):
+    """An item's embeddings are bit-identical alone or packed with others (CPU), so a body does not
+    depend on what else was queued. On CUDA, kernels chosen per batch shape may differ in the last
+    bit; there the mm_hash cache, not recomputation, keeps answers stable."""
+    items = [tiny.prepare(image_bytes(natural_image(w, h, seed=s))) for w, h, s in ((120, 90, 1), (640, 480, 2))]
+    alone = tiny.forward(items[:1])[0][0]
+    for batch in ([items[1], items[0]], [items[0], items[1]]):
+        outputs = tiny.forward(batch)[0]
+        assert torch.equal(outputs[[p is items[0] for p in batch].index(True)], alone)
