@@ -33,6 +33,10 @@ class WorkerSettings(BaseSettings):
     device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available)")
     dtype: str | None = Field(None, description="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
 
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: torch's); fewer leaves cores for decode and pack"
+    )
+
     # --- transports --------------------------------------------------------------------------
     http_host: str = Field("127.0.0.1", description="HTTP bind address")
     http_port: int = Field(8090, ge=-1, le=65535, description="HTTP port; 0 picks a free one, -1 disables HTTP")

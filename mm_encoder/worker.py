@@ -75,6 +75,10 @@ class Worker:
 
 
 def load_encoder(s: WorkerSettings) -> Encoder:
+    if s.torch_threads:
+        import torch
+
+        torch.set_num_threads(s.torch_threads)
     return Encoder.from_pretrained(
         s.model, checkpoint=s.checkpoint, device=s.device, dtype=s.dtype, limits=s.media_limits()
     )

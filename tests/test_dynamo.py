@@ -134,3 +134,30 @@ async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(
             proc.wait()
         if runtime is not None:
             runtime.shutdown()
+
+
+async def test_dynamo_caller_stopping_drops_queued_work(tiny):
+    """A Dynamo caller that stops its stream while the item is queued: the forward never runs."""
+    from dynamo.runtime import Context
+
+    async with run_worker(tiny, dynamo=True) as w:
+        client = await client_for(w.dynamo.runtime)
+        gate = ForwardGate(w.service)
+        first = asyncio.create_task(call_encode(client, {"model": "tiny", "data": PNG}))
+        await wait_for(lambda: gate.entered == 1, what="the first forward")
+        other = image_bytes(natural_image(64, 48, seed=5))
+        ctx = Context()
+
+        async def second():
+            async for _ in await client.round_robin({"model": "tiny", "data": other}, context=ctx):
+                pass
+
+        task = asyncio.create_task(second())
+        await wait_for(lambda: len(w.service._jobs) == 1, what="the second item to be queued")
+        ctx.stop_generating()
+        await wait_for(lambda: w.service._jobs[0].future.cancelled(), what="the queued job to be cancelled")
+        gate.release()
+        assert (await first)["body"]
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+        await wait_for(lambda: not w.service._jobs, what="the queue to empty")
+        assert w.service.metrics.value("mm_encoder_forward_items_total") == 1
