@@ -181,7 +181,7 @@ class EncodeService:
         identity = self.encoder.identity(cfg)
         if req.data is not None:
             return await self._from_bytes(req.data, req.modality, cfg, identity, {})
-        if req.url.startswith("data:"):  # inline content: nothing to alias, nothing to download
+        if req.url[:5].lower() == "data:":  # inline content: nothing to alias, nothing to download
             fetched = await self.fetcher.fetch(req.url)
             return await self._from_bytes(fetched.data, req.modality, cfg, identity, {})
         h = self.alias.get(req.scope, req.url, identity)

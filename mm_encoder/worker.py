@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"error: {e}; install the `dynamo` extra (pip install 'mm-encoder[dynamo]')", file=sys.stderr)
         return 1
+    except OSError as e:  # most often: the HTTP port is taken
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

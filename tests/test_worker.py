@@ -64,8 +64,10 @@ async def test_msgpack_bytes_request_and_video(tiny, session):
 
 async def test_same_request_gives_byte_identical_bodies_without_caches(tiny, session):
     async with run_worker(tiny, cache_bytes=0, alias_cache_entries=0) as w:
-        bodies = [(await post_json(session, w, {"model": "tiny", "url": data_url(PNG)}))[2] for _ in range(2)]
+        urls = [data_url(PNG), data_url(PNG).replace("data:", "DATA:", 1)]  # schemes are case-insensitive
+        bodies = [(await post_json(session, w, {"model": "tiny", "url": url}))[2] for url in urls]
         assert metric(w, "mm_encoder_forward_items_total") == 2  # computed twice, not cached
+        assert metric(w, "mm_encoder_fetches_total") == 0  # inline data is not a download
     assert bodies[0] == bodies[1]
 
 
