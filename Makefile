@@ -5,8 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
+# The nginx cache tiers (mm-encoder cache up) and their tests need these Debian packages.
+NGINX_PKGS := nginx libnginx-mod-http-lua lua-nginx-string
 
-.PHONY: venv demo worker test lint bench clean
+.PHONY: venv system-deps demo worker test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -19,23 +21,40 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# nginx + Lua: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
+system-deps: $(STAMP)
+	@$(BIN)/python -c 'from mm_encoder.cache_tier import check_install; check_install()' 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing $(NGINX_PKGS) with apt-get"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends $(NGINX_PKGS) >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(NGINX_PKGS) >/dev/null; } || \
+	      { echo "error: apt-get could not install $(NGINX_PKGS)"; exit 1; }; \
+	  else \
+	    echo "error: the cache tiers need nginx with its Lua module; run as root:"; \
+	    echo "  apt-get install -y --no-install-recommends $(NGINX_PKGS)"; exit 1; \
+	  fi; }
+	@$(BIN)/python -c 'from mm_encoder.cache_tier import check_install; check_install()'
+
 demo: $(STAMP)
 	$(BIN)/mm-encoder demo
 
 worker: $(STAMP)
 	$(BIN)/python -m mm_encoder.worker
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(STAMP) system-deps
 	$(BIN)/python bench/encoder.py
 	$(BIN)/python bench/wire.py
 	$(BIN)/python bench/worker.py
+	@command -v wrk >/dev/null || { echo "bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; }
+	$(BIN)/python bench/cache.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

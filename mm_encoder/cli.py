@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         from .worker import main as worker_main
 
         return worker_main(argv[1:])
+    if argv[:1] == ["cache"]:  # `mm-encoder cache up|render ...`: nginx tiers (mm_encoder.cache_tier)
+        from .cache_tier import main as cache_main
+
+        return cache_main(argv[1:])
     p = argparse.ArgumentParser(prog="mm-encoder", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("models", help="list registered models")
     sub.add_parser("worker", help="run the encode worker (see python -m mm_encoder.worker --help)")
+    sub.add_parser("cache", help="run an nginx cache tier or the shard router (mm-encoder cache --help)")
     args = p.parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,119 @@
+"""Real nginx cache tiers for tests: started through `python -m mm_encoder.cache_tier up` (which
+execs nginx, so the child's PID is nginx's master), ready when /_cache/health answers, stopped
+by PID with QUIT (then KILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from mm_encoder.cache_tier import CacheTierError, check_install
+
+
+def require_nginx() -> None:
+    """The tiers are nginx: without it these tests cannot run, and say what to install."""
+    try:
+        check_install()
+    except CacheTierError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def free_port() -> int:
+    for port in random.Random().sample(range(20000, 60000), 500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+@dataclass
+class Tier:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def url(self, path: str = "/v1/encode") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 10)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                self.proc.wait()
+
+    async def status(self) -> dict[str, int]:
+        """nginx stub_status: active connections and reading/writing/waiting counts."""
+        async with aiohttp.ClientSession() as s, s.get(self.url("/_cache/status")) as r:
+            text = await r.text()
+        words = text.split()
+        return {
+            "active": int(words[2]),
+            "reading": int(words[words.index("Reading:") + 1]),
+            "writing": int(words[words.index("Writing:") + 1]),
+        }
+
+
+async def start_tier(tmp_path: Path, name: str, tier: str, *args: str, port: int | None = None) -> Tier:
+    port = port or free_port()
+    run_dir = tmp_path / f"nginx-{name}"
+    log = tmp_path / f"nginx-{name}.log"
+    cmd = [sys.executable, "-m", "mm_encoder.cache_tier", "up", "--tier", tier, "--listen", f"127.0.0.1:{port}",
+           "--run-dir", str(run_dir), "--workers", "1", *args]
+    if tier != "router":
+        cmd += ["--cache-dir", str(tmp_path / f"cache-{name}")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**os.environ})
+    t = Tier(name, port, proc, log)
+    deadline = asyncio.get_running_loop().time() + 15
+    async with aiohttp.ClientSession() as s:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"nginx {name} exited {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                async with s.get(t.url("/_cache/health")) as r:
+                    if r.status == 200:
+                        return t
+            except aiohttp.ClientConnectionError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                await t.stop()
+                raise AssertionError(f"nginx {name} not ready: {log.read_text()[-2000:]}")
+            await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def tiers():
+    """Collects started tiers and stops every one of them (by PID) at the end."""
+    started: list[Tier] = []
+
+    async def start(*a, **kw) -> Tier:
+        t = await start_tier(*a, **kw)
+        started.append(t)
+        return t
+
+    try:
+        yield start
+    finally:
+        for t in reversed(started):
+            await t.stop()

@@ -1,0 +1,287 @@
+"""nginx cache tiers and the shard router in front of the real encode worker (`tiny`), all real
+processes on loopback. Where a test needs an origin that misbehaves (a 500 with Cache-Control,
+or one that echoes the headers it received), a small aiohttp server stands in for the worker;
+each such test says so."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+from collections import Counter
+
+import aiohttp
+import msgpack
+import pytest
+import yaml
+from aiohttp import web
+from media_factory import image_bytes, natural_image
+from nginx_fixtures import require_nginx, tiers
+from pydantic import ValidationError
+from worker_fixtures import ForwardGate, run_worker, wait_for
+
+from mm_encoder import cache_tier, wire
+from mm_encoder.cache_tier import CacheTierError, TierConfig, render
+from mm_encoder.registry import config_dir
+
+
+@pytest.fixture(autouse=True)
+def _nginx():
+    require_nginx()
+
+
+def body_for(seed: int, size: tuple[int, int] = (96, 64)) -> bytes:
+    return msgpack.packb({"model": "tiny", "data": image_bytes(natural_image(*size, seed=seed))})
+
+
+async def post(session, url: str, body: bytes, **headers) -> tuple[int, dict, bytes]:
+    headers = {"Content-Type": "application/msgpack", **headers}
+    async with session.post(url, data=body, headers=headers) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+def forwards(worker) -> float:
+    return worker.service.metrics.value("mm_encoder_forward_items_total")
+
+
+def worker_requests(worker, outcome: str = "ok") -> float:
+    return worker.service.metrics.value("mm_encoder_requests_total", {"transport": "http", "outcome": outcome})
+
+
+async def test_two_tiers_and_router_report_miss_and_hit_per_tier(tiny, tmp_path):
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        origin = f"127.0.0.1:{w.http_port}"
+        s1 = await start(tmp_path, "s1", "shared", "--next", origin)
+        s2 = await start(tmp_path, "s2", "shared", "--next", origin)
+        router = await start(tmp_path, "router", "router", "--shard", s1.address, "--shard", s2.address)
+        c1 = await start(tmp_path, "c1", "cluster", "--next", router.address, "--direct", origin)
+        c2 = await start(tmp_path, "c2", "cluster", "--next", router.address, "--direct", origin)
+        body = body_for(1)
+
+        first = await post(s, c1.url(), body)
+        assert first[0] == 200 and first[1]["X-Cache-Status"] == "cluster=MISS, shared=MISS"
+        again = await post(s, c1.url(), body)
+        assert again[1]["X-Cache-Status"] == "cluster=HIT"
+        other_cluster = await post(s, c2.url(), body)
+        assert other_cluster[1]["X-Cache-Status"] == "cluster=MISS, shared=HIT"
+        assert first[2] == again[2] == other_cluster[2] and wire.decode(first[2]).model == "tiny"
+        assert forwards(w) == 1 and worker_requests(w) == 1
+
+        # X-Cache-Route names the chain: skip the shared tier, or skip this tier's cache.
+        direct = await post(s, c1.url(), body_for(2), **{"X-Cache-Route": "cluster,direct"})
+        assert direct[1]["X-Cache-Status"] == "cluster=MISS" and "X-Cache-Shard" not in direct[1]
+        assert (await post(s, c1.url(), body_for(2)))[1]["X-Cache-Status"] == "cluster=HIT"
+        shared_only = await post(s, c2.url(), body_for(3), **{"X-Cache-Route": "shared"})
+        assert shared_only[1]["X-Cache-Status"] == "cluster=BYPASS, shared=MISS"
+        assert (await post(s, c2.url(), body_for(3)))[1]["X-Cache-Status"] == "cluster=MISS, shared=HIT"
+        # Legacy JSON is another representation: its own entry, never the v1 body.
+        legacy = await post(s, c1.url(), body, Accept="application/json")
+        assert legacy[1]["X-Cache-Status"] == "cluster=MISS, shared=MISS"
+        assert json.loads(legacy[2])["mm_hash"] == wire.decode(first[2]).mm_hash
+
+
+async def test_32_identical_concurrent_requests_make_one_encode(tiny, tmp_path):
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        shard = await start(tmp_path, "s1", "shared", "--next", f"127.0.0.1:{w.http_port}")
+        router = await start(tmp_path, "router", "router", "--shard", shard.address)
+        cluster = await start(tmp_path, "c1", "cluster", "--next", router.address)
+        gate = ForwardGate(w.service)
+        body = body_for(7)
+        tasks = [asyncio.create_task(post(s, cluster.url(), body)) for _ in range(32)]
+        await wait_for(lambda: gate.entered == 1, what="the one encode to start")
+        # Every request is inside nginx (its stub_status counts this probe as one more writer).
+        for _ in range(500):
+            if (await cluster.status())["writing"] >= 33:
+                break
+        else:
+            raise AssertionError(f"requests did not all reach the tier: {await cluster.status()}")
+        gate.release()
+        results = await asyncio.gather(*tasks)
+        assert {r[0] for r in results} == {200} and len({r[2] for r in results}) == 1
+        assert forwards(w) == 1 and worker_requests(w) == 1
+        statuses = Counter(r[1]["X-Cache-Status"] for r in results)
+        assert statuses["cluster=MISS, shared=MISS"] == 1, statuses
+
+
+async def test_different_bodies_never_share_an_entry_even_when_spooled(tiny, tmp_path):
+    """Bodies above client_body_buffer_size are spooled to a file; the key hashes the file."""
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        tier = await start(tmp_path, "s1", "shared", "--next", f"127.0.0.1:{w.http_port}",
+                           "--client-body-buffer-size", "8k")
+        a, b = body_for(11, (160, 120)), body_for(12, (160, 120))
+        assert len(a) > 8192 and len(b) > 8192
+        same_size = [msgpack.packb({"model": "tiny", "data": image_bytes(natural_image(64, 48, seed=13)) + tail})
+                     for tail in (b"\0", b"\1")]  # equal length, differ in the last byte
+        assert len(same_size[0]) == len(same_size[1])
+        seen = {}
+        for body in (a, b, *same_size):
+            status, headers, out = await post(s, tier.url(), body)
+            assert status == 200 and headers["X-Cache-Status"] == "shared=MISS"
+            seen[body] = out
+        for body in (a, b, *same_size):
+            status, headers, out = await post(s, tier.url(), body)
+            assert headers["X-Cache-Status"] == "shared=HIT" and out == seen[body]
+        assert len({wire.decode(v).mm_hash for v in seen.values()}) == 4
+        assert forwards(w) == 4
+
+
+@pytest.fixture
+async def origin():
+    """Stands in for the worker where the test needs an origin that misbehaves or echoes."""
+    state = {"hits": Counter(), "headers": [], "responses": {}}
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        state["hits"][body] += 1
+        state["headers"].append(dict(request.headers))
+        status, headers = state["responses"].get(body, (200, {}))
+        return web.Response(status=status, body=b"answer:" + body, headers=headers)
+
+    app = web.Application()
+    app.router.add_post("/v1/encode", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    state["address"] = f"127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+async def test_only_200s_are_cached_whatever_the_headers(tiny, tmp_path, origin):
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        real = await start(tmp_path, "real", "shared", "--next", f"127.0.0.1:{w.http_port}")
+        bad = msgpack.packb({"model": "nope", "data": b"x"})
+        for _ in range(2):
+            status, headers, _ = await post(s, real.url(), bad)
+            assert status == 404 and headers["X-Cache-Status"] == "shared=MISS"
+        assert worker_requests(w, "unknown_model") == 2  # the worker saw both: nothing cached
+
+        fake = await start(tmp_path, "fake", "shared", "--next", origin["address"])
+        cases = {
+            b"500": (500, {"Cache-Control": "public, max-age=3600"}),
+            b"503": (503, {"Cache-Control": "max-age=3600", "Expires": "Thu, 01 Jan 2099 00:00:00 GMT"}),
+            b"404": (404, {"X-Accel-Expires": "3600"}),
+            b"nostore": (200, {"Cache-Control": "no-store, private", "Set-Cookie": "a=b", "Vary": "*"}),
+        }
+        origin["responses"].update(cases)
+        for body in cases:
+            for _ in range(2):
+                status, headers, _ = await post(s, fake.url(), body)
+                assert status == cases[body][0] and "Set-Cookie" not in headers
+        assert [origin["hits"][b] for b in cases] == [2, 2, 2, 1]  # errors never cached; the 200 always
+
+
+async def test_key_header_propagates_and_client_keys_can_be_dropped(tmp_path, origin):
+    """Echo origin stand-in: it records the headers each request arrived with."""
+    async with tiers() as start, aiohttp.ClientSession() as s:
+        shard = await start(tmp_path, "s1", "shared", "--next", origin["address"])
+        router = await start(tmp_path, "router", "router", "--shard", shard.address)
+        outer = await start(tmp_path, "c1", "cluster", "--next", router.address, "--drop-client-key")
+        body = b"some request body"
+        await post(s, outer.url(), body, **{"X-Cache-Key": "forged"})
+        seen = origin["headers"][-1]
+        assert seen["X-Cache-Key"] == hashlib.sha256(body).hexdigest()  # the forged key was dropped
+        assert seen["X-Cache-Key-From"] == "cluster"  # hashed once, at the outer tier, not again inside
+
+        inner_only = await post(s, shard.url(), b"other body", **{"X-Cache-Key": "frontend-key-1"})
+        assert inner_only[0] == 200
+        assert origin["headers"][-1]["X-Cache-Key"] == "frontend-key-1"  # trusted where not dropped
+        assert "X-Cache-Key-From" not in origin["headers"][-1]
+        # Same key, other body: the key decides (only the frontend may set it).
+        assert (await post(s, shard.url(), b"third", **{"X-Cache-Key": "frontend-key-1"}))[2] == inner_only[2]
+        status, _, text = await post(s, shard.url(), b"x", **{"X-Cache-Key": "bad key!"})
+        assert status == 400 and json.loads(text)["error"]["code"] == "bad_cache_key"
+
+
+async def test_aborted_client_still_leaves_the_entry_cached(tiny, tmp_path):
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        cluster = await start(tmp_path, "c1", "cluster", "--next", f"127.0.0.1:{w.http_port}")
+        gate = ForwardGate(w.service)
+        body = body_for(21)
+        async with aiohttp.ClientSession() as impatient:
+            task = asyncio.create_task(post(impatient, cluster.url(), body))
+            await wait_for(lambda: gate.entered == 1, what="the encode to start")
+            task.cancel()
+        gate.release()
+        await wait_for(lambda: worker_requests(w) == 1, what="the worker to answer the abandoned miss")
+        status, headers, out = await post(s, cluster.url(), body)
+        assert status == 200 and headers["X-Cache-Status"] == "cluster=HIT" and wire.decode(out)
+        assert forwards(w) == 1
+
+
+async def test_adding_shards_moves_about_one_nth_of_keys_all_to_the_new_shard(tmp_path, origin):
+    """The router is the subject; one echo origin stand-in answers behind every shard tier."""
+    async with tiers() as start, aiohttp.ClientSession() as s:
+        shards = [await start(tmp_path, f"s{i}", "shared", "--next", origin["address"]) for i in range(3)]
+        keys = [f"key-{i}" for i in range(300)]
+        placement = []
+        for n in (1, 2, 3):
+            shard_args = [a for t in shards[:n] for a in ("--shard", t.address)]
+            router = await start(tmp_path, f"router{n}", "router", *shard_args)
+            where = {}
+            for k in keys:
+                status, headers, _ = await post(s, router.url(), b"body", **{"X-Cache-Key": k})
+                assert status == 200
+                where[k] = headers["X-Cache-Shard"]
+            placement.append(where)
+            await router.stop()
+        for n, (before, after) in enumerate(itertools.pairwise(placement), start=2):
+            moved = [k for k in keys if before[k] != after[k]]
+            assert {after[k] for k in moved} == {shards[n - 1].address}  # all to the new shard
+            assert abs(len(moved) / len(keys) - 1 / n) < 0.15, (n, len(moved))
+
+
+async def test_a_stopped_shard_makes_its_keys_miss_not_fail(tiny, tmp_path):
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        origin = f"127.0.0.1:{w.http_port}"
+        shards = [await start(tmp_path, f"s{i}", "shared", "--next", origin) for i in range(2)]
+        router = await start(tmp_path, "router", "router", *[a for t in shards for a in ("--shard", t.address)])
+        body = body_for(31)
+        first = await post(s, router.url(), body)
+        assert (await post(s, router.url(), body))[1]["X-Cache-Status"] == "shared=HIT"
+        owner = next(t for t in shards if t.address == first[1]["X-Cache-Shard"])
+        survivor = next(t for t in shards if t is not owner)
+        await owner.stop()
+        status, headers, out = await post(s, router.url(), body)
+        assert status == 200 and out == first[2]
+        assert headers["X-Cache-Status"] == "shared=MISS" and headers["X-Cache-Shard"].endswith(survivor.address)
+        assert (await post(s, router.url(), body))[1]["X-Cache-Status"] == "shared=HIT"
+
+
+def test_missing_nginx_says_which_packages(monkeypatch):
+    monkeypatch.setattr(cache_tier, "find_nginx", lambda: None)
+    monkeypatch.setattr(cache_tier, "find_modules_dir", lambda: None)
+    with pytest.raises(CacheTierError) as e:
+        cache_tier.check_install()
+    msg = str(e.value)
+    assert "apt-get install -y --no-install-recommends nginx libnginx-mod-http-lua lua-nginx-string" in msg
+    assert "ngx_http_lua_module.so" in msg
+
+
+def test_config_validation_and_rendering(tmp_path):
+    with pytest.raises(ValidationError):
+        TierConfig(tier="router", listen="127.0.0.1:1")  # no shards
+    with pytest.raises(ValidationError):
+        TierConfig(tier="cluster", listen="127.0.0.1:1", next=("x:1",), lock_timeout="ten seconds")
+    with pytest.raises(ValidationError):
+        TierConfig(tier="shared", listen="nope", next=("x:1",))
+    text = render(TierConfig(tier="shared", listen="127.0.0.1:9000", next=("enc-0:8090", "enc-1:8090"),
+                             run_dir=tmp_path, cache_dir=tmp_path / "c"))
+    for line in ("proxy_cache_valid 200 24h;", "inactive=24h", "proxy_cache_lock on;", "proxy_ignore_client_abort on;",
+                 "server enc-0:8090;", "server enc-1:8090;", "proxy_cache_lock_timeout 600s;"):
+        assert line in text
+    assert not [line for line in text.splitlines() if "@" in line and not line.lstrip().startswith("#")]
+
+
+def test_kubernetes_manifests_are_well_formed():
+    docs = [d for d in yaml.safe_load_all((config_dir() / "k8s" / "cache-tiers.yaml").read_text()) if d]
+    kinds = Counter(d["kind"] for d in docs)
+    assert kinds["StatefulSet"] == 1 and kinds["Deployment"] == 2 and kinds["Service"] >= 3
+    shards = next(d for d in docs if d["kind"] == "StatefulSet")
+    pod = shards["spec"]["template"]["spec"]
+    assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
+    args = pod["containers"][0]["args"]
+    assert args[:4] == ["cache", "up", "--tier", "shared"]
