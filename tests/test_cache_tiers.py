@@ -91,11 +91,10 @@ async def test_32_identical_concurrent_requests_make_one_encode(tiny, tmp_path):
         tasks = [asyncio.create_task(post(s, cluster.url(), body)) for _ in range(32)]
         await wait_for(lambda: gate.entered == 1, what="the one encode to start")
         # Every request is inside nginx (its stub_status counts this probe as one more writer).
-        for _ in range(500):
-            if (await cluster.status())["writing"] >= 33:
-                break
-        else:
-            raise AssertionError(f"requests did not all reach the tier: {await cluster.status()}")
+        deadline = asyncio.get_running_loop().time() + 15
+        while (await cluster.status())["writing"] < 33:
+            assert asyncio.get_running_loop().time() < deadline, f"not all at the tier: {await cluster.status()}"
+            await asyncio.sleep(0.01)
         gate.release()
         results = await asyncio.gather(*tasks)
         assert {r[0] for r in results} == {200} and len({r[2] for r in results}) == 1
