@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e '.[dev,dynamo]'
+	$(BIN)/python -m pip install -q -e '.[dev,dynamo,frontend]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -276,6 +276,64 @@ def decode_json(body: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> WireMessage
     return _message(obj)
 
 
+@dataclass(frozen=True)
+class WireHeader:
+    """Everything but the tensor: what a frontend needs to splice (length, grids, timestamps)."""
+
+    mm_hash: str
+    model: str
+    modality: str
+    dtype: str
+    shape: tuple[int, int]
+    grid_thws: tuple[tuple[int, int, int], ...]
+    length: int
+    timestamps: tuple[str, ...] | None
+
+
+def peek(body: bytes, *, max_header: int = 1 << 20) -> WireHeader:
+    """The header fields of a v1 body without inflating the embeddings: encoders write `embeds`
+    last, so only the first KBs of the frame are decompressed. The header is validated like
+    `decode` does; the tensor bytes are left to whoever decodes them."""
+    _check_bytes(body)
+    if bytes(body[:4]) != _ZSTD_MAGIC:
+        raise WireError("not a zstd frame (a v1 body is one zstd frame; is this the legacy JSON form?)")
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True)
+    fields: dict[str, Any] = {}
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(bytes(body), read_across_frames=False)
+        n_keys: int | None = None
+        read = 0
+        while read < max_header and "embeds" not in fields:
+            chunk = reader.read(4096)
+            if not chunk:
+                break
+            read += len(chunk)
+            unpacker.feed(chunk)
+            try:
+                if n_keys is None:
+                    n_keys = unpacker.read_map_header()
+                while len(fields) < n_keys:
+                    key = unpacker.unpack()
+                    if key == "embeds":  # the tensor: stop before it
+                        fields["embeds"] = None
+                        break
+                    fields[key] = unpacker.unpack()
+            except msgpack.OutOfData:
+                continue
+    except (zstandard.ZstdError, ValueError, TypeError) as e:
+        raise WireError(f"cannot read the body's header: {type(e).__name__}: {e}") from None
+    fields.pop("embeds", None)
+    if not isinstance(fields.get("version"), int) or fields["version"] not in KNOWN_VERSIONS:
+        raise WireError(f"unknown or missing wire version {_kind(fields.get('version'))}")
+    missing = [k for k in KEYS if k != "embeds" and k not in fields]
+    if missing:
+        raise WireError(f"header incomplete or not v1: missing {missing} in the first {read} bytes")
+    _check_header(fields)
+    return WireHeader(fields["mm_hash"], fields["model"], fields["modality"], fields["dtype"],
+                      tuple(fields["shape"]), tuple(tuple(g) for g in fields["grid_thws"]), fields["length"],
+                      None if fields["timestamps"] is None else tuple(fields["timestamps"]))
+
+
 def _check_bytes(body: Any) -> None:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise WireError(f"body must be bytes, got {type(body).__name__}")
@@ -360,6 +418,11 @@ def _check_envelope(obj: Any, what: str) -> None:
 
 
 def _check_fields(m: dict[str, Any]) -> None:
+    _check_header(m)
+    _check_embeds(m)
+
+
+def _check_header(m: dict[str, Any]) -> None:
     for key in ("mm_hash", "model"):
         if type(m[key]) is not str or not m[key]:
             raise WireError(f"'{key}' must be a non-empty string, got {_kind(m[key])}")
@@ -393,6 +456,10 @@ def _check_fields(m: dict[str, Any]) -> None:
         raise WireError(f"'timestamps' must list one per video chunk ({len(grids)}), got {_kind(ts)}")
     elif not all(type(s) is str and _TIMESTAMP.fullmatch(s) for s in ts):
         raise WireError(f"'timestamps' must be hh:mm:ss.fff strings, got {_kind(ts)}")
+
+
+def _check_embeds(m: dict[str, Any]) -> None:
+    shape = m["shape"]
     embeds = m["embeds"]
     if not isinstance(embeds, (bytes, bytearray, memoryview)):
         raise WireError(f"'embeds' must be bytes, got {type(embeds).__name__}")

@@ -1,0 +1,176 @@
+"""A small causal LM for the reference engine, and the model directory it is served from.
+
+The LM is plain PyTorch (pre-norm attention + MLP blocks, learned positions, tied embeddings) with
+deterministic random weights derived from a seed: it exists so the whole graph (frontend ->
+encoder -> engine) runs and is tested end to end on a CPU. Its hidden size equals the projector
+output of the vision model it serves, so spliced embeddings go straight into `inputs_embeds`.
+
+`make_model_dir` writes what Dynamo and the frontend read: `config.json`, a byte-level BPE
+`tokenizer.json` trained on a fixed corpus (no downloads), `tokenizer_config.json` with a chat
+template, and `generation_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import get_spec
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+CHAT_TOKENS = ["[BOS]", "[EOS]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
+_CORPUS = """The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
+Describe the image in detail. What is in this picture? Compare the two images and the video.
+Large language models read tokens; a vision encoder turns pixels into embeddings first.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / = + * % # @ & |
+"""
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 0
+    context_length: int = 1024
+    seed: int = 0
+
+    @property
+    def mlp_size(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+
+def make_model_dir(path: str | Path, model: str = "tiny", *, name: str | None = None, context_length: int = 4096,
+                   num_layers: int = 2, num_heads: int = 4, vocab_size: int = 1024, seed: int = 0) -> Path:
+    """Write a servable model directory for the vision model `model` (its width and prompt)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    spec = get_spec(model)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    media_tokens = sorted(set(re.findall(r"<\|[^|]+\|>", spec.prompt.image + spec.prompt.video)))
+    specials = CHAT_TOKENS + [t for t in media_tokens if t not in CHAT_TOKENS]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in specials}
+    config = {
+        "model_type": "mm_encoder_reference_lm",
+        "architectures": ["ReferenceLM"],
+        "mm_encoder_model": spec.name,
+        "served_model_name": name or path.name,
+        "vocab_size": tok.get_vocab_size(),
+        "hidden_size": spec.projector.out_dim,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "intermediate_size": 4 * spec.projector.out_dim,
+        "max_position_embeddings": context_length,
+        "bos_token_id": ids["[BOS]"],
+        "eos_token_id": ids["[EOS]"],
+        "media_placeholder_token_id": ids[spec.prompt.placeholder],
+        "seed": seed,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["[EOS]"]}))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": context_length, "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True} for t in specials},
+    }, indent=2))
+    return path
+
+
+def load_config(model_dir: str | Path) -> tuple[LMConfig, dict]:
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = LMConfig(
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], num_layers=raw["num_hidden_layers"],
+        num_heads=raw["num_attention_heads"], intermediate_size=raw.get("intermediate_size", 0),
+        context_length=raw["max_position_embeddings"], seed=raw.get("seed", 0),
+    )
+    return cfg, raw
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.heads = cfg.num_heads
+        self.norm1 = nn.LayerNorm(cfg.hidden_size)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.mlp_size)
+        self.fc2 = nn.Linear(cfg.mlp_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """x [T, H] (new positions); cache [k, v] each [heads, T_past, d] or None."""
+        t, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.heads, h // self.heads).permute(1, 2, 0, 3)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], 1), torch.cat([cache[1], v], 1)
+        past = k.shape[1] - t
+        # causal over new positions, full view of the past
+        mask = torch.ones(t, k.shape[1], dtype=torch.bool).tril(diagonal=past)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(att.transpose(0, 1).reshape(t, h))
+        x = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x, [k, v]
+
+
+class ReferenceLM(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.context_length, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.hidden_size)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ReferenceLM:
+        cfg, _ = load_config(model_dir)
+        model = cls(cfg)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        return model.eval()
+
+    def embed_tokens(self, token_ids: list[int], media: list[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:
+        """Token embeddings with each media span's rows written over its placeholder positions."""
+        x = self.embed(torch.tensor(token_ids, dtype=torch.long))
+        for offset, rows in media:
+            x[offset : offset + rows.shape[0]] = rows.to(x.dtype)
+        return x
+
+    def forward(self, inputs_embeds: torch.Tensor, start: int = 0, cache: list | None = None) -> tuple:
+        """inputs_embeds [T, H] at positions start.. -> (logits [T, V], new cache)."""
+        t = inputs_embeds.shape[0]
+        x = inputs_embeds + self.pos(torch.arange(start, start + t))
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, cache[i] if cache else None)
+            new_cache.append(kv)
+        return self.norm(x) @ self.embed.weight.T, new_cache

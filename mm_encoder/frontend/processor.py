@@ -1,0 +1,190 @@
+"""The chat processor that runs inside Dynamo's HTTP frontend (one per served model).
+
+Per request: parse messages -> render the chat template -> encode every media item (concurrently,
+through the cache chain or RPC) -> splice placeholders by length -> recount and cap max_tokens ->
+route on (tokens, [mm_hash]) with Dynamo's KvRouter -> send token ids + embedding bodies to the
+chosen engine over our own Dynamo endpoint -> stream OpenAI chunks back. The engine's first item
+means it has ingested the embeddings: from then on this processor holds no reference to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engines.protocol import EngineRequest, MediaInput
+from ..errors import MMEncoderError
+from ..routing import MediaSpan, block_mm_infos
+from ..spec import ModelSpec
+from .chat import ChatError, ChatTokenizer, Splicer, parse_messages
+from .encoder_client import EncoderUnavailable, MultiModalCaller
+
+log = logging.getLogger("mm_encoder.frontend")
+
+
+class ContextOverflow(MMEncoderError):
+    code = "context_length_exceeded"
+    http_status = 400
+
+
+@dataclass
+class Stats:
+    """Counters and the last routing decisions (served at GET /mm/stats)."""
+
+    requests: int = 0
+    media_items: int = 0
+    encoder_calls: int = 0
+    errors: Counter = field(default_factory=Counter)
+    routed: Counter = field(default_factory=Counter)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))
+    live_embedding_requests: int = 0  # requests whose embeddings this process still holds
+
+
+@dataclass
+class Limits:
+    context_length: int
+    default_max_tokens: int = 256
+    max_media: int = 16
+
+
+class MultimodalProcessor:
+    def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, caller: MultiModalCaller,
+                 router, engine_client, block_size: int, eos_token_ids: list[int], limits: Limits):
+        self.served_name = served_name
+        self.spec = spec
+        self.tok = tokenizer
+        self.splicer = Splicer(tokenizer, spec.prompt)
+        self.caller = caller
+        self.router = router
+        self.engine_client = engine_client
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.limits = limits
+        self.stats = Stats()
+
+    def max_tokens_for(self, request: dict[str, Any], prompt_tokens: int) -> int:
+        """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
+        room = self.limits.context_length - prompt_tokens
+        if room < 1:
+            raise ContextOverflow(f"the prompt is {prompt_tokens} tokens after expanding its media; the model's "
+                                  f"context length is {self.limits.context_length}")
+        asked = request.get("max_completion_tokens") or request.get("max_tokens")
+        if asked is not None and (not isinstance(asked, int) or asked < 1):
+            raise ChatError("max_tokens must be a positive integer")
+        return min(asked or self.limits.default_max_tokens, room)
+
+    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        from dynamo.llm import HttpError
+
+        rid = uuid.uuid4().hex
+        self.stats.requests += 1
+        routed = False
+        try:
+            messages, media = parse_messages(request.get("messages"), self.limits.max_media)
+            texts = self.tok.prompt_text(messages, len(media))
+            encoded = await self.caller.encode_all(media) if media else []
+            self.stats.media_items += len(media)
+            self.stats.encoder_calls = self.caller.calls
+            spliced = self.splicer.splice(
+                texts, [(e.header.modality, [h * w // 4 for _, h, w in e.header.grid_thws], e.header.timestamps)
+                        for e in encoded])
+            prompt_tokens = len(spliced.token_ids)
+            max_tokens = self.max_tokens_for(request, prompt_tokens)
+            spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
+            infos = block_mm_infos(prompt_tokens, self.block_size, spans)
+            worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
+                                                                  request_id=rid)
+            routed = True
+            self.stats.routed[str(worker_id)] += 1
+            self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
+                                      "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans]})
+            payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
+                                    [MediaInput(s.mm_hash, e.body, list(s.spans)) for e, s in zip(encoded, spans,
+                                                                                                 strict=True)]
+                                    ).to_dict()
+            del encoded, spliced  # from here only `payload` holds the embedding bodies
+            stream = await self.engine_client.direct(payload, worker_id)
+            self.stats.live_embedding_requests += 1
+        except MMEncoderError as e:
+            await self._failed(rid, e.code, routed)
+            log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
+            raise HttpError(_status(e), f"[{e.code}] {e.message}") from None
+        except Exception as e:
+            await self._failed(rid, "internal", routed)
+            log.exception("request %s failed before the engine", rid)
+            raise HttpError(500, f"internal error: {type(e).__name__}") from None
+
+        created = int(time.time())
+        generated: list[int] = []
+        sent = ""
+        finish = None
+        first = True
+        try:
+            async for item in stream:
+                data = item.data() if hasattr(item, "data") else item
+                if first:  # the engine has the embeddings: drop ours now, not at the end of the stream
+                    payload = None
+                    self.stats.live_embedding_requests -= 1
+                    first = False
+                    await self.router.mark_prefill_complete(rid)
+                generated.extend(data.get("token_ids", []))
+                finish = data.get("finish_reason")
+                text = self.tok.decode(generated)
+                delta, sent = text[len(sent):], text
+                if delta or finish:
+                    yield self._chunk(rid, created, {"role": "assistant", "content": delta} if delta else {}, finish,
+                                      prompt_tokens, len(generated))
+                if finish:
+                    break
+                if context is not None and context.is_stopped():
+                    break
+        finally:
+            if first:
+                payload = None
+                self.stats.live_embedding_requests -= 1
+            await self.router.free(rid)
+
+    async def _failed(self, rid: str, code: str, routed: bool) -> None:
+        """Count the error (Dynamo's frontend shows clients only the status; the code is here and
+        in the log) and release the router's bookkeeping for a request it had placed."""
+        self.stats.errors[code] += 1
+        if routed:
+            await self.router.free(rid)
+
+    def _chunk(self, rid: str, created: int, delta: dict, finish: str | None, prompt: int, completion: int) -> dict:
+        chunk = {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.served_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        if finish:
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        return chunk
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "model": self.served_name,
+            "requests": s.requests,
+            "media_items": s.media_items,
+            "encoder_calls": self.caller.calls,
+            "encoder_fallbacks": self.caller.fallbacks,
+            "errors": dict(s.errors),
+            "routed": dict(s.routed),
+            "live_embedding_requests": s.live_embedding_requests,
+            "recent": list(s.recent),
+        }
+
+
+def _status(e: MMEncoderError) -> int:
+    if isinstance(e, EncoderUnavailable):
+        return 503
+    return e.http_status if 400 <= e.http_status < 600 else 500

@@ -1,0 +1,261 @@
+"""The whole graph as real processes on loopback: Dynamo runtime (file discovery + TCP), an encode
+worker (`tiny`, HTTP + Dynamo RPC), an nginx cluster tier in front of it, two reference engines
+and the frontend. One graph per module (startup is ~10 s); the encoder-stop test runs last.
+Nothing is mocked; the LLM has random weights, so only structure and counts are asserted."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from media_factory import image_bytes, natural_image
+from nginx_fixtures import free_port, require_nginx
+
+from mm_encoder.engines.lm import make_model_dir
+from mm_encoder.frontend.chat import ChatTokenizer
+from mm_encoder.registry import get_spec
+
+pytest.importorskip("dynamo.llm")
+
+IMG_A = image_bytes(natural_image(112, 84, seed=1))  # 8 x 6 patches -> 4 x 3 grid of merged tokens
+IMG_B = image_bytes(natural_image(112, 84, seed=2))
+CONTEXT = 512  # the test LM's context length: small, so overflow and capped generations stay cheap
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+class Graph:
+    def __init__(self, root: Path):
+        self.root = root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "DYN_FILE_KV": str(root / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
+                    "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
+        self.model_dir = make_model_dir(root / "tiny-chat", "tiny", name="tiny-chat", context_length=CONTEXT)
+        self.worker_port, self.tier_port, self.frontend_port = free_port(), free_port(), free_port()
+
+    def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120) -> subprocess.Popen:
+        log = (self.root / f"{name}.log").open("w")
+        proc = subprocess.Popen([sys.executable, *args], env=self.env, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.procs[name] = proc
+        if ready:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if ready in line:
+                    return proc
+                if not line and proc.poll() is not None:
+                    break
+            raise AssertionError(f"{name} did not start: {(self.root / f'{name}.log').read_text()[-2000:]}")
+        return proc
+
+    def stop(self, name: str, sig=signal.SIGTERM) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.frontend_port}{path}"
+
+    def get_json(self, url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return json.loads(r.read())
+
+    def stats(self) -> dict:
+        return self.get_json(self.url("/mm/stats"))["processors"][0]
+
+    def worker_metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.worker_port}/metrics", timeout=30) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    require_nginx()
+    g = Graph(tmp_path_factory.mktemp("graph"))
+    try:
+        g.start("worker", "-m", "mm_encoder.worker", "--model", "tiny", "--dynamo", "--http-port", str(g.worker_port),
+                ready="worker ready")
+        g.start("tier", "-m", "mm_encoder.cache_tier", "up", "--tier", "cluster", "--listen",
+                f"127.0.0.1:{g.tier_port}", "--next", f"127.0.0.1:{g.worker_port}", "--run-dir",
+                str(g.root / "tier"), "--cache-dir", str(g.root / "tier-cache"), "--workers", "1")
+        for i in (1, 2):
+            g.start(f"engine{i}", "-m", "mm_encoder.engines.reference", "--model-dir", str(g.model_dir),
+                    ready="engine ready")
+        g.start("frontend", "-m", "mm_encoder.frontend", "--model-dir", str(g.model_dir), "--http-port",
+                str(g.frontend_port), "--encoder-http", f"http://127.0.0.1:{g.tier_port}", "--encoder-route",
+                "cluster", ready="frontend ready")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the frontend serves the model once an engine is discovered
+            try:
+                if g.get_json(g.url("/v1/models"))["data"]:
+                    break
+            except (urllib.error.URLError, KeyError, ConnectionError):
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the frontend never listed the model")
+        yield g
+    finally:
+        for name in list(g.procs)[::-1]:
+            g.stop(name, signal.SIGQUIT if name == "tier" else signal.SIGTERM)
+
+
+def chat(g: Graph, content, *, stream: bool = False, max_tokens: int = 4, timeout: float = 60):
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": stream}
+    req = urllib.request.Request(g.url("/v1/chat/completions"), data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode()
+            return r.status, raw
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def sse_events(raw: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+
+
+def expected_prompt_tokens(g: Graph, text: str, images: list[bytes]) -> int:
+    """Independent count: template text tokens + per image its prompt with N = h*w/4 placeholders."""
+    tok = ChatTokenizer(g.model_dir)
+    spec = get_spec("tiny")
+    text_tokens = len(tok.encode(tok.render([{"role": "user", "content": text}])))
+    pre, _, post = spec.prompt.image.partition(spec.prompt.placeholder)
+    per_image = len(tok.encode(pre)) + len(tok.encode(post))
+    n = sum((natural_image_tokens(img)) for img in images)
+    return text_tokens + per_image * len(images) + n
+
+
+def natural_image_tokens(data: bytes) -> int:
+    import io
+
+    from PIL import Image
+
+    w, h = Image.open(io.BytesIO(data)).size
+    return -(-h // 28) * -(-w // 28)
+
+
+def test_two_images_one_repeated_then_the_same_request_costs_no_encode(graph):
+    content = [{"type": "text", "text": "Compare these:"}, {"type": "image_url", "image_url": {"url": data_url(IMG_A)}},
+               {"type": "image_url", "image_url": {"url": data_url(IMG_B)}},
+               {"type": "image_url", "image_url": {"url": data_url(IMG_A)}}]
+    status, raw = chat(graph, content)
+    assert status == 200, raw
+    usage = json.loads(raw)["usage"]
+    assert usage["completion_tokens"] == 4
+    assert usage["prompt_tokens"] == expected_prompt_tokens(graph, "Compare these:", [IMG_A, IMG_B, IMG_A])
+    forwards = graph.worker_metric("mm_encoder_forward_items_total")
+    assert forwards == 2  # A and B; the repeated A is a cache hit
+    first = graph.stats()["recent"][-1]
+
+    status, raw = chat(graph, content, stream=True)
+    events = sse_events(raw)
+    assert status == 200 and events[-1]["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert graph.worker_metric("mm_encoder_forward_items_total") == forwards  # zero encodes
+    again = graph.stats()["recent"][-1]
+    assert again["worker_id"] == first["worker_id"] and again["overlap_blocks"] > 0
+    assert again["media"] == first["media"] and len(set(first["media"])) == 2
+
+
+def test_same_text_with_another_image_has_no_false_overlap_on_the_image_blocks(graph):
+    text = "Describe this picture in detail please " * 4
+
+    def ask(img: bytes) -> dict:
+        parts = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(img)}}]
+        status, raw = chat(graph, parts)
+        assert status == 200, raw
+        return graph.stats()["recent"][-1]
+
+    ask(IMG_A)
+    warm = ask(IMG_A)
+    assert warm["overlap_blocks"] == warm["prompt_tokens"] // 16  # every full block, image blocks included
+    other = ask(image_bytes(natural_image(112, 84, seed=3)))
+    text_blocks = expected_prompt_tokens(graph, text, []) // 16  # an upper bound on the blocks before the image
+    assert other["overlap_blocks"] <= text_blocks < warm["overlap_blocks"]
+
+
+def test_text_only_never_calls_the_encoder_and_routes_on_tokens(graph):
+    calls = graph.stats()["encoder_calls"]
+    for _ in range(2):
+        status, raw = chat(graph, "hello there, a text only question " * 3)
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+    stats = graph.stats()
+    assert stats["encoder_calls"] == calls
+    assert stats["recent"][-1]["media"] == [] and stats["recent"][-1]["overlap_blocks"] > 0
+
+
+def test_overflowing_prompt_is_refused_before_any_engine_work(graph):
+    before = graph.stats()
+    big = image_bytes(natural_image(672, 672, seed=9))  # 24 x 24 = 576 tokens > the 512 context
+    status, _ = chat(graph, [{"type": "image_url", "image_url": {"url": data_url(big)}}])
+    after = graph.stats()
+    assert status == 400
+    assert after["errors"].get("context_length_exceeded", 0) == before["errors"].get("context_length_exceeded", 0) + 1
+    assert sum(after["routed"].values()) == sum(before["routed"].values())  # never reached an engine
+    # max_tokens is capped to what fits: a prompt asking for the whole context still works
+    status, raw = chat(graph, "short", max_tokens=CONTEXT, timeout=300)
+    assert status == 200
+    usage = json.loads(raw)["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= CONTEXT
+
+
+def test_bad_image_url_gets_the_encoders_4xx(graph):
+    before = graph.stats()["errors"]
+    status, _ = chat(graph, [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/x.png"}}])
+    assert 400 <= status < 500
+    status2, _ = chat(graph, [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 40}}])
+    assert 400 <= status2 < 500
+    errors = graph.stats()["errors"]
+    assert errors.get("forbidden_address", 0) == before.get("forbidden_address", 0) + 1
+    assert sum(errors.values()) == sum(before.values()) + 2
+
+
+def test_openai_client_with_a_data_url_image(graph):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=graph.url("/v1"), api_key="unused")
+    out = client.chat.completions.create(
+        model="tiny-chat", max_tokens=3,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": data_url(IMG_B)}}]}],
+    )
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens <= 3
+    assert out.usage.prompt_tokens == expected_prompt_tokens(graph, "What is this?", [IMG_B])
+    stream = client.chat.completions.create(
+        model="tiny-chat", max_tokens=3, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(IMG_B)}}]}],
+    )
+    chunks = list(stream)
+    assert chunks and any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):
+    """Last in the module: it stops the encode worker (and the tier's upstream with it)."""
+    graph.stop("worker")
+    img = image_bytes(natural_image(112, 84, seed=77))  # not cached anywhere
+    t0 = time.monotonic()
+    status, _ = chat(graph, [{"type": "image_url", "image_url": {"url": data_url(img)}}], timeout=30)
+    assert status == 503 and time.monotonic() - t0 < 10
+    assert graph.stats()["encoder_fallbacks"] >= 1  # the chain failed; direct RPC had no worker
+    status, _ = chat(graph, "text still works")
+    assert status == 200
