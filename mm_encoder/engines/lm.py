@@ -152,10 +152,14 @@ class ReferenceLM(nn.Module):
         cfg, _ = load_config(model_dir)
         model = cls(cfg)
         gen = torch.Generator().manual_seed(cfg.seed)
-        with torch.no_grad():
-            for p in model.parameters():
+        with torch.no_grad():  # every parameter from the seed: two engines must hold the same model
+            for name, p in model.named_parameters():
                 if p.dim() > 1:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                elif name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
         return model.eval()
 
     def embed_tokens(self, token_ids: list[int], media: list[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:

@@ -97,8 +97,11 @@ class MultimodalProcessor:
             max_tokens = self.max_tokens_for(request, prompt_tokens)
             spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
             infos = block_mm_infos(prompt_tokens, self.block_size, spans)
-            worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
-                                                                  request_id=rid)
+            try:
+                worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
+                                                                      request_id=rid)
+            except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
+                raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
             routed = True
             self.stats.routed[str(worker_id)] += 1
             self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,

@@ -1,0 +1,237 @@
+"""The frontend's parts one by one: routing info, chat parsing and splicing, max_tokens, cache keys,
+wire headers, the reference engine's parity, and that embeddings are dropped after prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gc
+import sys
+
+import pytest
+import torch
+from media_factory import image_bytes, natural_image
+from worker_fixtures import run_worker
+
+from mm_encoder import wire
+from mm_encoder.engines.lm import ReferenceLM, make_model_dir
+from mm_encoder.engines.protocol import EngineRequest, MediaInput
+from mm_encoder.engines.reference import ReferenceEngine
+from mm_encoder.frontend.chat import ChatError, ChatTokenizer, MediaRef, Splicer, parse_messages
+from mm_encoder.frontend.encoder_client import MultiModalCaller, cache_key
+from mm_encoder.frontend.processor import ContextOverflow, Limits, MultimodalProcessor
+from mm_encoder.registry import get_spec
+from mm_encoder.routing import MediaSpan, block_mm_infos, pad_routing_tokens, to_signed64
+
+H1, H2 = "ab" * 32, "cd" * 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("lm") / "tiny-chat", "tiny", context_length=256)
+
+
+# --- routing --------------------------------------------------------------------------------------
+
+
+def test_block_mm_infos_marks_exactly_the_blocks_an_item_covers():
+    assert block_mm_infos(40, 16, []) is None  # text only: routes as before
+    infos = block_mm_infos(40, 16, [MediaSpan(H1, ((10, 12),)), MediaSpan(H2, ((30, 5),))])
+    assert len(infos) == 3
+    assert infos[0] == {"mm_objects": [{"mm_hash": int(H1[:16], 16), "offsets": [[10, 16]]}]}
+    assert infos[1]["mm_objects"] == [{"mm_hash": int(H1[:16], 16), "offsets": [[16, 22]]},
+                                      {"mm_hash": int(H2[:16], 16), "offsets": [[30, 32]]}]
+    assert infos[2] == {"mm_objects": [{"mm_hash": int(H2[:16], 16), "offsets": [[32, 35]]}]}
+    with pytest.raises(ValueError):
+        block_mm_infos(40, 16, [MediaSpan(H1, ((35, 10),))])
+    pad = 1_000_000 + (int(H1[:16], 16) & (2**30 - 1))
+    assert pad_routing_tokens([1, 2, 3, 4], [MediaSpan(H1, ((1, 2),))]) == [1, pad, pad, 4]
+    assert to_signed64(2**64 - 1) == -1 and to_signed64(5) == 5
+
+
+def test_dynamo_block_hashes_change_only_where_the_image_is():
+    from dynamo.llm import compute_block_hash_for_seq
+
+    tokens = list(range(64))
+    a = compute_block_hash_for_seq(tokens, 16, block_mm_infos(64, 16, [MediaSpan(H1, ((36, 20),))]))
+    b = compute_block_hash_for_seq(tokens, 16, block_mm_infos(64, 16, [MediaSpan(H2, ((36, 20),))]))
+    plain = compute_block_hash_for_seq(tokens, 16)
+    assert a[:2] == b[:2] == plain[:2]  # blocks before the image: the same KV
+    assert all(x != y for x, y in zip(a[2:], b[2:], strict=True))  # image blocks: never a false hit
+
+
+# --- chat parsing and splicing -----------------------------------------------------------------------
+
+
+def test_parse_messages_cuts_media_out_and_refuses_bad_parts():
+    msgs, media = parse_messages([{"role": "user", "content": [
+        {"type": "text", "text": "look \ue0007\ue001"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}},
+        {"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}]}], max_media=4)
+    assert media == [MediaRef("image", "http://x/a.png"), MediaRef("video", "http://x/v.mp4")]
+    assert msgs[0]["content"] == "look 7\ue0000\ue001\ue0001\ue001"  # user text cannot forge a sentinel
+    for bad in ([], [{"role": "user", "content": [{"type": "audio_url"}]}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], [{"content": "x"}]):
+        with pytest.raises(ChatError):
+            parse_messages(bad, max_media=4)
+    with pytest.raises(ChatError):
+        parse_messages([{"role": "user", "content": [{"type": "image_url", "image_url": "u"}] * 3}], max_media=2)
+
+
+def test_splice_expands_each_placeholder_by_length(model_dir):
+    tok = ChatTokenizer(model_dir)
+    spec = get_spec("tiny")
+    splicer = Splicer(tok, spec.prompt)
+    msgs, media = parse_messages([{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": "u1"}, {"type": "text", "text": "b"},
+        {"type": "video_url", "video_url": "u2"}]}], max_media=4)
+    texts = tok.prompt_text(msgs, len(media))
+    out = splicer.splice(texts, [("image", [6], None), ("video", [4, 4], ["00:00:00.000", "00:00:02.000"])])
+    ph = splicer.placeholder_id
+    assert out.token_ids.count(ph) == 14 and [len(s) for s in out.spans] == [1, 2]
+    for item in out.spans:
+        for offset, n in item:
+            assert out.token_ids[offset : offset + n] == [ph] * n
+            assert out.token_ids[offset - 1] != ph and out.token_ids[offset + n] != ph
+    text = tok.decode(out.token_ids)
+    assert "00:00:02.000" in tok._tok.decode(out.token_ids, skip_special_tokens=False) and "a" in text
+
+
+def test_max_tokens_is_capped_to_the_context_and_overflow_refused(model_dir):
+    proc = MultimodalProcessor(served_name="m", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
+                               caller=MultiModalCaller("tiny", rpc_client=object()), router=None, engine_client=None,
+                               block_size=16, eos_token_ids=[1], limits=Limits(context_length=100,
+                                                                                default_max_tokens=30))
+    assert proc.max_tokens_for({}, 50) == 30
+    assert proc.max_tokens_for({"max_tokens": 500}, 50) == 50
+    assert proc.max_tokens_for({"max_completion_tokens": 10, "max_tokens": 500}, 50) == 10
+    with pytest.raises(ContextOverflow, match=r"context length is 100"):
+        proc.max_tokens_for({}, 100)
+    with pytest.raises(ChatError):
+        proc.max_tokens_for({"max_tokens": 0}, 10)
+
+
+def test_cache_key_names_what_the_answer_depends_on():
+    k = cache_key("tiny", None, "https://x/a.png", "")
+    assert k == cache_key("tiny", None, "https://x/a.png", "") and len(k) == 64
+    assert len({k, cache_key("tiny", None, "https://x/a.png", "t2"), cache_key("other", None, "https://x/a.png", ""),
+                cache_key("tiny", {"in_patch_limit": 64}, "https://x/a.png", "")}) == 4
+    assert "data:" not in cache_key("tiny", None, "data:image/png;base64,AAAA", "")
+
+
+def test_wire_peek_reads_the_header_without_the_tensor():
+    body = wire.encode(mm_hash=H1, model="tiny", modality="video", embeds=torch.randn(32, 8),
+                       grid_thws=[[4, 8, 8], [4, 8, 8]], timestamps=["00:00:00.000", "00:00:02.000"])
+    h = wire.peek(body)
+    m = wire.decode(body)
+    assert (h.mm_hash, h.length, h.grid_thws, h.timestamps, h.shape) == (m.mm_hash, m.length, m.grid_thws,
+                                                                          m.timestamps, m.shape)
+    for bad in (b"", b"xx", body[:8], b"\x28\xb5\x2f\xfd" + b"\0" * 20):
+        with pytest.raises(wire.WireError):
+            wire.peek(bad)
+
+
+# --- the reference engine ---------------------------------------------------------------------------
+
+
+async def test_engine_first_step_logits_equal_a_direct_forward_on_spliced_embeddings(model_dir):
+    engine = ReferenceEngine(model_dir)
+    hidden = engine.cfg.hidden_size
+    emb = torch.randn(10, hidden)
+    body = wire.encode(mm_hash=H1, model="tiny", modality="image", embeds=emb, grid_thws=[[1, 4, 10]],
+                       dtype="float32")
+    tokens = [3, 5, 7] + [10] * 10 + [6, 4]
+    req = EngineRequest("r", tokens, 2, [1], [MediaInput(H1, body, [(3, 10)])])
+    logits, _ = engine.prefill(req)
+    # independent splice: token embeddings with rows 3..12 replaced, then the same weights
+    model = ReferenceLM.from_dir(model_dir)
+    with torch.no_grad():
+        x = model.embed.weight[torch.tensor(tokens)].clone()
+        x[3:13] = emb
+        ref, _ = model(x)
+    torch.testing.assert_close(logits, ref[-1], rtol=0, atol=0)
+    # and greedy decoding with the KV cache equals recomputing the whole sequence
+    out = [item async for item in engine.generate(req.to_dict())]
+    first = int(ref[-1].argmax())
+    with torch.no_grad():
+        x2 = torch.cat([x, model.embed.weight[first][None]])
+        ref2, _ = model(x2)
+    assert [o["token_ids"][0] for o in out] == [first, int(ref2[-1].argmax())]
+
+
+async def test_frontend_drops_embeddings_once_the_engine_has_them(tiny, model_dir, tmp_path, monkeypatch):
+    """In one process on the real Dynamo runtime: encode worker, reference engine, KvRouter and the
+    processor. After the engine's first item, nothing in the frontend references the body."""
+    from dynamo.llm import KvEventPublisher, KvRouter, KvRouterConfig, ModelInput, ModelType, WorkerType, register_model
+
+    monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
+    monkeypatch.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
+    async with run_worker(tiny, dynamo=True) as w:
+        rt = w.dynamo.runtime
+        endpoint = rt.endpoint("mm.engine.generate")
+        engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16))
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.generate))
+        await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(model_dir), "tiny-chat",
+                             worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+        engine_client = await endpoint.client()
+        await asyncio.wait_for(engine_client.wait_for_instances(), 30)
+        rpc = await rt.endpoint("mm.mm_encoder.encode").client()
+        await asyncio.wait_for(rpc.wait_for_instances(), 30)
+        bodies: list[bytes] = []
+
+        class Recording(MultiModalCaller):
+            async def encode(self, item, scope=""):
+                out = await super().encode(item, scope)
+                bodies.append(out.body)
+                return out
+
+        router = KvRouter(endpoint, 16, KvRouterConfig())
+        await _until_routable(router)
+        proc = MultimodalProcessor(
+            served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
+            caller=Recording("tiny", rpc_client=rpc), router=router,
+            engine_client=engine_client, block_size=16, eos_token_ids=[], limits=Limits(context_length=256))
+        url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
+        request = {"model": "tiny-chat", "max_tokens": 40,
+                   "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        stream = proc.generate(request)
+        chunks = [await stream.__anext__()]
+        gc.collect()
+        assert len(bodies) == 1
+        # only the test's list holds it: same count as a private copy held the same way
+        baseline = [bytes(bytearray(bodies[0]))]  # a distinct object (bytes(b) would return b itself)
+        assert sys.getrefcount(bodies[0]) == sys.getrefcount(baseline[0]), _referrers(bodies[0])
+        assert proc.stats.live_embedding_requests == 0
+        chunks += [c async for c in stream]
+        assert chunks[-1]["usage"]["completion_tokens"] == 40
+        rt_serving = serving
+        rt_serving.cancel()
+
+
+async def _until_routable(router, timeout: float = 30.0) -> None:
+    """The router learns about engines asynchronously: poll a query-only best_worker."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await router.best_worker([1, 2, 3])
+            return
+        except Exception:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
+def _referrers(obj, depth: int = 3) -> list[str]:
+    """Who still holds `obj` (for the failure message): referrer types, a few levels up."""
+    out, frontier = [], [obj]
+    for level in range(depth):
+        nxt = []
+        for o in frontier:
+            for r in gc.get_referrers(o):
+                if r is frontier or r is out or isinstance(r, type(sys._getframe())):
+                    continue
+                keys = list(r.keys())[:6] if isinstance(r, dict) else getattr(r, "__qualname__", "")
+                out.append(f"{level}:{type(r).__name__}{keys}")
+                nxt.append(r)
+        frontier = nxt[:5]
+    return out
