@@ -235,3 +235,30 @@ def _referrers(obj, depth: int = 3) -> list[str]:
                 nxt.append(r)
         frontier = nxt[:5]
     return out
+
+
+# --- the vLLM adapter (request building only: vLLM is not installed in CI) ----------------------------
+
+
+def test_vllm_inputs_carry_embeddings_grids_and_mm_hash_uuids():
+    from mm_encoder.engines.vllm import _parse_rest, build_inputs, sampling_kwargs
+
+    img = wire.encode(mm_hash=H1, model="tiny", modality="image", embeds=torch.randn(6, 8), grid_thws=[[1, 4, 6]])
+    vid = wire.encode(mm_hash=H2, model="tiny", modality="video", embeds=torch.randn(8, 8),
+                      grid_thws=[[4, 4, 4], [4, 4, 4]], timestamps=["00:00:00.000", "00:00:02.000"])
+    tokens = [1] + [9] * 6 + [2, 3] + [9] * 4 + [4] + [9] * 4 + [5]
+    req = EngineRequest("r", tokens, 5, [7], [MediaInput(H1, img, [(1, 6)]), MediaInput(H2, vid, [(9, 4), (14, 4)])])
+    prompt = build_inputs(req)
+    assert prompt["prompt_token_ids"] == tokens
+    assert prompt["multi_modal_uuids"] == {"image": [H1], "video": [H2]}
+    image, video = prompt["multi_modal_data"]["image"][0], prompt["multi_modal_data"]["video"][0]
+    assert image["image_embeds"].shape == (6, 8) and image["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert video["video_embeds"].shape == (8, 8) and video["video_grid_thw"].tolist() == [[4, 4, 4], [4, 4, 4]]
+    assert torch.equal(image["image_embeds"], wire.decode(img).embeds)
+    assert sampling_kwargs(req) == {"max_tokens": 5, "temperature": 0.0, "stop_token_ids": [7], "ignore_eos": False}
+    bad = EngineRequest("r", tokens, 5, [], [MediaInput(H1, img, [(0, 6)])])  # span not a placeholder run
+    with pytest.raises(ValueError):
+        build_inputs(bad)
+    assert _parse_rest(["--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization", "0.8"]) == {
+        "max_model_len": 8192, "enforce_eager": True, "gpu_memory_utilization": 0.8}
+    assert build_inputs(EngineRequest("t", [1, 2], 3)) == {"prompt_token_ids": [1, 2]}

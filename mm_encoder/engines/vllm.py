@@ -1,0 +1,140 @@
+"""vLLM adapter for GPU deployments: the same `EngineRequest` as the reference engine, handed to
+vLLM as prompt token ids plus precomputed embeddings, so vLLM never runs a vision tower.
+
+    python -m mm_encoder.engines.vllm --model /models/Kimi-K2.5 [--namespace mm] [vLLM engine args]
+
+- `multi_modal_data`: per modality a list of `{"<m>_embeds": [n, hidden], "<m>_grid_thw": [k, 3]}`
+  (the Kimi-VL/Qwen2-VL embedding-input convention); the prompt ids already hold each item's
+  placeholder run at full length (the frontend spliced them), which vLLM matches in place.
+- `multi_modal_uuids`: the item's mm_hash, so vLLM's prefix cache keys on content, the same key
+  the router uses.
+vLLM is imported only when the worker starts; `build_inputs` needs only torch (unit-tested in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from .. import wire
+from .protocol import EngineRequest
+
+
+def build_inputs(req: EngineRequest) -> dict[str, Any]:
+    """EngineRequest -> the `prompt` dict for vLLM's `generate` (TokensPrompt with embeddings)."""
+    data: dict[str, list[dict[str, torch.Tensor]]] = {}
+    uuids: dict[str, list[str]] = {}
+    for item in req.media:
+        msg = wire.decode(item.body)
+        if [n for _, n in item.spans] != [h * w // 4 for _, h, w in msg.grid_thws]:
+            raise ValueError(f"media {item.mm_hash[:12]}: spans {item.spans} do not match grids {msg.grid_thws}")
+        for offset, n in item.spans:
+            run = req.token_ids[offset : offset + n]
+            if len(run) != n or len(set(run)) != 1:
+                raise ValueError(f"media {item.mm_hash[:12]}: tokens {offset}..{offset + n} are not a placeholder run")
+        m = msg.modality
+        data.setdefault(m, []).append({
+            f"{m}_embeds": msg.embeds,
+            f"{m}_grid_thw": torch.tensor(msg.grid_thws, dtype=torch.long),
+        })
+        uuids.setdefault(m, []).append(item.mm_hash)
+    prompt: dict[str, Any] = {"prompt_token_ids": list(req.token_ids)}
+    if data:
+        prompt["multi_modal_data"] = data
+        prompt["multi_modal_uuids"] = uuids
+    return prompt
+
+
+def sampling_kwargs(req: EngineRequest) -> dict[str, Any]:
+    """Greedy, like the reference engine; the frontend owns max_tokens and the stop tokens."""
+    return {"max_tokens": req.max_tokens, "temperature": 0.0, "stop_token_ids": list(req.eos_token_ids),
+            "ignore_eos": req.ignore_eos}
+
+
+class VllmEngine:
+    """Dynamo handler around vLLM's AsyncLLM (created on first use, in the worker process)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        from vllm import SamplingParams
+
+        req = EngineRequest.from_dict(request)
+        prompt = build_inputs(req)
+        request = None
+        req.media.clear()
+        sent = 0
+        async for out in self.engine.generate(prompt, SamplingParams(**sampling_kwargs(req)), req.request_id):
+            prompt = None  # vLLM holds the embeddings now
+            comp = out.outputs[0]
+            new = list(comp.token_ids[sent:])
+            sent = len(comp.token_ids)
+            if new or comp.finish_reason:
+                yield {"token_ids": new, "finish_reason": comp.finish_reason}
+            if context is not None and context.is_stopped():
+                await self.engine.abort(req.request_id)
+                return
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs vLLM and a GPU
+    p = argparse.ArgumentParser(prog="python -m mm_encoder.engines.vllm")
+    p.add_argument("--model", required=True)
+    p.add_argument("--namespace", default="mm")
+    p.add_argument("--block-size", type=int, default=16)
+    args, rest = p.parse_known_args(argv)
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:
+        print("error: vLLM is not installed (pip install 'mm-encoder[vllm]')", file=sys.stderr)
+        return 1
+
+    async def serve() -> None:
+        from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+
+        from ..dynamo_rpc import make_runtime
+
+        runtime = make_runtime(asyncio.get_running_loop())
+        endpoint = runtime.endpoint(f"{args.namespace}.engine.generate")
+        engine_args = AsyncEngineArgs(model=args.model, block_size=args.block_size, enable_prefix_caching=True,
+                                      **_parse_rest(rest))
+        handler = VllmEngine(AsyncLLM.from_engine_args(engine_args))
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate, graceful_shutdown=True))
+        await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, args.model,
+                             worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size)
+        await serving
+
+    asyncio.run(serve())
+    return 0
+
+
+def _parse_rest(rest: list[str]) -> dict[str, Any]:
+    """`--max-model-len 8192 --enforce-eager` -> {"max_model_len": 8192, "enforce_eager": True}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(rest):
+        key = rest[i].lstrip("-").replace("-", "_")
+        if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            value: Any = rest[i + 1]
+            for cast in (int, float):
+                try:
+                    value = cast(value)
+                    break
+                except ValueError:
+                    pass
+            out[key] = value
+            i += 2
+        else:
+            out[key] = True
+            i += 1
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
