@@ -33,6 +33,9 @@ class FrontendSettings(BaseSettings):
     encoder_rpc: bool = Field(True, description="Dynamo RPC to <namespace>.mm_encoder.encode (direct, and fallback)")
     encoder_timeout_s: float = Field(600.0, gt=0)
     max_media: int = Field(16, ge=1, description="media items per request")
+    max_inflight_media: int = Field(
+        8, ge=1, description="requests holding embeddings at once (encode -> engine's first item); others wait"
+    )
     default_max_tokens: int = Field(256, ge=1, description="completion budget when the request names none")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     log_level: str = Field("INFO")
@@ -69,7 +72,8 @@ async def serve(s: FrontendSettings) -> None:
     router = KvRouter(runtime.endpoint(engine_path), s.block_size, KvRouterConfig())
     eos = config.get("eos_token_id")
     limits = Limits(context_length=int(config.get("max_position_embeddings", 4096)),
-                    default_max_tokens=s.default_max_tokens, max_media=s.max_media)
+                    default_max_tokens=s.default_max_tokens, max_media=s.max_media,
+                    max_inflight_media=s.max_inflight_media)
     processors: dict[str, MultimodalProcessor] = {}
 
     async def factory(instance_id, card, routed_engine):

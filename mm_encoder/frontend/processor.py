@@ -9,6 +9,7 @@ means it has ingested the embeddings: from then on this processor holds no refer
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -50,6 +51,10 @@ class Limits:
     context_length: int
     default_max_tokens: int = 256
     max_media: int = 16
+    # Requests that may hold embeddings at once (from encoding to the engine's first item). Others
+    # wait before encoding, holding nothing: this bounds memory (a 4K image's body is ~40-60 MB)
+    # and keeps engines from queueing more prefills than they can take before the RPC deadline.
+    max_inflight_media: int = 8
 
 
 class MultimodalProcessor:
@@ -66,6 +71,7 @@ class MultimodalProcessor:
         self.eos_token_ids = eos_token_ids
         self.limits = limits
         self.stats = Stats()
+        self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
 
     def max_tokens_for(self, request: dict[str, Any], prompt_tokens: int) -> int:
         """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
@@ -83,10 +89,15 @@ class MultimodalProcessor:
 
         rid = uuid.uuid4().hex
         self.stats.requests += 1
+        log.debug("request %s fields %s", rid, sorted(request))
         routed = False
+        slot = False
         try:
             messages, media = parse_messages(request.get("messages"), self.limits.max_media)
             texts = self.tok.prompt_text(messages, len(media))
+            if media:
+                await self._media_slots.acquire()
+                slot = True
             encoded = await self.caller.encode_all(media) if media else []
             self.stats.media_items += len(media)
             self.stats.encoder_calls = self.caller.calls
@@ -108,19 +119,25 @@ class MultimodalProcessor:
                                       "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans]})
             payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
                                     [MediaInput(s.mm_hash, e.body, list(s.spans)) for e, s in zip(encoded, spans,
-                                                                                                 strict=True)]
-                                    ).to_dict()
+                                                                                                 strict=True)],
+                                    ignore_eos=_ignore_eos(request)).to_dict()
             del encoded, spliced  # from here only `payload` holds the embedding bodies
             stream = await self.engine_client.direct(payload, worker_id)
             self.stats.live_embedding_requests += 1
-        except MMEncoderError as e:
-            await self._failed(rid, e.code, routed)
-            log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
-            raise HttpError(_status(e), f"[{e.code}] {e.message}") from None
-        except Exception as e:
-            await self._failed(rid, "internal", routed)
-            log.exception("request %s failed before the engine", rid)
-            raise HttpError(500, f"internal error: {type(e).__name__}") from None
+        except BaseException as e:
+            if slot:
+                self._media_slots.release()
+            if isinstance(e, MMEncoderError):
+                await self._failed(rid, e.code, routed)
+                log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
+                raise HttpError(_status(e), f"[{e.code}] {e.message}") from None
+            if isinstance(e, Exception):
+                await self._failed(rid, "internal", routed)
+                log.exception("request %s failed before the engine", rid)
+                raise HttpError(500, f"internal error: {type(e).__name__}") from None
+            if routed:  # cancelled: the client went away
+                await self.router.free(rid)
+            raise
 
         created = int(time.time())
         generated: list[int] = []
@@ -134,14 +151,17 @@ class MultimodalProcessor:
                     payload = None
                     self.stats.live_embedding_requests -= 1
                     first = False
+                    if slot:
+                        self._media_slots.release()
+                        slot = False
                     await self.router.mark_prefill_complete(rid)
                 generated.extend(data.get("token_ids", []))
                 finish = data.get("finish_reason")
                 text = self.tok.decode(generated)
                 delta, sent = text[len(sent):], text
-                if delta or finish:
-                    yield self._chunk(rid, created, {"role": "assistant", "content": delta} if delta else {}, finish,
-                                      prompt_tokens, len(generated))
+                # one chunk per engine step, even when the new tokens decode to no text yet
+                yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
+                                  len(generated))
                 if finish:
                     break
                 if context is not None and context.is_stopped():
@@ -150,6 +170,8 @@ class MultimodalProcessor:
             if first:
                 payload = None
                 self.stats.live_embedding_requests -= 1
+            if slot:
+                self._media_slots.release()
             await self.router.free(rid)
 
     async def _failed(self, rid: str, code: str, routed: bool) -> None:
@@ -185,6 +207,12 @@ class MultimodalProcessor:
             "live_embedding_requests": s.live_embedding_requests,
             "recent": list(s.recent),
         }
+
+
+def _ignore_eos(request: dict[str, Any]) -> bool:
+    """vLLM's `ignore_eos` extension, top level or under Dynamo's `nvext` (benchmarks use it)."""
+    nvext = request.get("nvext") if isinstance(request.get("nvext"), dict) else {}
+    return bool(request.get("ignore_eos") or nvext.get("ignore_eos"))
 
 
 def _status(e: MMEncoderError) -> int:
