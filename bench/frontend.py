@@ -97,7 +97,8 @@ def main() -> None:
 
     model_dir = make_model_dir(run / "wide-chat", "tiny-wide", name="wide-chat", context_length=8192, num_layers=0)
     env = {**os.environ, "DYN_FILE_KV": str(run / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "error",
-           "DYN_TCP_MAX_MESSAGE_SIZE": str(256 << 20),  # a 4K image's request is ~40 MB (default limit: 32 MiB)
+           # a 4K image's engine request is ~40 MB, above the request plane's default message limit
+           "DYN_TCP_MAX_MESSAGE_SIZE": os.environ.get("DYN_TCP_MAX_MESSAGE_SIZE", str(256 << 20)),
            "DYN_SELF_HOST_METADATA": "0", "MM_ENCODER_CONFIGS": str(configs), "MM_ENCODER_LOG_LEVEL": "WARNING"}
     port = free_port()
     procs = []

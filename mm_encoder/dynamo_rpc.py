@@ -110,6 +110,14 @@ class DynamoServer:
                 await asyncio.wait_for(self._task, timeout_s)
 
 
+def is_too_large(e: BaseException) -> bool:
+    """Dynamo's TCP request plane refusing a message above DYN_TCP_MAX_MESSAGE_SIZE."""
+    return "payload is too large" in str(e)
+
+
+TOO_LARGE_HINT = "raise DYN_TCP_MAX_MESSAGE_SIZE (bytes) on both sides of the call"
+
+
 class RemoteEncodeError(MMEncoderError):
     """An error the encode worker returned over Dynamo RPC (its code and status kept)."""
 

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from media_factory import image_bytes, natural_image
+from media_factory import image_bytes, natural_image, video_bytes
 from nginx_fixtures import free_port, require_nginx
 
 from mm_encoder.engines.lm import make_model_dir
@@ -229,6 +229,20 @@ def test_bad_image_url_gets_the_encoders_4xx(graph):
     errors = graph.stats()["errors"]
     assert errors.get("forbidden_address", 0) == before.get("forbidden_address", 0) + 1
     assert sum(errors.values()) == sum(before.values()) + 2
+
+
+def test_video_chunks_are_spliced_with_their_timestamps(graph):
+    clip = video_bytes(width=112, height=84, frames=40, fps=10)  # 4 s at 2 fps: 2 chunks of 4 frames
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    parts = [{"type": "text", "text": "What happens?"}, {"type": "video_url", "video_url": {"url": url}}]
+    status, raw = chat(graph, parts)
+    assert status == 200, raw
+    tok = ChatTokenizer(graph.model_dir)
+    spec = get_spec("tiny")
+    text = len(tok.encode(tok.render([{"role": "user", "content": "What happens?"}])))
+    chunks = sum(len(tok.encode(spec.prompt.video.format(timestamp=ts).replace(spec.prompt.placeholder, "")))
+                 for ts in ("00:00:00.000", "00:00:02.000"))
+    assert json.loads(raw)["usage"]["prompt_tokens"] == text + chunks + 2 * 12  # 2 chunks x (6 x 8 patches / 4)
 
 
 def test_openai_client_with_a_data_url_image(graph):

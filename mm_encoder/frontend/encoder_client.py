@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from .. import wire
-from ..dynamo_rpc import RemoteEncodeError, call_encode
+from ..dynamo_rpc import TOO_LARGE_HINT, RemoteEncodeError, call_encode, is_too_large
 from ..errors import MMEncoderError
 from .chat import MediaRef
 
@@ -125,6 +125,9 @@ class MultiModalCaller:
         except RemoteEncodeError as e:
             raise MMEncoderError(e.message, e.code, e.http_status) from None
         except Exception as e:  # Dynamo transport errors: the worker went away mid-call
+            if is_too_large(e):
+                raise MMEncoderError(f"the encode request is above the request plane's message limit; "
+                                     f"{TOO_LARGE_HINT}", "request_too_large", 413) from None
             raise EncoderUnavailable(f"encode worker unreachable over RPC: {type(e).__name__}: {e}") from None
         return Encoded(reply["body"], wire.peek(reply["body"]), "rpc")
 

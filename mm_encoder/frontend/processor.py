@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dynamo_rpc import TOO_LARGE_HINT, is_too_large
 from ..engines.protocol import EngineRequest, MediaInput
 from ..errors import MMEncoderError
 from ..routing import MediaSpan, block_mm_infos
@@ -122,7 +123,14 @@ class MultimodalProcessor:
                                                                                                  strict=True)],
                                     ignore_eos=_ignore_eos(request)).to_dict()
             del encoded, spliced  # from here only `payload` holds the embedding bodies
-            stream = await self.engine_client.direct(payload, worker_id)
+            try:
+                stream = await self.engine_client.direct(payload, worker_id)
+            except Exception as e:
+                if is_too_large(e):
+                    raise MMEncoderError(
+                        f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
+                        f"plane's message limit; {TOO_LARGE_HINT}", "request_too_large", 413) from None
+                raise
             self.stats.live_embedding_requests += 1
         except BaseException as e:
             if slot:
@@ -207,6 +215,10 @@ class MultimodalProcessor:
             "live_embedding_requests": s.live_embedding_requests,
             "recent": list(s.recent),
         }
+
+
+def _payload_mb(payload: dict[str, Any]) -> float:
+    return sum(len(m["body"]) for m in payload.get("media", [])) / 1e6
 
 
 def _ignore_eos(request: dict[str, Any]) -> bool:
