@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The nginx cache tiers (mm-encoder cache up) and their tests need these Debian packages.
 NGINX_PKGS := nginx libnginx-mod-http-lua lua-nginx-string
 
-.PHONY: venv system-deps demo worker test lint bench clean
+.PHONY: venv system-deps up demo worker test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -35,6 +35,10 @@ system-deps: $(STAMP)
 	    echo "  apt-get install -y --no-install-recommends $(NGINX_PKGS)"; exit 1; \
 	  fi; }
 	@$(BIN)/python -c 'from mm_encoder.cache_tier import check_install; check_install()'
+
+# The main job: the whole EPD graph on this machine (frontend on :8000); Ctrl-C stops it.
+up: $(STAMP) system-deps
+	$(BIN)/mm-encoder serve graphs/epd.yaml
 
 demo: $(STAMP)
 	$(BIN)/mm-encoder demo

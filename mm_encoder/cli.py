@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         from .cache_tier import main as cache_main
 
         return cache_main(argv[1:])
+    if argv[:1] in (["serve"], ["status"], ["render-k8s"]):  # whole graphs (graphs/*.yaml)
+        import importlib
+
+        module = {"serve": ".serve", "status": ".status", "render-k8s": ".k8s"}[argv[0]]
+        return importlib.import_module(module, __package__).main(argv[1:])
     p = argparse.ArgumentParser(prog="mm-encoder", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -149,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="list registered models")
     sub.add_parser("worker", help="run the encode worker (see python -m mm_encoder.worker --help)")
     sub.add_parser("cache", help="run an nginx cache tier or the shard router (mm-encoder cache --help)")
+    sub.add_parser("serve", help="run a whole graph on this machine: mm-encoder serve graphs/epd.yaml")
+    sub.add_parser("status", help="per-component status of a running graph")
+    sub.add_parser("render-k8s", help="Kubernetes resources for a graph: mm-encoder render-k8s graphs/epd.yaml")
     args = p.parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

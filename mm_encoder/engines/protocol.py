@@ -35,9 +35,13 @@ class EngineRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     media: list[MediaInput] = field(default_factory=list)
     ignore_eos: bool = False
+    # The aggregated baseline (no encode worker): text segments around media the engine fetches,
+    # encodes and splices itself; token_ids is then empty and the engine reports prompt_tokens.
+    segments: list[list[int]] | None = None
+    media_refs: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "request_id": self.request_id,
             "token_ids": self.token_ids,
             "max_tokens": self.max_tokens,
@@ -45,12 +49,16 @@ class EngineRequest:
             "ignore_eos": self.ignore_eos,
             "media": [m.to_dict() for m in self.media],
         }
+        if self.segments is not None:
+            d["segments"] = self.segments
+            d["media_refs"] = self.media_refs
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineRequest:
         media = [MediaInput(m["mm_hash"], m["body"], [tuple(s) for s in m["spans"]]) for m in d.get("media", [])]
         return cls(d["request_id"], list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                   media, bool(d.get("ignore_eos", False)))
+                   media, bool(d.get("ignore_eos", False)), d.get("segments"), list(d.get("media_refs", [])))
 
     def media_spans(self) -> list[MediaSpan]:
         return [MediaSpan(m.mm_hash, tuple(tuple(s) for s in m.spans)) for m in self.media]

@@ -38,8 +38,12 @@ ENDPOINT = "generate"
 class ReferenceEngine:
     """The model plus its KV-event bookkeeping; `generate` is the Dynamo handler."""
 
-    def __init__(self, model_dir: str | Path, block_size: int = 16, publisher=None, max_stored_blocks: int = 65536):
+    def __init__(self, model_dir: str | Path, block_size: int = 16, publisher=None, max_stored_blocks: int = 65536,
+                 encoder=None):
         self.model = ReferenceLM.from_dir(model_dir)
+        self.model_dir = Path(model_dir)
+        self.encoder = encoder  # set: this engine also encodes media itself (the aggregated baseline)
+        self._inline = None
         self.cfg, self.raw_config = load_config(model_dir)
         self.block_size = block_size
         self.publisher = publisher
@@ -51,9 +55,10 @@ class ReferenceEngine:
     # --- model work (engine thread) ----------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, req: EngineRequest) -> tuple[torch.Tensor, list]:
+    def prefill(self, req: EngineRequest, rows: list | None = None) -> tuple[torch.Tensor, list]:
         """Logits of the prompt's last position, and the KV cache."""
-        rows = [r for item in req.media for r in media_rows(item, self.cfg.hidden_size)]
+        if rows is None:
+            rows = [r for item in req.media for r in media_rows(item, self.cfg.hidden_size)]
         x = self.model.embed_tokens(req.token_ids, rows)
         logits, cache = self.model(x)
         return logits[-1], cache
@@ -63,6 +68,44 @@ class ReferenceEngine:
         x = self.model.embed_tokens([token])
         logits, cache = self.model(x, start=position, cache=cache)
         return logits[-1], cache
+
+    # --- the aggregated baseline: encode inline, on the engine thread ------------------------
+
+    def _inline_tools(self):
+        if self._inline is None:
+            from ..fetch import Fetcher
+            from ..frontend.chat import ChatTokenizer, Splicer
+
+            self._inline = (Fetcher(), Splicer(ChatTokenizer(self.model_dir), self.encoder.spec.prompt))
+        return self._inline
+
+    @torch.inference_mode()
+    def encode_inline(self, data: bytes) -> tuple[str, list[int], list[str] | None, list[torch.Tensor]]:
+        prepared = self.encoder.prepare_media(data)
+        outputs, _ = self.encoder.forward(prepared)
+        stamps = [p.timestamp for p in prepared] if prepared[0].modality == "video" else None
+        return prepared[0].modality, [p.num_tokens for p in prepared], stamps, list(outputs)
+
+    async def splice_inline(self, req: EngineRequest, loop) -> list:
+        """Fetch and encode every media ref, then build token ids; returns the rows to write."""
+        if self.encoder is None:
+            raise ValueError("this engine does not encode media; start it with --encoder-model")
+        fetcher, splicer = self._inline_tools()
+        items, tensors = [], []
+        for ref in req.media_refs:
+            fetched = await fetcher.fetch(ref["url"])
+            modality, counts, stamps, outs = await loop.run_in_executor(self._pool, self.encode_inline, fetched.data)
+            items.append((modality, counts, stamps))
+            tensors.append(outs)
+        spliced = splicer.splice_ids(req.segments, items)
+        req.token_ids = spliced.token_ids
+        room = self.cfg.context_length - len(req.token_ids)
+        if room < 1:
+            raise ValueError(f"the prompt is {len(req.token_ids)} tokens after expanding its media; the context "
+                             f"length is {self.cfg.context_length}")
+        req.max_tokens = min(req.max_tokens, room)
+        return [(off, t) for spans, outs in zip(spliced.spans, tensors, strict=True)
+                for (off, _), t in zip(spans, outs, strict=True)]
 
     # --- KV events ---------------------------------------------------------------------------
 
@@ -96,11 +139,13 @@ class ReferenceEngine:
         loop = asyncio.get_running_loop()
         req = EngineRequest.from_dict(request)
         request = None  # the embeddings live in `req` until prefill, then nowhere
+        rows = await self.splice_inline(req, loop) if req.segments is not None else None
         if len(req.token_ids) + req.max_tokens > self.cfg.context_length:
             raise ValueError(f"prompt {len(req.token_ids)} + max_tokens {req.max_tokens} exceeds the context "
                              f"length {self.cfg.context_length}")
         self.requests += 1
-        logits, cache = await loop.run_in_executor(self._pool, self.prefill, req)
+        logits, cache = await loop.run_in_executor(self._pool, self.prefill, req, rows)
+        rows = None
         self.publish_prompt_blocks(req)
         position = len(req.token_ids)
         eos = set(req.eos_token_ids)
@@ -109,7 +154,10 @@ class ReferenceEngine:
             token = int(logits.argmax())
             last = i == req.max_tokens - 1
             finish = "stop" if (token in eos and not req.ignore_eos) else ("length" if last else None)
-            yield {"token_ids": [token], "finish_reason": finish}
+            item = {"token_ids": [token], "finish_reason": finish}
+            if i == 0:
+                item["prompt_tokens"] = len(req.token_ids)
+            yield item
             if finish is not None or (context is not None and context.is_stopped()):
                 return
             logits, cache = await loop.run_in_executor(self._pool, self.step, token, position, cache)
@@ -137,7 +185,12 @@ async def serve(args: argparse.Namespace) -> None:
     endpoint = runtime.endpoint(f"{args.namespace}.{COMPONENT}.{ENDPOINT}")
     _, raw = load_config(args.model_dir)
     name = args.name or raw.get("served_model_name") or Path(args.model_dir).name
-    engine = ReferenceEngine(args.model_dir, args.block_size)
+    encoder = None
+    if args.encoder_model:  # the aggregated baseline: this engine encodes media itself
+        from ..encoder import Encoder
+
+        encoder = Encoder.from_pretrained(args.encoder_model, checkpoint=args.encoder_checkpoint)
+    engine = ReferenceEngine(args.model_dir, args.block_size, encoder=encoder)
     engine.publisher = KvEventPublisher(endpoint, kv_block_size=args.block_size)
     serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.generate, graceful_shutdown=True))
     await register_model(
@@ -161,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="served model name (default: from config.json)")
     p.add_argument("--namespace", default="mm")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--encoder-model", help="encode media in this process with this vision model (no encode worker)")
+    p.add_argument("--encoder-checkpoint", help="checkpoint directory for --encoder-model")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.make_model_dir:

@@ -38,6 +38,7 @@ class FrontendSettings(BaseSettings):
     )
     default_max_tokens: int = Field(256, ge=1, description="completion budget when the request names none")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
+    inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
     log_level: str = Field("INFO")
 
 
@@ -65,9 +66,10 @@ async def serve(s: FrontendSettings) -> None:
     spec = get_spec(config.get("mm_encoder_model", "tiny"))
     tokenizer = ChatTokenizer(s.model_dir, s.allow_remote_code)
     engine_path = f"{s.namespace}.{s.engine_component}.generate"
-    rpc_client = await runtime.endpoint(endpoint_path(s.namespace)).client() if s.encoder_rpc else None
+    use_rpc = s.encoder_rpc and not s.inline_media
+    rpc_client = await runtime.endpoint(endpoint_path(s.namespace)).client() if use_rpc else None
     caller = MultiModalCaller(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc_client,
-                              timeout_s=s.encoder_timeout_s)
+                              timeout_s=s.encoder_timeout_s) if not s.inline_media else None
     engine_client = await runtime.endpoint(engine_path).client()
     router = KvRouter(runtime.endpoint(engine_path), s.block_size, KvRouterConfig())
     eos = config.get("eos_token_id")
@@ -85,7 +87,8 @@ async def serve(s: FrontendSettings) -> None:
             proc = MultimodalProcessor(
                 served_name=name, spec=spec, tokenizer=tokenizer, caller=caller, router=router,
                 engine_client=engine_client, block_size=s.block_size,
-                eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [], limits=limits)
+                eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [], limits=limits,
+                inline_media=s.inline_media)
             processors[name] = proc
         return PythonAsyncEngine(proc.generate, loop)
 
@@ -104,7 +107,8 @@ async def serve(s: FrontendSettings) -> None:
     runtime.shutdown()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serving, 30)
-    await caller.close()
+    if caller is not None:
+        await caller.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,10 +169,16 @@ class Splicer:
 
     def splice(self, texts: list[str], media: list[tuple[str, list[int], list[str] | None]]) -> Spliced:
         """texts: n+1 segments; media: per item (modality, tokens per image/chunk, timestamps)."""
+        return self.splice_ids([self.tok.encode(t) if t else [] for t in texts], media)
+
+    def splice_ids(self, segments: list[list[int]], media: list[tuple[str, list[int], list[str] | None]]) -> Spliced:
+        """The same from already tokenized text segments (the engine's inline-encoding path)."""
+        if len(segments) != len(media) + 1:
+            raise ChatError(f"{len(segments)} text segments for {len(media)} media items", http_status=500)
         ids: list[int] = []
         spans: list[list[tuple[int, int]]] = []
-        for i, text in enumerate(texts):
-            ids.extend(self.tok.encode(text) if text else [])
+        for i, seg in enumerate(segments):
+            ids.extend(seg)
             if i == len(media):
                 break
             modality, counts, stamps = media[i]

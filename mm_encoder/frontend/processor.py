@@ -60,7 +60,8 @@ class Limits:
 
 class MultimodalProcessor:
     def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, caller: MultiModalCaller,
-                 router, engine_client, block_size: int, eos_token_ids: list[int], limits: Limits):
+                 router, engine_client, block_size: int, eos_token_ids: list[int], limits: Limits,
+                 inline_media: bool = False):
         self.served_name = served_name
         self.spec = spec
         self.tok = tokenizer
@@ -71,6 +72,7 @@ class MultimodalProcessor:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.limits = limits
+        self.inline_media = inline_media  # the aggregated baseline: engines fetch and encode media themselves
         self.stats = Stats()
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
 
@@ -96,42 +98,47 @@ class MultimodalProcessor:
         try:
             messages, media = parse_messages(request.get("messages"), self.limits.max_media)
             texts = self.tok.prompt_text(messages, len(media))
-            if media:
-                await self._media_slots.acquire()
-                slot = True
-            encoded = await self.caller.encode_all(media) if media else []
-            self.stats.media_items += len(media)
-            self.stats.encoder_calls = self.caller.calls
-            spliced = self.splicer.splice(
-                texts, [(e.header.modality, [h * w // 4 for _, h, w in e.header.grid_thws], e.header.timestamps)
-                        for e in encoded])
-            prompt_tokens = len(spliced.token_ids)
-            max_tokens = self.max_tokens_for(request, prompt_tokens)
-            spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
-            infos = block_mm_infos(prompt_tokens, self.block_size, spans)
-            try:
-                worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
-                                                                      request_id=rid)
-            except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
-                raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
-            routed = True
-            self.stats.routed[str(worker_id)] += 1
-            self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
-                                      "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans]})
-            payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
-                                    [MediaInput(s.mm_hash, e.body, list(s.spans)) for e, s in zip(encoded, spans,
-                                                                                                 strict=True)],
-                                    ignore_eos=_ignore_eos(request)).to_dict()
-            del encoded, spliced  # from here only `payload` holds the embedding bodies
-            try:
-                stream = await self.engine_client.direct(payload, worker_id)
-            except Exception as e:
-                if is_too_large(e):
-                    raise MMEncoderError(
-                        f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
-                        f"plane's message limit; {TOO_LARGE_HINT}", "request_too_large", 413) from None
-                raise
-            self.stats.live_embedding_requests += 1
+            if self.inline_media:
+                stream, prompt_tokens = await self._dispatch_inline(rid, request, texts, media)
+                routed = True
+                payload = None
+            else:
+                if media:
+                    await self._media_slots.acquire()
+                    slot = True
+                encoded = await self.caller.encode_all(media) if media else []
+                self.stats.media_items += len(media)
+                self.stats.encoder_calls = self.caller.calls
+                spliced = self.splicer.splice(
+                    texts, [(e.header.modality, [h * w // 4 for _, h, w in e.header.grid_thws], e.header.timestamps)
+                            for e in encoded])
+                prompt_tokens = len(spliced.token_ids)
+                max_tokens = self.max_tokens_for(request, prompt_tokens)
+                spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
+                infos = block_mm_infos(prompt_tokens, self.block_size, spans)
+                try:
+                    worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
+                                                                          request_id=rid)
+                except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
+                    raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
+                routed = True
+                self.stats.routed[str(worker_id)] += 1
+                self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
+                                          "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans]})
+                payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
+                                        [MediaInput(s.mm_hash, e.body, list(s.spans)) for e, s in zip(encoded, spans,
+                                                                                                     strict=True)],
+                                        ignore_eos=_ignore_eos(request)).to_dict()
+                del encoded, spliced  # from here only `payload` holds the embedding bodies
+                try:
+                    stream = await self.engine_client.direct(payload, worker_id)
+                except Exception as e:
+                    if is_too_large(e):
+                        raise MMEncoderError(
+                            f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
+                            f"plane's message limit; {TOO_LARGE_HINT}", "request_too_large", 413) from None
+                    raise
+                self.stats.live_embedding_requests += 1
         except BaseException as e:
             if slot:
                 self._media_slots.release()
@@ -163,6 +170,8 @@ class MultimodalProcessor:
                         self._media_slots.release()
                         slot = False
                     await self.router.mark_prefill_complete(rid)
+                if prompt_tokens is None:  # inline encoding: the engine counted the prompt
+                    prompt_tokens = data.get("prompt_tokens", 0)
                 generated.extend(data.get("token_ids", []))
                 finish = data.get("finish_reason")
                 text = self.tok.decode(generated)
@@ -181,6 +190,25 @@ class MultimodalProcessor:
             if slot:
                 self._media_slots.release()
             await self.router.free(rid)
+
+    async def _dispatch_inline(self, rid: str, request: dict[str, Any], texts: list[str], media) -> tuple:
+        """Aggregated baseline: route on the text alone and let the engine fetch, encode and splice."""
+        segments = [self.tok.encode(t) if t else [] for t in texts]
+        flat = [t for seg in segments for t in seg]
+        asked = request.get("max_completion_tokens") or request.get("max_tokens") or self.limits.default_max_tokens
+        try:
+            worker_id, _, overlap = await self.router.best_worker(flat, request_id=rid)
+        except Exception as e:
+            raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
+        self.stats.routed[str(worker_id)] += 1
+        self.stats.media_items += len(media)
+        self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
+                                  "prompt_tokens": None, "media": [m.url[:64] for m in media]})
+        payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, ignore_eos=_ignore_eos(request),
+                                segments=segments, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
+        stream = await self.engine_client.direct(payload.to_dict(), worker_id)
+        self.stats.live_embedding_requests += 1
+        return stream, None
 
     async def _failed(self, rid: str, code: str, routed: bool) -> None:
         """Count the error (Dynamo's frontend shows clients only the status; the code is here and
@@ -208,8 +236,8 @@ class MultimodalProcessor:
             "model": self.served_name,
             "requests": s.requests,
             "media_items": s.media_items,
-            "encoder_calls": self.caller.calls,
-            "encoder_fallbacks": self.caller.fallbacks,
+            "encoder_calls": self.caller.calls if self.caller else 0,
+            "encoder_fallbacks": self.caller.fallbacks if self.caller else 0,
             "errors": dict(s.errors),
             "routed": dict(s.routed),
             "live_embedding_requests": s.live_embedding_requests,

@@ -1,0 +1,121 @@
+"""`mm-encoder serve` as a subprocess: the EPD graph and the aggregated baseline come up, answer a
+multimodal request (the repeat from cache), report status and a dead component, and stop on
+SIGTERM leaving no process. Real processes throughout (Dynamo file discovery + TCP, nginx, the
+encode worker, reference engines, the frontend)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from nginx_fixtures import free_port, require_nginx
+
+from mm_encoder.graph import GraphError, load_graph
+from mm_encoder.serve import leftover_pids
+from mm_encoder.status import collect
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "mm_encoder" / "samples" / "sample.jpg"
+
+
+def chat(port: int) -> dict:
+    image = base64.b64encode(SAMPLE.read_bytes()).decode()
+    body = {"model": "mm-chat", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this image?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{image}"}}]}]}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+class Served:
+    """`mm-encoder serve` in a subprocess; one thread collects everything it prints."""
+
+    def __init__(self, graph: str, run_dir: Path, port: int):
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / graph), "--run-dir", str(run_dir),
+             "--port", str(port), "--status-interval", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            if time.monotonic() > deadline or (self.proc.poll() is not None and not self.reader.is_alive()):
+                raise AssertionError(f"no {needle!r} in serve's output:\n{self.text[-4000:]}")
+            time.sleep(0.05)
+        return self.text
+
+    def stop(self) -> str:
+        state = json.loads((self.run_dir / "state.json").read_text())
+        groups = {c["pid"] for c in state["components"]}
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(120) == 0, self.text
+        self.reader.join(10)
+        assert "no processes left" in self.text, self.text
+        assert leftover_pids(groups) == []
+        return self.text
+
+
+@pytest.mark.parametrize("graph", ["graphs/epd.yaml", "graphs/agg.yaml"])
+def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
+    if "epd" in graph:
+        require_nginx()
+    port = free_port()
+    served = Served(graph, tmp_path / "run", port)
+    try:
+        served.wait_for("ready: OpenAI base URL", 240)
+        first = chat(port)
+        assert first["usage"]["prompt_tokens"] > 1000  # the image's 1196 placeholders were spliced in
+        again = chat(port)
+        assert again["usage"] == first["usage"]
+        status = {c["name"]: c for c in collect(tmp_path / "run")["components"]}
+        assert all(c["up"] for c in status.values())
+        if "epd" in graph:
+            assert status["encoder"]["encodes"] == 1  # the repeat came from a cache, not the encoder
+            assert status["cluster"]["hit_ratio"] == 0.5
+            assert status["frontend"]["requests"] == 2
+            # a component that dies is reported with the tail of its log
+            engine = next(c for c in json.loads((tmp_path / "run" / "state.json").read_text())["components"]
+                          if c["name"] == "engine-1")
+            os.killpg(engine["pid"], signal.SIGKILL)
+            report = served.wait_for("engine-1 exited", 30)
+            assert "last log lines" in report and "engine ready" in report.split("engine-1 exited")[1]
+    finally:
+        if served.proc.poll() is None:
+            served.stop()
+
+
+def test_graph_errors_name_their_path(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ncomponents:\n  f: {kind: frontend}\n  e: {kind: engine, replicas: 0}\n")
+    with pytest.raises(GraphError, match=r"components\.e\.replicas"):
+        load_graph(bad)
+    bad.write_text("name: x\ncomponents:\n  e: {kind: engine}\n")
+    with pytest.raises(GraphError, match="exactly one frontend"):
+        load_graph(bad)
+    bad.write_text("name: x\ncomponents:\n  f: {kind: frontend}\n  e: {kind: engine, color: red}\n")
+    with pytest.raises(GraphError, match=r"components\.e\.color"):
+        load_graph(bad)
+    with pytest.raises(GraphError, match="no such graph"):
+        load_graph(tmp_path / "missing.yaml")
+    for g in ("epd", "agg"):
+        assert load_graph(ROOT / "graphs" / f"{g}.yaml").name == g
