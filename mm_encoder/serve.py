@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also when started in the background, where SIGINT is ignored
     print(f"mm-encoder serve {args.graph} (graph {graph.name}, namespace {graph.namespace}); logs in {run_dir}",
           flush=True)
     rc = 0
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.message}", file=sys.stderr)
         rc = 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below must not be interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping ...", flush=True)
         left = runner.stop()
         if left:
