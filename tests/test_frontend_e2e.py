@@ -43,10 +43,13 @@ class Graph:
                     "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
         self.model_dir = make_model_dir(root / "tiny-chat", "tiny", name="tiny-chat", context_length=CONTEXT)
         self.worker_port, self.tier_port, self.frontend_port = free_port(), free_port(), free_port()
+        self.system_port = _system_port()
 
-    def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120) -> subprocess.Popen:
+    def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120,
+              env: dict | None = None) -> subprocess.Popen:
         log = (self.root / f"{name}.log").open("w")
-        proc = subprocess.Popen([sys.executable, *args], env=self.env, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen([sys.executable, *args], env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                stderr=log, text=True)
         self.procs[name] = proc
         if ready:
             deadline = time.monotonic() + timeout
@@ -102,7 +105,7 @@ def graph(tmp_path_factory):
                     ready="engine ready")
         g.start("frontend", "-m", "mm_encoder.frontend", "--model-dir", str(g.model_dir), "--http-port",
                 str(g.frontend_port), "--encoder-http", f"http://127.0.0.1:{g.tier_port}", "--encoder-route",
-                "cluster", ready="frontend ready")
+                "cluster", ready="frontend ready", env={"DYN_SYSTEM_PORT": str(g.system_port)})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the frontend serves the model once an engine is discovered
             try:
@@ -117,6 +120,21 @@ def graph(tmp_path_factory):
     finally:
         for name in list(g.procs)[::-1]:
             g.stop(name, signal.SIGQUIT if name == "tier" else signal.SIGTERM)
+
+
+def _system_port() -> int:
+    """Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer: a free port below 32768."""
+    import random
+    import socket
+
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
 
 
 def chat(g: Graph, content, *, stream: bool = False, max_tokens: int = 4, timeout: float = 60):
@@ -271,5 +289,9 @@ def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):
     status, _ = chat(graph, [{"type": "image_url", "image_url": {"url": data_url(img)}}], timeout=30)
     assert status == 503 and time.monotonic() - t0 < 10
     assert graph.stats()["encoder_fallbacks"] >= 1  # the chain failed; direct RPC had no worker
+    with urllib.request.urlopen(f"http://127.0.0.1:{graph.system_port}/metrics", timeout=30) as r:
+        metrics = r.read().decode()  # the processor's counters on Dynamo's own /metrics
+    assert 'mm_frontend_encoder_fallbacks_total{model="tiny-chat"}' in metrics
+    assert "mm_frontend_errors_total" in metrics and "dynamo_" in metrics
     status, _ = chat(graph, "text still works")
     assert status == 200

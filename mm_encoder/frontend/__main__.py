@@ -95,6 +95,12 @@ async def serve(s: FrontendSettings) -> None:
     def stats(_ctx):
         return {"processors": [p.snapshot() for p in processors.values()]}
 
+    from .metrics import exposition
+
+    # appended to Dynamo's system server /metrics (DYN_SYSTEM_PORT); no endpoint needs serving for it
+    runtime.endpoint(f"{s.namespace}.frontend.mm_processor").metrics.register_prometheus_expfmt_callback(
+        exposition(lambda: [p.snapshot() for p in processors.values()]))
+
     args = EntrypointArgs(EngineType.Dynamic, http_host=s.http_host, http_port=s.http_port, namespace=s.namespace,
                           chat_engine_factory=factory, migration_limit=0)
     engine = await make_engine(runtime, args)
