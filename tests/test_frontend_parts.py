@@ -96,6 +96,18 @@ def test_splice_expands_each_placeholder_by_length(model_dir):
     assert "00:00:02.000" in tok._tok.decode(out.token_ids, skip_special_tokens=False) and "a" in text
 
 
+def test_incremental_detokenizer_equals_decoding_everything(model_dir):
+    from mm_encoder.frontend.chat import IncrementalDetokenizer
+
+    tok = ChatTokenizer(model_dir)
+    ids = tok.encode("Describe the image: a picture is worth a thousand words, café ☕ 100%!")
+    for step in (1, 2, 3):
+        d = IncrementalDetokenizer(tok)
+        out = "".join(d.push(ids[i : i + step]) for i in range(0, len(ids), step)) + d.flush()
+        assert out == tok.decode(ids)
+        assert "\ufffd" not in out
+
+
 def test_max_tokens_is_capped_to_the_context_and_overflow_refused(model_dir):
     proc = MultimodalProcessor(served_name="m", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
                                caller=MultiModalCaller("tiny", rpc_client=object()), router=None, engine_client=None,

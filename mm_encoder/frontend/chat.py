@@ -143,6 +143,36 @@ class ChatTokenizer:
         return texts
 
 
+class IncrementalDetokenizer:
+    """Text deltas from a growing list of token ids, decoding only a short window per step.
+
+    Decoding everything each step is quadratic, and a byte-level BPE can end a step in the middle
+    of a UTF-8 character (decoded as U+FFFD) that the next token completes: text is held back
+    until it decodes cleanly, and `flush` releases whatever is left at the end.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the window whose text was already emitted up to `read`
+        self.read = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        done = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done) :]
+        return ""
+
+    def flush(self) -> str:
+        done = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done) :]
+
+
 @dataclass
 class Spliced:
     token_ids: list[int]

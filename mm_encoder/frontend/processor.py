@@ -23,7 +23,7 @@ from ..engines.protocol import EngineRequest, MediaInput
 from ..errors import MMEncoderError
 from ..routing import MediaSpan, block_mm_infos
 from ..spec import ModelSpec
-from .chat import ChatError, ChatTokenizer, Splicer, parse_messages
+from .chat import ChatError, ChatTokenizer, IncrementalDetokenizer, Splicer, parse_messages
 from .encoder_client import EncoderUnavailable, MultiModalCaller
 
 log = logging.getLogger("mm_encoder.frontend")
@@ -155,8 +155,7 @@ class MultimodalProcessor:
             raise
 
         created = int(time.time())
-        generated: list[int] = []
-        sent = ""
+        detok = IncrementalDetokenizer(self.tok)
         finish = None
         first = True
         try:
@@ -172,13 +171,13 @@ class MultimodalProcessor:
                     await self.router.mark_prefill_complete(rid)
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
                     prompt_tokens = data.get("prompt_tokens", 0)
-                generated.extend(data.get("token_ids", []))
                 finish = data.get("finish_reason")
-                text = self.tok.decode(generated)
-                delta, sent = text[len(sent):], text
+                delta = detok.push(data.get("token_ids", []))
+                if finish:
+                    delta += detok.flush()
                 # one chunk per engine step, even when the new tokens decode to no text yet
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
-                                  len(generated))
+                                  len(detok.ids))
                 if finish:
                     break
                 if context is not None and context.is_stopped():
