@@ -60,6 +60,7 @@ bench: $(STAMP) system-deps
 	@command -v wrk >/dev/null || { echo "bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; }
 	$(BIN)/python bench/cache.py
 	$(BIN)/python bench/frontend.py
+	$(BIN)/python bench/graphs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
