@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import worker as worker_bench  # noqa: E402  (bench/worker.py: the worker process and tiny-wide)
 from media_factory import image_bytes, natural_image  # noqa: E402
 
+from mm_encoder.serve import free_port  # noqa: E402
+
 WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/msgpack"
@@ -47,13 +49,6 @@ wrk.body = f:read("*a")
 f:close()
 """
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_tier(run: Path, name: str, *args: str) -> tuple[subprocess.Popen, str]:

@@ -33,6 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import worker as worker_bench  # noqa: E402  (bench/worker.py: tiny-wide configs)
 from media_factory import image_bytes, natural_image  # noqa: E402
 
+from mm_encoder.serve import free_port  # noqa: E402
+
 
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -40,13 +42,6 @@ def rss_mb(pid: int) -> float:
             return int(line.split()[1]) / 1024
     return 0.0
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(name: str, run: Path, env: dict, *args: str, ready: str) -> subprocess.Popen:

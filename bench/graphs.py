@@ -32,13 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from media_factory import image_bytes, natural_image  # noqa: E402
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mm_encoder.serve import free_port  # noqa: E402
 
 
 def post(port: int, content, *, stream: bool = False, max_tokens: int = 8) -> float:

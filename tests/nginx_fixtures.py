@@ -40,6 +40,18 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
+def dynamo_system_port() -> int:
+    """A free port below 32768: Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
 @dataclass
 class Tier:
     name: str

@@ -7,15 +7,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 
 import aiohttp
 import pytest
 from media_factory import image_bytes, natural_image
+from nginx_fixtures import dynamo_system_port
 from worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 
 from mm_encoder import wire
@@ -88,20 +87,8 @@ async def test_dynamo_graceful_shutdown_finishes_inflight(tiny):
         assert wire.decode(reply["body"]).mm_hash == reply["mm_hash"]
 
 
-def _free_port() -> int:
-    """A free port below 32768: Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer."""
-    for port in random.Random(os.getpid()).sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
-
-
 async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(tmp_path):
-    system_port = _free_port()
+    system_port = dynamo_system_port()
     env = {**os.environ, "DYN_SYSTEM_PORT": str(system_port), "MM_ENCODER_HTTP_PORT": "0"}
     log = tmp_path / "worker.log"
     proc = subprocess.Popen(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from media_factory import image_bytes, natural_image, video_bytes
-from nginx_fixtures import free_port, require_nginx
+from nginx_fixtures import dynamo_system_port, free_port, require_nginx
 
 from mm_encoder.engines.lm import make_model_dir
 from mm_encoder.frontend.chat import ChatTokenizer
@@ -43,7 +43,7 @@ class Graph:
                     "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
         self.model_dir = make_model_dir(root / "tiny-chat", "tiny", name="tiny-chat", context_length=CONTEXT)
         self.worker_port, self.tier_port, self.frontend_port = free_port(), free_port(), free_port()
-        self.system_port = _system_port()
+        self.system_port = dynamo_system_port()
 
     def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120,
               env: dict | None = None) -> subprocess.Popen:
@@ -120,21 +120,6 @@ def graph(tmp_path_factory):
     finally:
         for name in list(g.procs)[::-1]:
             g.stop(name, signal.SIGQUIT if name == "tier" else signal.SIGTERM)
-
-
-def _system_port() -> int:
-    """Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer: a free port below 32768."""
-    import random
-    import socket
-
-    for port in random.sample(range(20000, 32000), 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
 
 
 def chat(g: Graph, content, *, stream: bool = False, max_tokens: int = 4, timeout: float = 60):
