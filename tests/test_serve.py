@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,11 +43,11 @@ def chat(port: int) -> dict:
 class Served:
     """`mm-encoder serve` in a subprocess; one thread collects everything it prints."""
 
-    def __init__(self, graph: str, run_dir: Path, port: int):
+    def __init__(self, graph: str, run_dir: Path, port: int, *extra: str):
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / graph), "--run-dir", str(run_dir),
-             "--port", str(port), "--status-interval", "0"],
+             "--port", str(port), "--status-interval", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
@@ -80,7 +81,7 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
     if "epd" in graph:
         require_nginx()
     port = free_port()
-    served = Served(graph, tmp_path / "run", port)
+    served = Served(graph, tmp_path / "run", port, *(["--restart"] if "agg" in graph else []))
     try:
         served.wait_for("ready: OpenAI base URL", 240)
         first = chat(port)
@@ -99,6 +100,21 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
             os.killpg(engine["pid"], signal.SIGKILL)
             report = served.wait_for("engine-1 exited", 30)
             assert "last log lines" in report and "engine ready" in report.split("engine-1 exited")[1]
+        else:  # --restart: a dead engine comes back and the graph answers again
+            engine = next(c for c in json.loads((tmp_path / "run" / "state.json").read_text())["components"]
+                          if c["kind"] == "engine")
+            os.killpg(engine["pid"], signal.SIGKILL)
+            served.wait_for("restarted (restart 1)", 120)
+            # Dynamo's file discovery drops the killed instance only after its lease runs out (~30 s);
+            # until the frontend sees the new one, requests fail fast with 503: poll until it answers.
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    assert chat(port)["usage"] == first["usage"]
+                    break
+                except urllib.error.HTTPError as e:
+                    assert e.code == 503 and time.monotonic() < deadline, e
+                    time.sleep(0.5)
     finally:
         if served.proc.poll() is None:
             served.stop()

@@ -130,14 +130,7 @@ class MultimodalProcessor:
                                                                                                      strict=True)],
                                         ignore_eos=_ignore_eos(request)).to_dict()
                 del encoded, spliced  # from here only `payload` holds the embedding bodies
-                try:
-                    stream = await self.engine_client.direct(payload, worker_id)
-                except Exception as e:
-                    if is_too_large(e):
-                        raise MMEncoderError(
-                            f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
-                            f"plane's message limit; {TOO_LARGE_HINT}", "request_too_large", 413) from None
-                    raise
+                stream = await self._send(payload, worker_id)
                 self.stats.live_embedding_requests += 1
         except BaseException as e:
             if slot:
@@ -205,9 +198,28 @@ class MultimodalProcessor:
                                   "prompt_tokens": None, "media": [m.url[:64] for m in media]})
         payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, ignore_eos=_ignore_eos(request),
                                 segments=segments, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
-        stream = await self.engine_client.direct(payload.to_dict(), worker_id)
+        stream = await self._send(payload.to_dict(), worker_id)
         self.stats.live_embedding_requests += 1
         return stream, None
+
+    async def _send(self, payload: dict[str, Any], worker_id: int):
+        """Send to the routed engine; if it is unreachable (a crashed engine stays in file discovery
+        for a while), try once more on another registered instance."""
+        try:
+            return await self.engine_client.direct(payload, worker_id)
+        except Exception as e:
+            if is_too_large(e):
+                raise MMEncoderError(
+                    f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
+                    f"plane's message limit; {TOO_LARGE_HINT}", "request_too_large", 413) from None
+            others = [i for i in self.engine_client.instance_ids() if i != worker_id]
+            if not others:
+                raise MMEncoderError(f"engine {worker_id} unreachable: {e}", "engine_unavailable", 503) from None
+            log.warning("engine %s unreachable (%s); retrying on %s", worker_id, e, others[0])
+        try:
+            return await self.engine_client.direct(payload, others[0])
+        except Exception as e:
+            raise MMEncoderError(f"no engine reachable: {e}", "engine_unavailable", 503) from None
 
     async def _failed(self, rid: str, code: str, routed: bool) -> None:
         """Count the error (Dynamo's frontend shows clients only the status; the code is here and
