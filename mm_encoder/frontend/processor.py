@@ -95,6 +95,8 @@ class MultimodalProcessor:
         log.debug("request %s fields %s", rid, sorted(request))
         routed = False
         slot = False
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
         try:
             messages, media = parse_messages(request.get("messages"), self.limits.max_media)
             texts = self.tok.prompt_text(messages, len(media))
@@ -106,7 +108,9 @@ class MultimodalProcessor:
                 if media:
                     await self._media_slots.acquire()
                     slot = True
+                t_enc = time.perf_counter()
                 encoded = await self.caller.encode_all(media) if media else []
+                timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
                 self.stats.media_items += len(media)
                 self.stats.encoder_calls = self.caller.calls
                 spliced = self.splicer.splice(
@@ -116,15 +120,18 @@ class MultimodalProcessor:
                 max_tokens = self.max_tokens_for(request, prompt_tokens)
                 spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
                 infos = block_mm_infos(prompt_tokens, self.block_size, spans)
+                t_route = time.perf_counter()
                 try:
                     worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
                                                                           request_id=rid)
                 except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
                     raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
                 routed = True
+                timings["route_ms"] = (time.perf_counter() - t_route) * 1e3
                 self.stats.routed[str(worker_id)] += 1
                 self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
-                                          "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans]})
+                                          "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans],
+                                          "timings": timings})
                 payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
                                         [MediaInput(s.mm_hash, e.body, list(s.spans)) for e, s in zip(encoded, spans,
                                                                                                      strict=True)],
@@ -155,6 +162,7 @@ class MultimodalProcessor:
             async for item in stream:
                 data = item.data() if hasattr(item, "data") else item
                 if first:  # the engine has the embeddings: drop ours now, not at the end of the stream
+                    timings["first_token_ms"] = (time.perf_counter() - t0) * 1e3
                     payload = None
                     self.stats.live_embedding_requests -= 1
                     first = False
