@@ -1,4 +1,4 @@
-"""`mm-encoder` command line: encode media files/URLs, list models, run the bundled demo."""
+"""`mm-encoder` command line: encode media, run the encode worker, nginx cache tiers and whole graphs."""
 
 from __future__ import annotations
 
