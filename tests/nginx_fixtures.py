@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from mm_encoder.cache_tier import CacheTierError, check_install
+from mm_encoder.serve import free_port
 
 
 def require_nginx() -> None:
@@ -27,17 +28,6 @@ def require_nginx() -> None:
         check_install()
     except CacheTierError as e:
         pytest.fail(str(e), pytrace=False)
-
-
-def free_port() -> int:
-    for port in random.Random().sample(range(20000, 60000), 500):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 def dynamo_system_port() -> int:

@@ -79,9 +79,7 @@ async def serve(s: FrontendSettings) -> None:
     processors: dict[str, MultimodalProcessor] = {}
 
     async def factory(instance_id, card, routed_engine):
-        name = getattr(instance_id, "name", None) or config.get("served_model_name") or s.model_dir.name
-        if isinstance(name, str) is False:
-            name = str(name)
+        name = str(getattr(instance_id, "name", None) or config.get("served_model_name") or s.model_dir.name)
         proc = processors.get(name)
         if proc is None:
             proc = MultimodalProcessor(

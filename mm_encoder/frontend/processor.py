@@ -40,7 +40,6 @@ class Stats:
 
     requests: int = 0
     media_items: int = 0
-    encoder_calls: int = 0
     errors: Counter = field(default_factory=Counter)
     routed: Counter = field(default_factory=Counter)
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -112,7 +111,6 @@ class MultimodalProcessor:
                 encoded = await self.caller.encode_all(media) if media else []
                 timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
                 self.stats.media_items += len(media)
-                self.stats.encoder_calls = self.caller.calls
                 spliced = self.splicer.splice(
                     texts, [(e.header.modality, [h * w // 4 for _, h, w in e.header.grid_thws], e.header.timestamps)
                             for e in encoded])
