@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The nginx cache tiers (mm-encoder cache up) and their tests need these Debian packages.
 NGINX_PKGS := nginx libnginx-mod-http-lua lua-nginx-string
 
-.PHONY: venv system-deps up demo worker test lint bench clean
+.PHONY: venv system-deps up demo worker test test-quick lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -23,7 +23,7 @@ venv: $(STAMP)
 
 # nginx + Lua: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
 system-deps: $(STAMP)
-	@$(BIN)/python -c 'from mm_encoder.cache_tier import check_install; check_install()' 2>/dev/null || { \
+	@$(BIN)/python -c 'from mm_encoder.deploy.cache_tiers import check_install; check_install()' 2>/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing $(NGINX_PKGS) with apt-get"; \
 	    export DEBIAN_FRONTEND=noninteractive; \
@@ -34,7 +34,7 @@ system-deps: $(STAMP)
 	    echo "error: the cache tiers need nginx with its Lua module; run as root:"; \
 	    echo "  apt-get install -y --no-install-recommends $(NGINX_PKGS)"; exit 1; \
 	  fi; }
-	@$(BIN)/python -c 'from mm_encoder.cache_tier import check_install; check_install()'
+	@$(BIN)/python -c 'from mm_encoder.deploy.cache_tiers import check_install; check_install()'
 
 # The main job: the whole EPD graph on this machine (frontend on :8000); Ctrl-C stops it.
 up: $(STAMP) system-deps
@@ -49,6 +49,10 @@ worker: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The edit-test loop: everything but the tests that start whole graphs of subprocesses (CI runs them).
+test-quick: $(STAMP) system-deps
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

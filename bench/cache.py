@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import worker as worker_bench  # noqa: E402  (bench/worker.py: the worker process and tiny-wide)
 from media_factory import image_bytes, natural_image  # noqa: E402
 
-from mm_encoder.serve import free_port  # noqa: E402
+from mm_encoder.deploy.local import free_port  # noqa: E402
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -53,7 +53,7 @@ f:close()
 
 def start_tier(run: Path, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "mm_encoder.cache_tier", "up", "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--listen", f"127.0.0.1:{port}",
            "--run-dir", str(run / name), *args]
     if "router" not in args:
         cmd += ["--cache-dir", str(run / f"cache-{name}")]

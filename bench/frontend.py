@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import worker as worker_bench  # noqa: E402  (bench/worker.py: tiny-wide configs)
 from media_factory import image_bytes, natural_image  # noqa: E402
 
-from mm_encoder.serve import free_port  # noqa: E402
+from mm_encoder.deploy.local import free_port  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -88,7 +88,7 @@ def main() -> None:
     run = Path(tempfile.mkdtemp(prefix="mm-bench-frontend-"))
     configs = worker_bench.bench_configs()
     os.environ["MM_ENCODER_CONFIGS"] = str(configs)
-    from mm_encoder.engines.lm import make_model_dir
+    from mm_encoder.engines.model_dir import make_model_dir
 
     model_dir = make_model_dir(run / "wide-chat", "tiny-wide", name="wide-chat", context_length=8192, num_layers=0)
     env = {**os.environ, "DYN_FILE_KV": str(run / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "error",

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from media_factory import image_bytes, natural_image  # noqa: E402
 
-from mm_encoder.serve import free_port  # noqa: E402
+from mm_encoder.deploy.local import free_port  # noqa: E402
 
 
 def post(port: int, content, *, stream: bool = False, max_tokens: int = 8) -> float:

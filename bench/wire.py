@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mm_encoder import wire  # noqa: E402
-from mm_encoder.checkpoint import build_empty, init_random  # noqa: E402
-from mm_encoder.registry import get_spec  # noqa: E402
+from mm_encoder.core.registry import get_spec  # noqa: E402
+from mm_encoder.model.checkpoint import build_empty, init_random  # noqa: E402
 
 MODEL = "kimi-k2.5-vision"
 

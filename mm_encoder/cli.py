@@ -1,23 +1,40 @@
-"""`mm-encoder` command line: encode media, run the encode worker, nginx cache tiers and whole graphs."""
+"""`mm-encoder` command line: encode media here, or run a component or a whole graph.
+
+`encode`, `demo` and `models` are this module's; every other subcommand is a component's own
+entry point (its `main(argv)`), handed the rest of the command line untouched, so its options and
+`--help` are its own: `mm-encoder worker ...` is `python -m mm_encoder.worker ...`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
-from .encoder import EncodedMedia, Encoder
-from .errors import MMEncoderError
-from .registry import DEFAULT_MODEL, list_models
+from .core.errors import MMEncoderError
+from .core.registry import DEFAULT_MODEL, list_models
+
+if TYPE_CHECKING:  # the model (torch) loads only for encode and demo, not for the components' commands
+    from .model.encoder import EncodedMedia, Encoder
 
 SAMPLES = Path(__file__).resolve().parent / "samples"
 FETCH_TIMEOUT_S = 30
+# subcommand -> (module whose main(argv) runs it, help)
+COMPONENTS = {
+    "worker": ("mm_encoder.worker", "run the encode worker (mm-encoder worker --help)"),
+    "cache": ("mm_encoder.deploy.cache_tiers", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
+    "serve": ("mm_encoder.deploy.local", "run a whole graph on this machine: mm-encoder serve graphs/epd.yaml"),
+    "status": ("mm_encoder.deploy.status", "per-component status of a running graph"),
+    "render-k8s": ("mm_encoder.deploy.k8s", "Kubernetes resources for a graph: mm-encoder render-k8s graphs/epd.yaml"),
+}
 
 
 def read_media(ref: str, max_bytes: int) -> bytes:
@@ -59,10 +76,16 @@ def _print_table(rows: list[dict]) -> None:
         )
 
 
+def load(args: argparse.Namespace) -> Encoder:
+    from .model.encoder import Encoder
+
+    return Encoder.from_pretrained(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
+
+
 def cmd_encode(args: argparse.Namespace, refs: list[str], enc: Encoder | None = None) -> int:
     t0 = time.perf_counter()
     if enc is None:
-        enc = Encoder.from_pretrained(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
+        enc = load(args)
     load_ms = (time.perf_counter() - t0) * 1e3
     rows, failed = [], 0
     for ref in refs:
@@ -87,8 +110,8 @@ async def _demo_service(enc: Encoder, refs: list[str]) -> None:
     """The same samples through the encode worker over loopback HTTP: cold, then from cache."""
     import aiohttp
 
-    from . import wire
-    from .settings import WorkerSettings
+    from .core import wire
+    from .service.settings import WorkerSettings
     from .worker import Worker
 
     worker = Worker(WorkerSettings(_cli_parse_args=[], http_port=0), encoder=enc)
@@ -122,22 +145,8 @@ def msgpack_request(model: str, data: bytes) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["worker"]:  # `mm-encoder worker ...` == `python -m mm_encoder.worker ...`
-        from .worker import main as worker_main
-
-        return worker_main(argv[1:])
-    if argv[:1] == ["cache"]:  # `mm-encoder cache up|render ...`: nginx tiers (mm_encoder.cache_tier)
-        from .cache_tier import main as cache_main
-
-        return cache_main(argv[1:])
-    if argv[:1] in (["serve"], ["status"], ["render-k8s"]):  # whole graphs (graphs/*.yaml)
-        import importlib
-
-        module = {"serve": ".serve", "status": ".status", "render-k8s": ".k8s"}[argv[0]]
-        return importlib.import_module(module, __package__).main(argv[1:])
-    p = argparse.ArgumentParser(prog="mm-encoder", description=__doc__)
+    p = argparse.ArgumentParser(prog="mm-encoder", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -152,12 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on CUDA, fp32 on CPU)")
         s.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("models", help="list registered models")
-    sub.add_parser("worker", help="run the encode worker (see python -m mm_encoder.worker --help)")
-    sub.add_parser("cache", help="run an nginx cache tier or the shard router (mm-encoder cache --help)")
-    sub.add_parser("serve", help="run a whole graph on this machine: mm-encoder serve graphs/epd.yaml")
-    sub.add_parser("status", help="per-component status of a running graph")
-    sub.add_parser("render-k8s", help="Kubernetes resources for a graph: mm-encoder render-k8s graphs/epd.yaml")
-    args = p.parse_args(argv)
+    for name, (_, help_) in COMPONENTS.items():
+        # no option of its own (prefix_chars that nothing starts with): every word goes to the component
+        s = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
+        s.add_argument("args", nargs=argparse.REMAINDER)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cmd in COMPONENTS:
+        return importlib.import_module(COMPONENTS[args.cmd][0]).main(args.args)
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "encode":
             return cmd_encode(args, args.media)
         refs = [str(SAMPLES / "sample.jpg"), str(SAMPLES / "sample.mp4")]
-        enc = Encoder.from_pretrained(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
+        enc = load(args)
         rc = cmd_encode(args, refs, enc)
         if rc == 0 and not args.json:
             asyncio.run(_demo_service(enc, refs))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mm_encoder import Encoder, ModelSpec
-from mm_encoder.checkpoint import VisionModel, build_empty, init_random
+from mm_encoder.model.checkpoint import VisionModel, build_empty, init_random
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from mm_encoder.cache_tier import CacheTierError, check_install
-from mm_encoder.serve import free_port
+from mm_encoder.core.errors import CacheTierError
+from mm_encoder.deploy.cache_tiers import check_install
+from mm_encoder.deploy.local import free_port
 
 
 def require_nginx() -> None:
@@ -81,7 +82,7 @@ async def start_tier(tmp_path: Path, name: str, tier: str, *args: str, port: int
     port = port or free_port()
     run_dir = tmp_path / f"nginx-{name}"
     log = tmp_path / f"nginx-{name}.log"
-    cmd = [sys.executable, "-m", "mm_encoder.cache_tier", "up", "--tier", tier, "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", tier, "--listen", f"127.0.0.1:{port}",
            "--run-dir", str(run_dir), "--workers", "1", *args]
     if tier != "router":
         cmd += ["--cache-dir", str(tmp_path / f"cache-{name}")]

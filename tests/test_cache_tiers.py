@@ -21,9 +21,11 @@ from nginx_fixtures import require_nginx, tiers
 from pydantic import ValidationError
 from worker_fixtures import ForwardGate, run_worker, wait_for
 
-from mm_encoder import cache_tier, wire
-from mm_encoder.cache_tier import CacheTierError, TierConfig, render
-from mm_encoder.registry import config_dir
+from mm_encoder import wire
+from mm_encoder.core.errors import CacheTierError
+from mm_encoder.core.registry import config_dir
+from mm_encoder.deploy import cache_tiers
+from mm_encoder.deploy.cache_tiers import TierConfig, render
 
 
 @pytest.fixture(autouse=True)
@@ -251,10 +253,10 @@ async def test_a_stopped_shard_makes_its_keys_miss_not_fail(tiny, tmp_path):
 
 
 def test_missing_nginx_says_which_packages(monkeypatch):
-    monkeypatch.setattr(cache_tier, "find_nginx", lambda: None)
-    monkeypatch.setattr(cache_tier, "find_modules_dir", lambda: None)
+    monkeypatch.setattr(cache_tiers, "find_nginx", lambda: None)
+    monkeypatch.setattr(cache_tiers, "find_modules_dir", lambda: None)
     with pytest.raises(CacheTierError) as e:
-        cache_tier.check_install()
+        cache_tiers.check_install()
     msg = str(e.value)
     assert "apt-get install -y --no-install-recommends nginx libnginx-mod-http-lua lua-nginx-string" in msg
     assert "ngx_http_lua_module.so" in msg
@@ -273,6 +275,12 @@ def test_config_validation_and_rendering(tmp_path):
                  "server enc-0:8090;", "server enc-1:8090;", "proxy_cache_lock_timeout 600s;"):
         assert line in text
     assert not [line for line in text.splitlines() if "@" in line and not line.lstrip().startswith("#")]
+    # each tier waits longer than everything behind it: the cluster tier waits on the shared tier
+    assert "proxy_read_timeout 900s;" in text
+    cluster = render(TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("127.0.0.1:9000",), run_dir=tmp_path))
+    assert "proxy_read_timeout 1500s;" in cluster
+    explicit = TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("x:1",), run_dir=tmp_path, read_timeout="9s")
+    assert "proxy_read_timeout 9s;" in render(explicit)
 
 
 def test_kubernetes_manifests_are_well_formed():

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from mm_encoder.caches import AliasCache, BodyCache, SingleFlight
-from mm_encoder.settings import WorkerSettings
+from mm_encoder.service.caches import AliasCache, BodyCache, SingleFlight
+from mm_encoder.service.settings import WorkerSettings
 from mm_encoder.worker import main
 
 

@@ -12,7 +12,7 @@ from media_factory import image_bytes, natural_image
 from safetensors.torch import save_file
 
 from mm_encoder import CheckpointError, Encoder, get_spec
-from mm_encoder.spec import HF_MODEL_TYPES
+from mm_encoder.core.spec import HF_MODEL_TYPES
 
 VISION = {
     "vt_hidden_size": 32,
@@ -37,7 +37,7 @@ VISION = {
 
 def _small_spec():
     spec = get_spec("kimi-k2.5-vision")
-    from mm_encoder.spec import tower_from_hf
+    from mm_encoder.core.spec import tower_from_hf
 
     return spec.model_copy(
         update={"tower": tower_from_hf(VISION), "projector": spec.projector.model_copy(update={"out_dim": 48})}

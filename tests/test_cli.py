@@ -72,3 +72,28 @@ def test_demo_subprocess_prints_summary():
 def test_worker_subcommand_reports_bad_options(capsys):
     assert main(["worker", "--http-port", "-1"]) == 2
     assert "nothing to serve" in capsys.readouterr().err
+
+
+def test_component_subcommands_hand_every_word_to_the_component(capsys):
+    """`mm-encoder cache ...` is `python -m mm_encoder.deploy.cache_tiers ...`: options and --help are
+    the component's own, with nothing of the top-level parser in between."""
+    assert main(["cache", "render", "--tier", "router", "--shard", "127.0.0.1:9001", "--listen",
+                 "127.0.0.1:9000"]) == 0
+    conf = capsys.readouterr().out
+    assert "listen 127.0.0.1:9000" in conf and "server 127.0.0.1:9001" in conf
+    with pytest.raises(SystemExit) as e:
+        main(["worker", "--help"])
+    assert e.value.code == 0 and "--batch-max-patches" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert e.value.code == 0 and all(name in top for name in ("worker", "cache", "serve", "status", "render-k8s"))
+    assert main(["cache", "up", "--tier", "router"]) == 2  # the component's own refusal: no --shard
+    assert "needs at least one --shard" in capsys.readouterr().err
+
+
+def test_torch_free_commands_start_without_torch():
+    code = ("import sys; from mm_encoder.cli import main; rc = main(['status', '--run-dir', '/nonexistent']); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no running graph" in r.stderr

@@ -18,7 +18,8 @@ from nginx_fixtures import dynamo_system_port
 from worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 
 from mm_encoder import wire
-from mm_encoder.dynamo_rpc import RemoteEncodeError, call_encode, endpoint_path, make_runtime
+from mm_encoder.core.dynamo import call_encode, endpoint_path, make_runtime
+from mm_encoder.core.errors import RemoteError
 
 pytest.importorskip("dynamo.runtime")
 
@@ -48,9 +49,9 @@ async def test_dynamo_and_http_return_identical_bytes(tiny):
         by_bytes = await call_encode(client, {"model": "tiny", "data": PNG})
         status, headers, body = await post_json(s, w, {"model": "tiny", "url": url})
         assert status == 200
-        assert reply["body"] == by_bytes["body"] == body  # three separate encodes, one byte string
-        assert reply["mm_hash"] == headers["X-MM-Hash"] == wire.decode(body).mm_hash
-        assert set(reply["timings_ms"]) >= {"decode", "preprocess", "forward", "pack", "total"}
+        assert reply.body == by_bytes.body == body  # three separate encodes, one byte string
+        assert reply.mm_hash == headers["X-MM-Hash"] == wire.decode(body).mm_hash
+        assert set(reply.timings_ms) >= {"decode", "preprocess", "forward", "pack", "total"}
         assert w.service.metrics.value("mm_encoder_requests_total", {"transport": "dynamo", "outcome": "ok"}) == 2
 
 
@@ -67,10 +68,10 @@ async def test_dynamo_and_http_return_identical_bytes(tiny):
 async def test_dynamo_errors_are_typed(tiny, request_, code):
     async with run_worker(tiny, dynamo=True) as w:
         client = await client_for(w.dynamo.runtime)
-        with pytest.raises(RemoteEncodeError) as e:
+        with pytest.raises(RemoteError) as e:
             await call_encode(client, request_)
         assert e.value.code == code
-        assert (await call_encode(client, {"model": "tiny", "data": PNG}))["body"]  # still serving
+        assert (await call_encode(client, {"model": "tiny", "data": PNG})).body  # still serving
 
 
 async def test_dynamo_graceful_shutdown_finishes_inflight(tiny):
@@ -84,7 +85,7 @@ async def test_dynamo_graceful_shutdown_finishes_inflight(tiny):
         gate.release()
         reply = await call
         await stopping
-        assert wire.decode(reply["body"]).mm_hash == reply["mm_hash"]
+        assert wire.decode(reply.body).mm_hash == reply.mm_hash
 
 
 async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(tmp_path):
@@ -106,7 +107,7 @@ async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(
         async with aiohttp.ClientSession() as s:
             url = "data:image/png;base64," + base64.b64encode(PNG).decode()
             async with s.post(f"http://127.0.0.1:{http_port}/v1/encode", json={"model": "tiny", "url": url}) as r:
-                assert r.status == 200 and await r.read() == reply["body"]
+                assert r.status == 200 and await r.read() == reply.body
             async with s.get(f"http://127.0.0.1:{system_port}/metrics") as r:
                 text = await r.text()
             assert r.status == 200 and 'mm_encoder_requests_total{outcome="ok",transport="dynamo"} 1.0' in text
@@ -140,11 +141,14 @@ async def test_dynamo_caller_stopping_drops_queued_work(tiny):
                 pass
 
         task = asyncio.create_task(second())
-        await wait_for(lambda: len(w.service._jobs) == 1, what="the second item to be queued")
+        depth = w.service.metrics.value
+        await wait_for(lambda: depth("mm_encoder_queue_depth") == 1, what="the second item to be queued")
         ctx.stop_generating()
-        await wait_for(lambda: w.service._jobs[0].future.cancelled(), what="the queued job to be cancelled")
+        cancelled = {"transport": "dynamo", "outcome": "cancelled"}
+        await wait_for(lambda: w.service.metrics.value("mm_encoder_requests_total", cancelled) == 1,
+                       what="the queued request to be cancelled")
         gate.release()
-        assert (await first)["body"]
+        assert (await first).body
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
-        await wait_for(lambda: not w.service._jobs, what="the queue to empty")
+        await wait_for(lambda: w.service.metrics.value("mm_encoder_queue_depth") == 0, what="the queue to empty")
         assert w.service.metrics.value("mm_encoder_forward_items_total") == 1

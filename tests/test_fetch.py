@@ -20,8 +20,8 @@ import pydantic
 import pytest
 from aiohttp import web
 
-from mm_encoder.errors import MMEncoderError
-from mm_encoder.fetch import FETCH_ERROR_STATUS, Fetched, Fetcher, FetchError, FetchPolicy, check_ip
+from mm_encoder.core.errors import FETCH_ERROR_STATUS, FetchError, MMEncoderError
+from mm_encoder.fetch import Fetched, Fetcher, FetchPolicy, check_ip
 
 # ------------------------------------------------------------------------------------------------ fixtures
 
@@ -539,7 +539,7 @@ async def test_dns_failure(fake_dns) -> None:
 
 
 async def test_pinned_resolver_fails_closed() -> None:
-    from mm_encoder.fetch import _PinnedResolver
+    from mm_encoder.fetch.fetcher import _PinnedResolver
 
     with pytest.raises(OSError):
         await _PinnedResolver().resolve("example.com", 80)

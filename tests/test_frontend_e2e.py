@@ -20,11 +20,12 @@ import pytest
 from media_factory import image_bytes, natural_image, video_bytes
 from nginx_fixtures import dynamo_system_port, free_port, require_nginx
 
-from mm_encoder.engines.lm import make_model_dir
-from mm_encoder.frontend.chat import ChatTokenizer
-from mm_encoder.registry import get_spec
+from mm_encoder.core.prompt import ChatTokenizer
+from mm_encoder.core.registry import get_spec
+from mm_encoder.engines.model_dir import make_model_dir
 
 pytest.importorskip("dynamo.llm")
+pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
 
 IMG_A = image_bytes(natural_image(112, 84, seed=1))  # 8 x 6 patches -> 4 x 3 grid of merged tokens
 IMG_B = image_bytes(natural_image(112, 84, seed=2))
@@ -97,7 +98,7 @@ def graph(tmp_path_factory):
     try:
         g.start("worker", "-m", "mm_encoder.worker", "--model", "tiny", "--dynamo", "--http-port", str(g.worker_port),
                 ready="worker ready")
-        g.start("tier", "-m", "mm_encoder.cache_tier", "up", "--tier", "cluster", "--listen",
+        g.start("tier", "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", "cluster", "--listen",
                 f"127.0.0.1:{g.tier_port}", "--next", f"127.0.0.1:{g.worker_port}", "--run-dir",
                 str(g.root / "tier"), "--cache-dir", str(g.root / "tier-cache"), "--workers", "1")
         for i in (1, 2):

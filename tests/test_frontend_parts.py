@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
+import hashlib
+import json
 import sys
 
 import pytest
@@ -14,13 +16,16 @@ from media_factory import image_bytes, natural_image
 from worker_fixtures import run_worker
 
 from mm_encoder import wire
-from mm_encoder.engines.lm import ReferenceLM, make_model_dir
-from mm_encoder.engines.protocol import EngineRequest, MediaInput
+from mm_encoder.core.errors import BadRequest, ContextOverflow
+from mm_encoder.core.prompt import ChatTokenizer, Splicer
+from mm_encoder.core.registry import get_spec
+from mm_encoder.core.requests import EngineRequest, MediaInput
+from mm_encoder.engines.lm import ReferenceLM
+from mm_encoder.engines.model_dir import make_model_dir
 from mm_encoder.engines.reference import ReferenceEngine
-from mm_encoder.frontend.chat import ChatError, ChatTokenizer, MediaRef, Splicer, parse_messages
-from mm_encoder.frontend.encoder_client import MultiModalCaller, cache_key
-from mm_encoder.frontend.processor import ContextOverflow, Limits, MultimodalProcessor
-from mm_encoder.registry import get_spec
+from mm_encoder.frontend.chat import MediaRef, parse_messages, prompt_segments
+from mm_encoder.frontend.encoder_client import EncoderClient, cache_key
+from mm_encoder.frontend.processor import Limits, MultimodalProcessor
 from mm_encoder.routing import MediaSpan, block_mm_infos, pad_routing_tokens, to_signed64
 
 H1, H2 = "ab" * 32, "cd" * 32
@@ -71,9 +76,9 @@ def test_parse_messages_cuts_media_out_and_refuses_bad_parts():
     assert msgs[0]["content"] == "look 7\ue0000\ue001\ue0001\ue001"  # user text cannot forge a sentinel
     for bad in ([], [{"role": "user", "content": [{"type": "audio_url"}]}],
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], [{"content": "x"}]):
-        with pytest.raises(ChatError):
+        with pytest.raises(BadRequest):
             parse_messages(bad, max_media=4)
-    with pytest.raises(ChatError):
+    with pytest.raises(BadRequest):
         parse_messages([{"role": "user", "content": [{"type": "image_url", "image_url": "u"}] * 3}], max_media=2)
 
 
@@ -84,7 +89,7 @@ def test_splice_expands_each_placeholder_by_length(model_dir):
     msgs, media = parse_messages([{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": "u1"}, {"type": "text", "text": "b"},
         {"type": "video_url", "video_url": "u2"}]}], max_media=4)
-    texts = tok.prompt_text(msgs, len(media))
+    texts = prompt_segments(tok, msgs, len(media))
     out = splicer.splice(texts, [("image", [6], None), ("video", [4, 4], ["00:00:00.000", "00:00:02.000"])])
     ph = splicer.placeholder_id
     assert out.token_ids.count(ph) == 14 and [len(s) for s in out.spans] == [1, 2]
@@ -92,8 +97,14 @@ def test_splice_expands_each_placeholder_by_length(model_dir):
         for offset, n in item:
             assert out.token_ids[offset : offset + n] == [ph] * n
             assert out.token_ids[offset - 1] != ph and out.token_ids[offset + n] != ph
-    text = tok.decode(out.token_ids)
-    assert "00:00:02.000" in tok._tok.decode(out.token_ids, skip_special_tokens=False) and "a" in text
+    # the same prompt built as a string from the spec's templates: the splice is exactly that, in tokens
+    ph, image, video = spec.prompt.placeholder, spec.prompt.image, spec.prompt.video
+    expected = (texts[0] + image.replace(ph, ph * 6) + texts[1]
+                + "".join(video.format(timestamp=t).replace(ph, ph * 4) for t in ("00:00:00.000", "00:00:02.000"))
+                + texts[2])
+    assert texts == ["<|im_user|>user<|im_middle|>a", "b", "<|im_end|><|im_assistant|>assistant<|im_middle|>"]
+    assert tok._tok.decode(out.token_ids, skip_special_tokens=False) == expected
+    assert tok.decode(out.token_ids) == "useraimageb00:00:00.000video00:00:02.000videoassistant"
 
 
 def test_incremental_detokenizer_equals_decoding_everything(model_dir):
@@ -110,7 +121,7 @@ def test_incremental_detokenizer_equals_decoding_everything(model_dir):
 
 def test_max_tokens_is_capped_to_the_context_and_overflow_refused(model_dir):
     proc = MultimodalProcessor(served_name="m", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-                               caller=MultiModalCaller("tiny", rpc_client=object()), router=None, engine_client=None,
+                               encoder=EncoderClient("tiny", rpc_client=object()), router=None, engine_client=None,
                                block_size=16, eos_token_ids=[1], limits=Limits(context_length=100,
                                                                                 default_max_tokens=30))
     assert proc.max_tokens_for({}, 50) == 30
@@ -118,16 +129,24 @@ def test_max_tokens_is_capped_to_the_context_and_overflow_refused(model_dir):
     assert proc.max_tokens_for({"max_completion_tokens": 10, "max_tokens": 500}, 50) == 10
     with pytest.raises(ContextOverflow, match=r"context length is 100"):
         proc.max_tokens_for({}, 100)
-    with pytest.raises(ChatError):
+    with pytest.raises(BadRequest):
         proc.max_tokens_for({"max_tokens": 0}, 10)
 
 
 def test_cache_key_names_what_the_answer_depends_on():
+    def documented(model, processor, ref, scope):  # sha256 of the canonical JSON [model, processor, ref, scope]
+        doc = json.dumps([model, processor or {}, ref, scope], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(doc.encode()).hexdigest()
+
     k = cache_key("tiny", None, "https://x/a.png", "")
-    assert k == cache_key("tiny", None, "https://x/a.png", "") and len(k) == 64
+    assert k == documented("tiny", None, "https://x/a.png", "")
     assert len({k, cache_key("tiny", None, "https://x/a.png", "t2"), cache_key("other", None, "https://x/a.png", ""),
                 cache_key("tiny", {"in_patch_limit": 64}, "https://x/a.png", "")}) == 4
-    assert "data:" not in cache_key("tiny", None, "data:image/png;base64,AAAA", "")
+    # a data: URL is keyed by the hash of its text, not the text (which may be megabytes)
+    url = "data:image/png;base64,AAAA"
+    assert cache_key("tiny", None, url, "") == documented("tiny", None, "sha256:" + hashlib.sha256(url.encode())
+                                                          .hexdigest(), "")
+    assert cache_key("tiny", None, url, "") != cache_key("tiny", None, "data:image/png;base64,AAAB", "")
 
 
 def test_wire_peek_reads_the_header_without_the_tensor():
@@ -182,41 +201,42 @@ async def test_frontend_drops_embeddings_once_the_engine_has_them(tiny, model_di
         endpoint = rt.endpoint("mm.engine.generate")
         engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16))
         serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.generate))
-        await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(model_dir), "tiny-chat",
-                             worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
-        engine_client = await endpoint.client()
-        await asyncio.wait_for(engine_client.wait_for_instances(), 30)
-        rpc = await rt.endpoint("mm.mm_encoder.encode").client()
-        await asyncio.wait_for(rpc.wait_for_instances(), 30)
-        bodies: list[bytes] = []
+        try:
+            await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(model_dir), "tiny-chat",
+                                 worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+            engine_client = await endpoint.client()
+            await asyncio.wait_for(engine_client.wait_for_instances(), 30)
+            rpc = await rt.endpoint("mm.mm_encoder.encode").client()
+            await asyncio.wait_for(rpc.wait_for_instances(), 30)
+            bodies: list[bytes] = []
 
-        class Recording(MultiModalCaller):
-            async def encode(self, item, scope=""):
-                out = await super().encode(item, scope)
-                bodies.append(out.body)
-                return out
+            class Recording(EncoderClient):
+                async def embed(self, item, scope=""):
+                    out = await super().embed(item, scope)
+                    bodies.append(out.body)
+                    return out
 
-        router = KvRouter(endpoint, 16, KvRouterConfig())
-        await _until_routable(router)
-        proc = MultimodalProcessor(
-            served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-            caller=Recording("tiny", rpc_client=rpc), router=router,
-            engine_client=engine_client, block_size=16, eos_token_ids=[], limits=Limits(context_length=256))
-        url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
-        request = {"model": "tiny-chat", "max_tokens": 40,
-                   "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
-        stream = proc.generate(request)
-        chunks = [await stream.__anext__()]
-        gc.collect()
-        assert len(bodies) == 1
-        # only the test's list holds it: same count as a private copy held the same way
-        baseline = [bytes(bytearray(bodies[0]))]  # a distinct object (bytes(b) would return b itself)
-        assert sys.getrefcount(bodies[0]) == sys.getrefcount(baseline[0]), _referrers(bodies[0])
-        assert proc.stats.live_embedding_requests == 0
-        chunks += [c async for c in stream]
-        assert chunks[-1]["usage"]["completion_tokens"] == 40
-        rt_serving = serving
-        rt_serving.cancel()
+            router = KvRouter(endpoint, 16, KvRouterConfig())
+            await _until_routable(router)
+            proc = MultimodalProcessor(
+                served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
+                encoder=Recording("tiny", rpc_client=rpc), router=router,
+                engine_client=engine_client, block_size=16, eos_token_ids=[], limits=Limits(context_length=256))
+            url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
+            request = {"model": "tiny-chat", "max_tokens": 40,
+                       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+            stream = proc.generate(request)
+            chunks = [await stream.__anext__()]
+            gc.collect()
+            assert len(bodies) == 1
+            # only the test's list holds it: same count as a private copy held the same way
+            baseline = [bytes(bytearray(bodies[0]))]  # a distinct object (bytes(b) would return b itself)
+            assert sys.getrefcount(bodies[0]) == sys.getrefcount(baseline[0]), _referrers(bodies[0])
+            assert proc.stats.live_embedding_requests == 0
+            chunks += [c async for c in stream]
+            assert chunks[-1]["usage"]["completion_tokens"] == 40
+        finally:
+            serving.cancel()
 
 
 async def _until_routable(router, timeout: float = 30.0) -> None:

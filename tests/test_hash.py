@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import blake3
 from media_factory import image_bytes, natural_image, video_bytes
 
 from mm_encoder import Encoder, PreprocessConfig
@@ -12,7 +13,8 @@ def test_same_bytes_same_hash_other_bytes_other_hash(tiny):
     b = image_bytes(natural_image(120, 90, seed=2))
     ra, ra2, rb = tiny.encode([a, a, b])
     assert ra.mm_hash == ra2.mm_hash != rb.mm_hash
-    assert len(ra.mm_hash) == 64 and int(ra.mm_hash, 16) >= 0
+    # the documented construction: blake3(len(identity) as 4 LE bytes, identity, modality NUL, bytes), hex
+    assert ra.mm_hash == _blake3(tiny.identity(), "image", a).hexdigest() == tiny.identify(a)[1]
 
 
 def test_hash_depends_on_model_and_processor_settings(tiny):
@@ -25,10 +27,19 @@ def test_hash_depends_on_model_and_processor_settings(tiny):
     assert r.mm_hash != h.mm_hash and r.num_tokens < h.num_tokens
 
 
-def test_video_chunks_hash_from_source_bytes(tiny):
+def _blake3(identity: bytes, modality: str, data: bytes) -> blake3.blake3:
+    return blake3.blake3(len(identity).to_bytes(4, "little") + identity + modality.encode() + b"\0" + data)
+
+
+def test_video_chunks_hash_from_the_videos_mm_hash(tiny):
     data = video_bytes(64, 48, frames=20, fps=5)
     first = tiny.encode_file(data)
     again = tiny.encode_file(data)
     assert [r.mm_hash for r in first] == [r.mm_hash for r in again]
-    assert len({r.mm_hash for r in first}) == len(first) == 2
     assert all(r.modality == "video" and r.grid_thw[0] == 4 for r in first)
+    identity = tiny.identity()
+    video = _blake3(identity, "video", data).hexdigest()
+    assert tiny.identify(data) == ("video", video)  # what the worker caches the whole video's body under
+    chunks = [_blake3(identity, "video", video.encode() + b"\0chunk" + i.to_bytes(4, "little")).hexdigest()
+              for i in range(2)]
+    assert [r.mm_hash for r in first] == chunks

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mm_encoder import k8s
-from mm_encoder.graph import Graph, GraphError, load_graph
+from mm_encoder.core.errors import GraphError
+from mm_encoder.deploy import k8s
+from mm_encoder.deploy.graph import Graph, load_graph
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -114,8 +115,9 @@ def test_shared_tier_is_a_statefulset_behind_a_headless_service(epd, epd_docs):
     pod = sts["spec"]["template"]["spec"]
     cache = next(v for v in pod["volumes"] if v["name"] == "cache")
     assert cache["emptyDir"]["medium"] == "Memory"
+    assert pod["containers"][0]["command"] == ["python", "-m", "mm_encoder.deploy.cache_tiers"]
     args = pod["containers"][0]["args"]
-    assert args[:4] == ["cache", "up", "--tier", "shared"]
+    assert args[:3] == ["up", "--tier", "shared"]
     assert opt(args, "--max-size") == ["2g"]  # the graph's value replaces the default, once
     assert _bytes(cache["emptyDir"]["sizeLimit"]) > 2 << 30
     assert opt(args, "--next") == [f"epd-encoder-http:{k8s.ENCODER_PORT}"]
@@ -186,8 +188,9 @@ def test_generated_llm_dir_is_made_by_an_init_container(epd_docs, epd):
     for name in ("Frontend", "Engine"):
         pod = services[name]["extraPodSpec"]
         init = pod["initContainers"][0]
-        assert init["command"][:2] == ["python", "-c"]
-        assert init["command"][3:] == [k8s.LLM_DIR, epd.llm.vision_model, epd.llm.name, str(epd.llm.context_length)]
+        assert init["command"] == ["python", "-m", "mm_encoder.engines.reference", "--make-model-dir", k8s.LLM_DIR,
+                                   "--model", epd.llm.vision_model, "--name", epd.llm.name,
+                                   "--context-length", str(epd.llm.context_length)]
         assert {"name": "llm", "emptyDir": {}} in pod["volumes"]
         assert opt(pod["mainContainer"]["args"], "--model-dir") == [k8s.LLM_DIR]
     assert "Encoder" not in [n for n, s in services.items() if "initContainers" in s["extraPodSpec"]]
@@ -224,20 +227,23 @@ def test_component_image_env_and_resources_override_the_defaults():
 
 
 def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsys):
-    from mm_encoder.cache_tier import main as cache_main
-    from mm_encoder.frontend.__main__ import FrontendSettings
-    from mm_encoder.settings import WorkerSettings
+    from mm_encoder.deploy.cache_tiers import main as cache_main
+    from mm_encoder.engines.reference import EngineSettings
+    from mm_encoder.frontend.settings import FrontendSettings
+    from mm_encoder.service.settings import WorkerSettings
 
     services = one(epd_docs, "DynamoGraphDeployment")["spec"]["services"]
     worker = WorkerSettings(_cli_parse_args=services["Encoder"]["extraPodSpec"]["mainContainer"]["args"])
     assert worker.dynamo and worker.http_port == 8090 and worker.http_host == "0.0.0.0" and worker.namespace == "mm"
     frontend = FrontendSettings(_cli_parse_args=services["Frontend"]["extraPodSpec"]["mainContainer"]["args"])
     assert frontend.encoder_http == "http://epd-cluster:8080" and frontend.http_port == k8s.FRONTEND_PORT
+    engine = EngineSettings(_cli_parse_args=services["Engine"]["extraPodSpec"]["mainContainer"]["args"])
+    assert (str(engine.model_dir), engine.name, engine.namespace) == (k8s.LLM_DIR, epd.llm.name, "mm")
     for d in epd_docs:
         if d["kind"] in ("StatefulSet", "Deployment"):
             args = d["spec"]["template"]["spec"]["containers"][0]["args"]
-            assert args[:2] == ["cache", "up"]
-            assert cache_main(["render", *args[2:]]) == 0, capsys.readouterr().err
+            assert args[0] == "up"
+            assert cache_main(["render", *args[1:]]) == 0, capsys.readouterr().err
     capsys.readouterr()
 
 

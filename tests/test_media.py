@@ -22,8 +22,9 @@ from media_factory import image_bytes, natural_image, video_bytes
 from PIL import Image
 
 from mm_encoder import Encoder
-from mm_encoder.errors import MEDIA_ERROR_CODES, MediaError
-from mm_encoder.media import (
+from mm_encoder.core.errors import MEDIA_ERROR_CODES, MediaError
+from mm_encoder.core.spec import MediaLimits, PreprocessConfig
+from mm_encoder.model.media import (
     VideoChunk,
     decode_image,
     decode_video,
@@ -32,7 +33,6 @@ from mm_encoder.media import (
     sample_indices,
     sniff_modality,
 )
-from mm_encoder.spec import MediaLimits, PreprocessConfig
 
 LIMITS = MediaLimits()
 CFG = PreprocessConfig()

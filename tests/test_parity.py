@@ -10,8 +10,8 @@ from media_factory import image_bytes, natural_image
 from reference import reference_forward
 
 from mm_encoder import Encoder, VideoChunk, get_spec
-from mm_encoder.checkpoint import build_empty
-from mm_encoder.spec import ProjectorConfig, TowerConfig
+from mm_encoder.core.spec import ProjectorConfig, TowerConfig
+from mm_encoder.model.checkpoint import build_empty
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -46,11 +46,11 @@ PROJECTORS = {
 
 def _run_both(spec, items, dtype=torch.float32):
     model = random_model(spec, seed=3, dtype=dtype)
-    enc = Encoder(spec, model, device=torch.device("cpu"), dtype=dtype, max_batch_patches=1 << 20)
+    enc = Encoder(spec, model, device=torch.device("cpu"), dtype=dtype, batch_max_patches=1 << 20)
     fast = enc.encode(items)
     pixels, grids = [], []
     for item in items:  # the same preprocessing, then the reference forward on fp32 weights
-        pre = enc._prepare(item, spec.preprocess)
+        pre = enc.prepare(item, spec.preprocess)
         pixels.append(pre.pixel_values.float())
         grids.append(pre.grid)
     sd = {k: v.float() for k, v in model.state_dict().items()}
@@ -95,7 +95,7 @@ def test_packing_does_not_mix_items(tiny):
 
 def test_output_order_and_batches_split_by_cap():
     spec = get_spec("tiny")
-    enc = Encoder(spec, random_model(spec), device=torch.device("cpu"), dtype=torch.float32, max_batch_patches=300)
+    enc = Encoder(spec, random_model(spec), device=torch.device("cpu"), dtype=torch.float32, batch_max_patches=300)
     items = [image_bytes(natural_image(w, 140, seed=w)) for w in (140, 280, 420, 140)]
     out = enc.encode(items)
     assert [o.grid_thw for o in out] == [(1, 10, 10), (1, 10, 20), (1, 10, 30), (1, 10, 10)]
@@ -114,3 +114,26 @@ def test_real_moonvit_parameter_counts():
     assert tuple(sd["vision_tower.patch_embed.pos_emb.weight"].shape) == (64, 64, 1152)
     assert tuple(sd["vision_tower.encoder.blocks.26.wqkv.weight"].shape) == (3456, 1152)
     assert tuple(sd["mm_projector.proj.2.weight"].shape) == (7168, 4608)
+
+
+@pytest.mark.parametrize("projector", PROJECTORS)
+def test_every_weight_module_runs_as_a_module(projector):
+    """Each Linear, LayerNorm, RMSNorm and the patch projection is called as a module, so a swap (a
+    quantized Linear, a LoRA wrapper) or a forward hook applies: every one of them fires a hook."""
+    spec = _spec(TOWERS["tiny"], PROJECTORS[projector])
+    model = random_model(spec)
+    leaves = {name: m for name, m in model.named_modules() if list(m.parameters(recurse=False))
+              and name != "vision_tower.patch_embed.pos_emb"}  # a table, indexed, not called
+    called: set[str] = set()
+    for name, m in leaves.items():
+        m.register_forward_hook(lambda mod, args, out, name=name: called.add(name))
+    pixels, grid = Encoder(spec, model, device=torch.device("cpu"), dtype=torch.float32).preprocess(
+        image_bytes(natural_image(64, 48, seed=2)))
+    with torch.inference_mode():
+        before = model(pixels, [grid])
+        assert called == set(leaves)
+        wo = model.vision_tower.encoder.blocks[0].wo
+        model.vision_tower.encoder.blocks[0].wo = torch.nn.Sequential(wo, torch.nn.Identity())  # swapped in place
+        torch.testing.assert_close(model(pixels, [grid]), before, rtol=0, atol=0)
+        model.vision_tower.encoder.blocks[0].wo = torch.nn.Sequential(wo, torch.nn.Dropout(1.0).train())
+        assert not torch.equal(model(pixels, [grid]), before)  # the swap changes what runs

@@ -10,8 +10,8 @@ import torch
 from media_factory import image_bytes, natural_image
 from PIL import Image
 
-from mm_encoder.preprocess import num_tokens, preprocess_frames, resize_target, resize_uint8
-from mm_encoder.spec import PreprocessConfig
+from mm_encoder.core.spec import PreprocessConfig
+from mm_encoder.model.preprocess import num_tokens, preprocess_frames, resize_target, resize_uint8
 
 CFG = PreprocessConfig()
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from mm_encoder import Encoder, UnknownModelError, get_spec, list_models
-from mm_encoder.checkpoint import build_empty
-from mm_encoder.registry import config_dir
+from mm_encoder.core.registry import config_dir
+from mm_encoder.model.checkpoint import build_empty
 
 GLM_NAMES = ["glm-5.2-vision", "zai-org/GLM-5.2", "GLM-5.2-Fast", "GLM-5.2-1M"]
 

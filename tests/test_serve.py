@@ -20,12 +20,16 @@ from pathlib import Path
 import pytest
 from nginx_fixtures import free_port, require_nginx
 
-from mm_encoder.graph import GraphError, load_graph
-from mm_encoder.serve import leftover_pids
-from mm_encoder.status import collect
+from mm_encoder.core.errors import GraphError
+from mm_encoder.deploy.graph import load_graph
+from mm_encoder.deploy.local import leftover_pids
+from mm_encoder.deploy.status import collect
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "mm_encoder" / "samples" / "sample.jpg"
+# The request below: the 1280x720 sample is 1196 tokens for `tiny` (preprocess.num_tokens; checked in
+# test_sample_token_count), the chat template and "What is in this image?" 27 more in the test LLM.
+IMAGE_TOKENS, TEXT_TOKENS = 1196, 27
 
 
 def chat(port: int) -> dict:
@@ -76,6 +80,7 @@ class Served:
         return self.text
 
 
+@pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
 @pytest.mark.parametrize("graph", ["graphs/epd.yaml", "graphs/agg.yaml"])
 def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
     if "epd" in graph:
@@ -85,7 +90,7 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
     try:
         served.wait_for("ready: OpenAI base URL", 240)
         first = chat(port)
-        assert first["usage"]["prompt_tokens"] > 1000  # the image's 1196 placeholders were spliced in
+        assert first["usage"]["prompt_tokens"] == IMAGE_TOKENS + TEXT_TOKENS  # the image's placeholders, spliced
         again = chat(port)
         assert again["usage"] == first["usage"]
         status = {c["name"]: c for c in collect(tmp_path / "run")["components"]}
@@ -118,6 +123,18 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
     finally:
         if served.proc.poll() is None:
             served.stop()
+
+
+@pytest.mark.parametrize("graph", ["graphs/epd.yaml", "graphs/agg.yaml"])
+def test_sample_token_count(graph):
+    """The arithmetic behind IMAGE_TOKENS, from the image's size and the graph's vision model."""
+    from PIL import Image
+
+    from mm_encoder.core.registry import get_spec
+    from mm_encoder.model.preprocess import num_tokens
+
+    spec = get_spec(load_graph(ROOT / graph).llm.vision_model)
+    assert num_tokens(*Image.open(SAMPLE).size, spec.preprocess, spec.tower.patch_size) == IMAGE_TOKENS
 
 
 def test_graph_errors_name_their_path(tmp_path):

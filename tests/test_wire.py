@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mm_encoder import wire
-from mm_encoder.errors import MMEncoderError
-from mm_encoder.wire import WireError
+from mm_encoder.core.errors import MMEncoderError, WireError
 
 IMAGE = {"modality": "image", "grid_thws": [(1, 4, 8)], "timestamps": None}  # 8 tokens
 VIDEO = {"modality": "video", "grid_thws": [(4, 4, 8), (2, 2, 4)], "timestamps": ["00:00:00.000", "00:00:02.500"]}
@@ -65,7 +64,7 @@ def test_round_trip_bit_exact(dtype: str, byte_planes: bool, item: dict) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch.frombuffer warns on a read-only buffer
         m = wire.decode(body)
-    assert same_bits(m.embeds, x.to(wire.DTYPES[dtype]))
+    assert same_bits(m.embeds, x.to(getattr(torch, dtype)))
     assert (m.version, m.mm_hash, m.model, m.modality, m.dtype) == (1, "abc123", "kimi-k2.5-vision",
                                                                    item["modality"], dtype)
     assert m.shape == (TOKENS[item["modality"]], 12) and m.length == m.shape[0]
@@ -119,7 +118,7 @@ def test_byte_layout_little_endian_and_planes(dtype: str, byte_planes: bool, exp
     x = torch.tensor([[1.0, -2.0, 0.5]])
     body = encode({"modality": "image", "grid_thws": [(1, 2, 2)], "timestamps": None}, byte_planes, dtype, embeds=x)
     assert raw_map(body)["embeds"] == bytes.fromhex(expected.replace(" ", ""))
-    assert same_bits(wire.decode(body).embeds, x.to(wire.DTYPES[dtype]))
+    assert same_bits(wire.decode(body).embeds, x.to(getattr(torch, dtype)))
 
 
 def test_planes_reverse_and_big_endian_host_swaps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,10 +144,10 @@ def test_json_round_trip_and_to_json() -> None:
     assert base64.b64decode(obj["embeds"]) == raw_map(encode(VIDEO, False, embeds=x))["embeds"]
     m = wire.decode_json(legacy)
     assert same_bits(m.embeds, x.bfloat16()) and m.timestamps == tuple(VIDEO["timestamps"])
-    for dtype in wire.DTYPES:
+    for dtype in wire.DTYPE_SIZES:
         for byte_planes in (False, True):
             j = wire.encode_json(mm_hash="h", model="m", embeds=x, dtype=dtype, byte_planes=byte_planes, **VIDEO)
-            assert same_bits(wire.decode_json(j).embeds, x.to(wire.DTYPES[dtype]))
+            assert same_bits(wire.decode_json(j).embeds, x.to(getattr(torch, dtype)))
     with pytest.raises(WireError, match="zstd"):
         wire.decode(legacy)
     with pytest.raises(WireError, match="JSON"):

@@ -91,7 +91,8 @@ async def test_single_flight_url(tiny, session):
         async with run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
             payload = {"model": "tiny", "url": origin.url("a.png")}
             tasks = [asyncio.create_task(post_json(session, w, payload)) for _ in range(16)]
-            await wait_for(lambda: w.service._inflight == 16 and origin.waiting == 1, what="16 requests in flight")
+            await wait_for(lambda: metric(w, "mm_encoder_inflight") == 16 and origin.waiting == 1,
+                           what="16 requests in flight")
             assert origin.hits["a.png"] == 1
             origin.gate.set()
             results = await asyncio.gather(*tasks)
@@ -178,13 +179,14 @@ async def test_cancelled_request_never_reaches_the_device(tiny):
             first = asyncio.create_task(post_json(s1, w, {"model": "tiny", "url": data_url(PNG)}))
             await wait_for(lambda: gate.entered == 1, what="the first forward to start")
             second = asyncio.create_task(post_json(s2, w, {"model": "tiny", "url": data_url(PNG2)}))
-            await wait_for(lambda: len(w.service._jobs) == 1, what="the second item to be queued")
+            await wait_for(lambda: metric(w, "mm_encoder_queue_depth") == 1, what="the second item to be queued")
             second.cancel()  # the client goes away ...
             await s2.close()
-            await wait_for(lambda: w.service._jobs[0].future.cancelled(), what="the queued job to be cancelled")
+            await wait_for(lambda: metric(w, "mm_encoder_requests_total", transport="http", outcome="cancelled") == 1,
+                           what="the queued request to be cancelled")
             gate.release()
             assert (await first)[0] == 200
-            await wait_for(lambda: not w.service._jobs, what="the queue to empty")
+            await wait_for(lambda: metric(w, "mm_encoder_queue_depth") == 0, what="the queue to empty")
         assert metric(w, "mm_encoder_forward_items_total") == 1  # ... and its forward never ran
         assert metric(w, "mm_encoder_requests_total", transport="http", outcome="cancelled") == 1
 
@@ -276,7 +278,7 @@ async def test_graceful_shutdown_loses_no_inflight_response(tiny, session):
         gate = ForwardGate(w.service)
         payloads = [{"model": "tiny", "url": data_url(img)} for img in (PNG, PNG2)]
         tasks = [asyncio.create_task(post_json(session, w, p)) for p in payloads]
-        await wait_for(lambda: w.service._inflight == 2, what="two requests in flight")
+        await wait_for(lambda: metric(w, "mm_encoder_inflight") == 2, what="two requests in flight")
         stopping = asyncio.create_task(w.stop())
         await wait_for(lambda: w.service.draining, what="drain to begin")
         refused = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
@@ -301,7 +303,7 @@ async def test_queued_items_share_a_forward_up_to_the_patch_limit(tiny, session,
         first = asyncio.create_task(post_json(session, w, {"model": "tiny", "url": data_url(imgs[0])}))
         await wait_for(lambda: gate.entered == 1, what="the first forward")
         rest = [asyncio.create_task(post_json(session, w, {"model": "tiny", "url": data_url(i)})) for i in imgs[1:]]
-        await wait_for(lambda: len(w.service._jobs) == 3, what="three queued items")
+        await wait_for(lambda: metric(w, "mm_encoder_queue_depth") == 3, what="three queued items")
         gate.release()
         results = await asyncio.gather(first, *rest)
         assert [r[0] for r in results] == [200] * 4

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from mm_encoder.settings import WorkerSettings
+from mm_encoder.service.settings import WorkerSettings
 from mm_encoder.worker import Worker
 
 
@@ -101,8 +101,8 @@ class ForwardGate:
         self.service = service
         self._event = threading.Event()
         self.entered = 0
-        self._real = service._forward
-        service._forward = self._forward
+        self._real = service.batcher._forward
+        service.batcher._forward = self._forward
 
     def _forward(self, batch):
         self.entered += 1

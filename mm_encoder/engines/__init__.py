@@ -5,5 +5,6 @@
 - `vllm`: builds vLLM inputs from the same request (prompt token ids + precomputed embeddings),
   for GPU deployments; vLLM itself is imported lazily.
 
-The request both take (frontend -> engine, msgpack over Dynamo RPC): see `protocol.EngineRequest`.
+The request both take (frontend -> engine, msgpack over Dynamo RPC): `core.requests.EngineRequest`;
+`inputs` decodes and checks its media; `model_dir` writes the test LLM's directory (no torch).
 """

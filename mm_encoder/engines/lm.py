@@ -1,43 +1,18 @@
-"""A small causal LM for the reference engine, and the model directory it is served from.
-
-The LM is plain PyTorch (pre-norm attention + MLP blocks, learned positions, tied embeddings) with
-deterministic random weights derived from a seed: it exists so the whole graph (frontend ->
-encoder -> engine) runs and is tested end to end on a CPU. Its hidden size equals the projector
-output of the vision model it serves, so spliced embeddings go straight into `inputs_embeds`.
-
-`make_model_dir` writes what Dynamo and the frontend read: `config.json`, a byte-level BPE
-`tokenizer.json` trained on a fixed corpus (no downloads), `tokenizer_config.json` with a chat
-template, and `generation_config.json`.
+"""A small causal LM for the reference engine: plain PyTorch (pre-norm attention + MLP blocks,
+learned positions, tied embeddings) with deterministic random weights derived from a seed. It
+exists so the whole graph (frontend -> encoder -> engine) runs and is tested end to end on a CPU.
+Its directory is written by `model_dir.make_model_dir`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from ..registry import get_spec
-
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-)
-CHAT_TOKENS = ["[BOS]", "[EOS]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
-_CORPUS = """The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
-Describe the image in detail. What is in this picture? Compare the two images and the video.
-Large language models read tokens; a vision encoder turns pixels into embeddings first.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / = + * % # @ & |
-"""
 
 
 @dataclass(frozen=True)
@@ -53,53 +28,6 @@ class LMConfig:
     @property
     def mlp_size(self) -> int:
         return self.intermediate_size or 4 * self.hidden_size
-
-
-def make_model_dir(path: str | Path, model: str = "tiny", *, name: str | None = None, context_length: int = 4096,
-                   num_layers: int = 2, num_heads: int = 4, vocab_size: int = 1024, seed: int = 0) -> Path:
-    """Write a servable model directory for the vision model `model` (its width and prompt)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    spec = get_spec(model)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    media_tokens = sorted(set(re.findall(r"<\|[^|]+\|>", spec.prompt.image + spec.prompt.video)))
-    specials = CHAT_TOKENS + [t for t in media_tokens if t not in CHAT_TOKENS]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in specials}
-    config = {
-        "model_type": "mm_encoder_reference_lm",
-        "architectures": ["ReferenceLM"],
-        "mm_encoder_model": spec.name,
-        "served_model_name": name or path.name,
-        "vocab_size": tok.get_vocab_size(),
-        "hidden_size": spec.projector.out_dim,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "intermediate_size": 4 * spec.projector.out_dim,
-        "max_position_embeddings": context_length,
-        "bos_token_id": ids["[BOS]"],
-        "eos_token_id": ids["[EOS]"],
-        "media_placeholder_token_id": ids[spec.prompt.placeholder],
-        "seed": seed,
-        "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["[EOS]"]}))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": context_length, "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True} for t in specials},
-    }, indent=2))
-    return path
 
 
 def load_config(model_dir: str | Path) -> tuple[LMConfig, dict]:

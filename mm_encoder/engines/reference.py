@@ -3,7 +3,7 @@
     python -m mm_encoder.engines.reference --model-dir DIR [--namespace mm] [--block-size 16]
     python -m mm_encoder.engines.reference --make-model-dir DIR [--model tiny]
 
-It serves `<namespace>.engine.generate` (request: `protocol.EngineRequest`), registers the model
+It serves `<namespace>.engine.generate` (request: `core.requests.EngineRequest`), registers the model
 with Dynamo as a chat model (so the frontend discovers it), generates greedily, streams one token
 per item, and publishes KV events for the prompt's full blocks with the same media info the
 router hashes (`mm_encoder.routing.block_mm_infos`). One request runs at a time on one thread.
@@ -11,11 +11,9 @@ router hashes (`mm_encoder.routing.block_mm_infos`). One request runs at a time 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -24,22 +22,46 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..routing import block_mm_infos, to_signed64
-from .lm import ReferenceLM, load_config, make_model_dir
-from .protocol import EngineRequest, media_rows
+from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
+from ..core.process import parse_settings, run, stop_on_signals
+from ..core.prompt import ChatTokenizer, Splicer
+from ..core.registry import DEFAULT_MODEL
+from ..core.requests import EngineRequest
+from ..fetch import Fetcher
+from ..routing import MediaSpan, block_mm_infos, to_signed64
+from .inputs import media_rows
+from .lm import ReferenceLM, load_config
+from .model_dir import make_model_dir
 
 log = logging.getLogger("mm_encoder.engine")
 
-COMPONENT = "engine"
-ENDPOINT = "generate"
+
+class EngineSettings(BaseSettings):
+    """Every option from the command line or `MM_ENGINE_<OPTION>`."""
+
+    model_config = SettingsConfigDict(env_prefix="MM_ENGINE_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_prog_name="python -m mm_encoder.engines.reference", extra="ignore",
+                                      frozen=True)
+
+    model_dir: Path | None = Field(None, description="a directory written by --make-model-dir")
+    make_model_dir: Path | None = Field(None, description="write a model directory and exit")
+    context_length: int = Field(4096, ge=64, description="with --make-model-dir: the model's context length")
+    model: str = Field(DEFAULT_MODEL, description="vision model the LM serves (its width and prompt)")
+    name: str | None = Field(None, description="served model name (default: from config.json)")
+    namespace: str = Field(NAMESPACE, description="Dynamo namespace")
+    block_size: int = Field(BLOCK_SIZE, ge=1, description="KV block size (the router hashes by it)")
+    encoder_model: str | None = Field(None, description="encode media in this process (no encode worker)")
+    encoder_checkpoint: str | None = Field(None, description="checkpoint directory for --encoder-model")
 
 
 class ReferenceEngine:
     """The model plus its KV-event bookkeeping; `generate` is the Dynamo handler."""
 
-    def __init__(self, model_dir: str | Path, block_size: int = 16, publisher=None, max_stored_blocks: int = 65536,
-                 encoder=None):
+    def __init__(self, model_dir: str | Path, block_size: int = BLOCK_SIZE, publisher=None,
+                 max_stored_blocks: int = 65536, encoder=None):
         self.model = ReferenceLM.from_dir(model_dir)
         self.model_dir = Path(model_dir)
         self.encoder = encoder  # set: this engine also encodes media itself (the aggregated baseline)
@@ -58,7 +80,7 @@ class ReferenceEngine:
     def prefill(self, req: EngineRequest, rows: list | None = None) -> tuple[torch.Tensor, list]:
         """Logits of the prompt's last position, and the KV cache."""
         if rows is None:
-            rows = [r for item in req.media for r in media_rows(item, self.cfg.hidden_size)]
+            rows = media_rows(req, self.cfg.hidden_size)
         x = self.model.embed_tokens(req.token_ids, rows)
         logits, cache = self.model(x)
         return logits[-1], cache
@@ -73,9 +95,6 @@ class ReferenceEngine:
 
     def _inline_tools(self):
         if self._inline is None:
-            from ..fetch import Fetcher
-            from ..frontend.chat import ChatTokenizer, Splicer
-
             self._inline = (Fetcher(), Splicer(ChatTokenizer(self.model_dir), self.encoder.spec.prompt))
         return self._inline
 
@@ -119,7 +138,8 @@ class ReferenceEngine:
         if n_full == 0:
             return
         tokens = req.token_ids[: n_full * self.block_size]
-        infos = block_mm_infos(len(tokens), self.block_size, [_clip(s, len(tokens)) for s in req.media_spans()])
+        spans = [MediaSpan(m.mm_hash, tuple(tuple(s) for s in m.spans)) for m in req.media]
+        infos = block_mm_infos(len(tokens), self.block_size, [_clip(s, len(tokens)) for s in spans])
         hashes = [to_signed64(h) for h in compute_block_hash_for_seq(tokens, self.block_size, infos)]
         if all(h in self._stored for h in hashes):
             return
@@ -164,41 +184,35 @@ class ReferenceEngine:
             position += 1
 
 
-def _clip(span, n: int):
+def _clip(span: MediaSpan, n: int) -> MediaSpan:
     """Media spans limited to the first n tokens (the full blocks)."""
-    from ..routing import MediaSpan
-
     kept = tuple((o, min(l_, n - o)) for o, l_ in span.spans if o < n)
     return MediaSpan(span.mm_hash, kept) if kept else MediaSpan(span.mm_hash, ())
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(s: EngineSettings) -> None:
     from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
 
-    from ..dynamo_rpc import make_runtime
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    runtime = make_runtime(loop)
-    endpoint = runtime.endpoint(f"{args.namespace}.{COMPONENT}.{ENDPOINT}")
-    _, raw = load_config(args.model_dir)
-    name = args.name or raw.get("served_model_name") or Path(args.model_dir).name
+    stop = stop_on_signals()
+    runtime = make_runtime(asyncio.get_running_loop())
+    path = endpoint_path(s.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
+    endpoint = runtime.endpoint(path)
+    _, raw = load_config(s.model_dir)
+    name = s.name or raw.get("served_model_name") or s.model_dir.name
     encoder = None
-    if args.encoder_model:  # the aggregated baseline: this engine encodes media itself
-        from ..encoder import Encoder
+    if s.encoder_model:  # the aggregated baseline: this engine encodes media itself
+        from ..model.encoder import Encoder
 
-        encoder = Encoder.from_pretrained(args.encoder_model, checkpoint=args.encoder_checkpoint)
-    engine = ReferenceEngine(args.model_dir, args.block_size, encoder=encoder)
-    engine.publisher = KvEventPublisher(endpoint, kv_block_size=args.block_size)
+        encoder = Encoder.from_pretrained(s.encoder_model, checkpoint=s.encoder_checkpoint)
+    engine = ReferenceEngine(s.model_dir, s.block_size, encoder=encoder)
+    engine.publisher = KvEventPublisher(endpoint, kv_block_size=s.block_size)
     serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.generate, graceful_shutdown=True))
     await register_model(
-        ModelInput.Tokens, ModelType.Chat, endpoint, str(args.model_dir), name,
-        worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size,
+        ModelInput.Tokens, ModelType.Chat, endpoint, str(s.model_dir), name,
+        worker_type=WorkerType.Aggregated, kv_cache_block_size=s.block_size,
     )
-    print(f"mm-encoder reference engine ready: model={name} endpoint={args.namespace}.{COMPONENT}.{ENDPOINT} "
-          f"instance={endpoint.connection_id()}", flush=True)
+    print(f"mm-encoder reference engine ready: model={name} endpoint={path} instance={endpoint.connection_id()}",
+          flush=True)
     await stop.wait()
     runtime.shutdown()
     with contextlib.suppress(Exception):
@@ -206,25 +220,16 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mm_encoder.engines.reference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, help="a directory written by --make-model-dir")
-    p.add_argument("--make-model-dir", type=Path, help="write a model directory and exit")
-    p.add_argument("--model", default="tiny", help="vision model the LM serves (its width and prompt)")
-    p.add_argument("--name", help="served model name (default: from config.json)")
-    p.add_argument("--namespace", default="mm")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--encoder-model", help="encode media in this process with this vision model (no encode worker)")
-    p.add_argument("--encoder-checkpoint", help="checkpoint directory for --encoder-model")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.make_model_dir:
-        print(make_model_dir(args.make_model_dir, args.model, name=args.name))
+    s = parse_settings(EngineSettings, argv)
+    if s is None:
+        return 2
+    if s.make_model_dir:
+        print(make_model_dir(s.make_model_dir, s.model, name=s.name, context_length=s.context_length))
         return 0
-    if not args.model_dir:
-        p.error("--model-dir is required")
-    asyncio.run(serve(args))
-    return 0
+    if not s.model_dir:
+        print("error: --model-dir (or --make-model-dir) is required", file=sys.stderr)
+        return 2
+    return run(serve(s))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from .. import wire
-from .protocol import EngineRequest
+from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
+from ..core.requests import EngineRequest
+from .inputs import decode_item
 
 
 def build_inputs(req: EngineRequest) -> dict[str, Any]:
@@ -30,13 +31,7 @@ def build_inputs(req: EngineRequest) -> dict[str, Any]:
     data: dict[str, list[dict[str, torch.Tensor]]] = {}
     uuids: dict[str, list[str]] = {}
     for item in req.media:
-        msg = wire.decode(item.body)
-        if [n for _, n in item.spans] != [h * w // 4 for _, h, w in msg.grid_thws]:
-            raise ValueError(f"media {item.mm_hash[:12]}: spans {item.spans} do not match grids {msg.grid_thws}")
-        for offset, n in item.spans:
-            run = req.token_ids[offset : offset + n]
-            if len(run) != n or len(set(run)) != 1:
-                raise ValueError(f"media {item.mm_hash[:12]}: tokens {offset}..{offset + n} are not a placeholder run")
+        msg = decode_item(item, req.token_ids)
         m = msg.modality
         data.setdefault(m, []).append({
             f"{m}_embeds": msg.embeds,
@@ -85,8 +80,8 @@ class VllmEngine:
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs vLLM and a GPU
     p = argparse.ArgumentParser(prog="python -m mm_encoder.engines.vllm")
     p.add_argument("--model", required=True)
-    p.add_argument("--namespace", default="mm")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--namespace", default=NAMESPACE)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     args, rest = p.parse_known_args(argv)
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -98,10 +93,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs vLLM
     async def serve() -> None:
         from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
-        from ..dynamo_rpc import make_runtime
-
         runtime = make_runtime(asyncio.get_running_loop())
-        endpoint = runtime.endpoint(f"{args.namespace}.engine.generate")
+        endpoint = runtime.endpoint(endpoint_path(args.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT))
         engine_args = AsyncEngineArgs(model=args.model, block_size=args.block_size, enable_prefix_caching=True,
                                       **_parse_rest(rest))
         handler = VllmEngine(AsyncLLM.from_engine_args(engine_args))

@@ -1,4 +1,4 @@
-"""MultiModalCaller: one encoder call per media item, all items of a request concurrently.
+"""EncoderClient: one encoder call per media item, all items of a request concurrently.
 
 Two paths, chosen per deployment:
 - `http`: POST to the cache chain (the cluster tier's `/v1/encode`), naming the chain with
@@ -20,17 +20,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from .. import wire
-from ..dynamo_rpc import TOO_LARGE_HINT, RemoteEncodeError, call_encode, is_too_large
-from ..errors import MMEncoderError
+from ..core import wire
+from ..core.dynamo import TOO_LARGE_HINT, call_encode, is_too_large
+from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge
 from .chat import MediaRef
 
 log = logging.getLogger("mm_encoder.frontend.encoder")
-
-
-class EncoderUnavailable(MMEncoderError):
-    code = "encoder_unavailable"
-    http_status = 503
 
 
 @dataclass
@@ -47,11 +42,11 @@ def cache_key(model: str, processor: dict | None, url: str, scope: str) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
-class MultiModalCaller:
+class EncoderClient:
     def __init__(self, model: str, *, http_url: str | None = None, route: str = "cluster,shared",
                  rpc_client=None, timeout_s: float = 600.0, scope: str = ""):
         if http_url is None and rpc_client is None:
-            raise ValueError("MultiModalCaller needs an HTTP cache chain, a Dynamo RPC client, or both")
+            raise ValueError("EncoderClient needs an HTTP cache chain, a Dynamo RPC client, or both")
         self.model = model
         self.http_url = http_url.rstrip("/") + "/v1/encode" if http_url else None
         self.route = route
@@ -66,9 +61,9 @@ class MultiModalCaller:
         if self._session is not None:
             await self._session.close()
 
-    async def encode_all(self, media: list[MediaRef], scope: str | None = None) -> list[Encoded]:
+    async def embed_all(self, media: list[MediaRef], scope: str | None = None) -> list[Encoded]:
         """All items concurrently; the first failure cancels the rest and is raised."""
-        tasks = [asyncio.ensure_future(self.encode(m, scope if scope is not None else self.scope)) for m in media]
+        tasks = [asyncio.ensure_future(self.embed(m, scope if scope is not None else self.scope)) for m in media]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -77,7 +72,7 @@ class MultiModalCaller:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def encode(self, item: MediaRef, scope: str = "") -> Encoded:
+    async def embed(self, item: MediaRef, scope: str = "") -> Encoded:
         self.calls += 1
         request = {"model": self.model, "url": item.url, "modality": item.modality, "scope": scope}
         if self.http_url is not None:
@@ -113,8 +108,8 @@ class MultiModalCaller:
         if error is None and status in (502, 503, 504):  # the chain failed, not the encoder
             raise EncoderUnavailable(f"cache chain answered {status}")
         if error is None:
-            raise MMEncoderError(f"encoder answered {status}", "encoder_error", 502)
-        raise MMEncoderError(error.get("message", ""), error.get("code", "encoder_error"), status)
+            raise RemoteError(f"encoder answered {status}")
+        raise RemoteError.from_dict({**error, "status": status}, f"encoder answered {status}")
 
     async def _rpc(self, request: dict) -> Encoded:
         client = self.rpc_client
@@ -122,14 +117,14 @@ class MultiModalCaller:
             raise EncoderUnavailable("no encode worker is registered")
         try:
             reply = await call_encode(client, request)
-        except RemoteEncodeError as e:
-            raise MMEncoderError(e.message, e.code, e.http_status) from None
+        except RemoteError:
+            raise
         except Exception as e:  # Dynamo transport errors: the worker went away mid-call
             if is_too_large(e):
-                raise MMEncoderError(f"the encode request is above the request plane's message limit; "
-                                     f"{TOO_LARGE_HINT}", "request_too_large", 413) from None
+                raise RequestTooLarge(f"the encode request is above the request plane's message limit; "
+                                      f"{TOO_LARGE_HINT}") from None
             raise EncoderUnavailable(f"encode worker unreachable over RPC: {type(e).__name__}: {e}") from None
-        return Encoded(reply["body"], wire.peek(reply["body"]), "rpc")
+        return Encoded(reply.body, wire.peek(reply.body), "rpc")
 
 
 def _json_error(body: bytes) -> dict | None:

@@ -18,20 +18,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dynamo_rpc import TOO_LARGE_HINT, is_too_large
-from ..engines.protocol import EngineRequest, MediaInput
-from ..errors import MMEncoderError
+from ..core.dynamo import TOO_LARGE_HINT, is_too_large
+from ..core.errors import BadRequest, ContextOverflow, EngineUnavailable, MMEncoderError, RequestTooLarge
+from ..core.prompt import ChatTokenizer, Splicer
+from ..core.requests import EngineRequest, MediaInput
+from ..core.spec import ModelSpec
 from ..routing import MediaSpan, block_mm_infos
-from ..spec import ModelSpec
-from .chat import ChatError, ChatTokenizer, IncrementalDetokenizer, Splicer, parse_messages
-from .encoder_client import EncoderUnavailable, MultiModalCaller
+from .chat import IncrementalDetokenizer, parse_messages, prompt_segments
+from .encoder_client import EncoderClient
 
 log = logging.getLogger("mm_encoder.frontend")
-
-
-class ContextOverflow(MMEncoderError):
-    code = "context_length_exceeded"
-    http_status = 400
 
 
 @dataclass
@@ -58,14 +54,14 @@ class Limits:
 
 
 class MultimodalProcessor:
-    def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, caller: MultiModalCaller,
+    def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, encoder: EncoderClient | None,
                  router, engine_client, block_size: int, eos_token_ids: list[int], limits: Limits,
                  inline_media: bool = False):
         self.served_name = served_name
         self.spec = spec
         self.tok = tokenizer
         self.splicer = Splicer(tokenizer, spec.prompt)
-        self.caller = caller
+        self.encoder = encoder
         self.router = router
         self.engine_client = engine_client
         self.block_size = block_size
@@ -83,7 +79,7 @@ class MultimodalProcessor:
                                   f"context length is {self.limits.context_length}")
         asked = request.get("max_completion_tokens") or request.get("max_tokens")
         if asked is not None and (not isinstance(asked, int) or asked < 1):
-            raise ChatError("max_tokens must be a positive integer")
+            raise BadRequest("max_tokens must be a positive integer")
         return min(asked or self.limits.default_max_tokens, room)
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
@@ -98,7 +94,7 @@ class MultimodalProcessor:
         timings: dict[str, float] = {}
         try:
             messages, media = parse_messages(request.get("messages"), self.limits.max_media)
-            texts = self.tok.prompt_text(messages, len(media))
+            texts = prompt_segments(self.tok, messages, len(media))
             if self.inline_media:
                 stream, prompt_tokens = await self._dispatch_inline(rid, request, texts, media)
                 routed = True
@@ -108,12 +104,11 @@ class MultimodalProcessor:
                     await self._media_slots.acquire()
                     slot = True
                 t_enc = time.perf_counter()
-                encoded = await self.caller.encode_all(media) if media else []
+                encoded = await self.encoder.embed_all(media) if media else []
                 timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
                 self.stats.media_items += len(media)
                 spliced = self.splicer.splice(
-                    texts, [(e.header.modality, [h * w // 4 for _, h, w in e.header.grid_thws], e.header.timestamps)
-                            for e in encoded])
+                    texts, [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded])
                 prompt_tokens = len(spliced.token_ids)
                 max_tokens = self.max_tokens_for(request, prompt_tokens)
                 spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
@@ -123,7 +118,7 @@ class MultimodalProcessor:
                     worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
                                                                           request_id=rid)
                 except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
-                    raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
+                    raise EngineUnavailable(f"no engine to route to: {e}") from None
                 routed = True
                 timings["route_ms"] = (time.perf_counter() - t_route) * 1e3
                 self.stats.routed[str(worker_id)] += 1
@@ -143,7 +138,7 @@ class MultimodalProcessor:
             if isinstance(e, MMEncoderError):
                 await self._failed(rid, e.code, routed)
                 log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
-                raise HttpError(_status(e), f"[{e.code}] {e.message}") from None
+                raise HttpError(e.http_status, f"[{e.code}] {e.message}") from None
             if isinstance(e, Exception):
                 await self._failed(rid, "internal", routed)
                 log.exception("request %s failed before the engine", rid)
@@ -197,7 +192,7 @@ class MultimodalProcessor:
         try:
             worker_id, _, overlap = await self.router.best_worker(flat, request_id=rid)
         except Exception as e:
-            raise MMEncoderError(f"no engine to route to: {e}", "engine_unavailable", 503) from None
+            raise EngineUnavailable(f"no engine to route to: {e}") from None
         self.stats.routed[str(worker_id)] += 1
         self.stats.media_items += len(media)
         self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
@@ -215,17 +210,17 @@ class MultimodalProcessor:
             return await self.engine_client.direct(payload, worker_id)
         except Exception as e:
             if is_too_large(e):
-                raise MMEncoderError(
+                raise RequestTooLarge(
                     f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
-                    f"plane's message limit; {TOO_LARGE_HINT}", "request_too_large", 413) from None
+                    f"plane's message limit; {TOO_LARGE_HINT}") from None
             others = [i for i in self.engine_client.instance_ids() if i != worker_id]
             if not others:
-                raise MMEncoderError(f"engine {worker_id} unreachable: {e}", "engine_unavailable", 503) from None
+                raise EngineUnavailable(f"engine {worker_id} unreachable: {e}") from None
             log.warning("engine %s unreachable (%s); retrying on %s", worker_id, e, others[0])
         try:
             return await self.engine_client.direct(payload, others[0])
         except Exception as e:
-            raise MMEncoderError(f"no engine reachable: {e}", "engine_unavailable", 503) from None
+            raise EngineUnavailable(f"no engine reachable: {e}") from None
 
     async def _failed(self, rid: str, code: str, routed: bool) -> None:
         """Count the error (Dynamo's frontend shows clients only the status; the code is here and
@@ -253,8 +248,8 @@ class MultimodalProcessor:
             "model": self.served_name,
             "requests": s.requests,
             "media_items": s.media_items,
-            "encoder_calls": self.caller.calls if self.caller else 0,
-            "encoder_fallbacks": self.caller.fallbacks if self.caller else 0,
+            "encoder_calls": self.encoder.calls if self.encoder else 0,
+            "encoder_fallbacks": self.encoder.fallbacks if self.encoder else 0,
             "errors": dict(s.errors),
             "routed": dict(s.routed),
             "live_embedding_requests": s.live_embedding_requests,
@@ -270,9 +265,3 @@ def _ignore_eos(request: dict[str, Any]) -> bool:
     """vLLM's `ignore_eos` extension, top level or under Dynamo's `nvext` (benchmarks use it)."""
     nvext = request.get("nvext") if isinstance(request.get("nvext"), dict) else {}
     return bool(request.get("ignore_eos") or nvext.get("ignore_eos"))
-
-
-def _status(e: MMEncoderError) -> int:
-    if isinstance(e, EncoderUnavailable):
-        return 503
-    return e.http_status if 400 <= e.http_status < 600 else 500

@@ -1,0 +1,151 @@
+"""The messages that cross process boundaries, defined once for both sides of each call.
+
+- frontend (or any client) -> encode worker: `EncodeRequest` (HTTP JSON/msgpack bodies and Dynamo
+  RPC dicts alike); the answer is a wire-v1 body (`core.wire`), over Dynamo inside `EncodeReply`;
+  errors are `{"error": {"code", "message"[, "status"]}}` (`MMEncoderError.to_dict`).
+- frontend -> engine: `EngineRequest`, token ids with placeholder runs plus each media item's
+  wire-v1 body and where its rows go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import BadRequest, RemoteError
+from .spec import PreprocessConfig
+
+
+class ProcessorOverrides(BaseModel):
+    """Per-request processor settings. Each may only lower the model's own value: a client can ask
+    for fewer pixels (cheaper), never for more work than the operator configured. Part of mm_hash.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    in_patch_limit: int | None = Field(None, ge=4)
+    patch_limit_on_one_side: int | None = Field(None, ge=2)
+    in_patch_limit_each_frame: int | None = Field(None, ge=4)
+    video_fps: float | None = Field(None, gt=0)
+
+    def apply(self, base: PreprocessConfig) -> PreprocessConfig:
+        update = self.model_dump(exclude_none=True)
+        for key, value in update.items():
+            limit = getattr(base, key)
+            if value > limit:
+                raise BadRequest(f"processor.{key}={value} is above this model's {limit}; it may only be lowered")
+        return base.model_copy(update=update) if update else base
+
+
+class EncodeRequest(BaseModel):
+    """One media item to encode: exactly one of `url` (http, https or data:) and `data` (raw bytes,
+    msgpack bodies and Dynamo only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, max_length=512)
+    url: str | None = Field(None, min_length=1)  # bounded by the body cap; fetch.py caps http(s) URLs
+    data: bytes | None = None
+    modality: Literal["image", "video"] | None = None  # None: sniffed from the bytes
+    processor: ProcessorOverrides | None = None
+    scope: str = Field("", max_length=256, description="tenant: URL aliases never answer across scopes")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EncodeRequest:
+        if (self.url is None) == (self.data is None):
+            raise ValueError("give exactly one of `url` and `data`")
+        return self
+
+    @classmethod
+    def parse(cls, body: object, *, json: bool = False) -> EncodeRequest:
+        """Validate a decoded body (or raw JSON bytes); pydantic's errors become one 400 that lists them."""
+        try:
+            return cls.model_validate_json(body) if json else cls.model_validate(body)
+        except ValidationError as e:
+            raise BadRequest(_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors(include_url=False, include_input=False):
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid encode request: " + "; ".join(parts)
+
+
+@dataclass
+class EncodeReply:
+    """The encode worker's Dynamo RPC answer: `body` is byte-for-byte what `POST /v1/encode` returns."""
+
+    body: bytes  # wire v1
+    mm_hash: str
+    source: str  # the level that answered: alias, mm_hash, coalesced or forward
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"body": self.body, "mm_hash": self.mm_hash, "source": self.source, "timings_ms": self.timings_ms}
+
+    @classmethod
+    def from_dict(cls, reply: Any) -> EncodeReply:
+        """A reply message -> EncodeReply; an error reply raises RemoteError with the worker's code."""
+        if not isinstance(reply, dict):
+            raise RemoteError(f"the encode worker answered a {type(reply).__name__}, not a reply map")
+        if "error" in reply:
+            raise RemoteError.from_dict(reply["error"], "the encode worker failed without a message")
+        if not isinstance(reply.get("body"), bytes):
+            raise RemoteError("the encode worker's reply has no body")
+        return cls(reply["body"], str(reply.get("mm_hash", "")), str(reply.get("source", "")),
+                   dict(reply.get("timings_ms") or {}))
+
+
+# --- frontend -> engine ---------------------------------------------------------------------
+# Travels as msgpack over Dynamo RPC on our own endpoint (bytes stay bytes; Dynamo's Rust-typed
+# request fields are JSON-only, so they are not used). The engine's response stream:
+# `{"token_ids": [int], "finish_reason": None | "stop" | "length"}` per step; the first item comes
+# right after prefill, which is when the frontend drops the embeddings.
+
+
+@dataclass
+class MediaInput:
+    mm_hash: str
+    body: bytes  # wire v1: rows in span order
+    spans: list[tuple[int, int]]  # (offset, length) in token_ids, one per image or video chunk
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mm_hash": self.mm_hash, "body": self.body, "spans": [list(s) for s in self.spans]}
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    media: list[MediaInput] = field(default_factory=list)
+    ignore_eos: bool = False
+    # The aggregated baseline (no encode worker): text segments around media the engine fetches,
+    # encodes and splices itself; token_ids is then empty and the engine reports prompt_tokens.
+    segments: list[list[int]] | None = None
+    media_refs: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "max_tokens": self.max_tokens,
+            "eos_token_ids": self.eos_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "media": [m.to_dict() for m in self.media],
+        }
+        if self.segments is not None:
+            d["segments"] = self.segments
+            d["media_refs"] = self.media_refs
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineRequest:
+        media = [MediaInput(m["mm_hash"], m["body"], [tuple(s) for s in m["spans"]]) for m in d.get("media", [])]
+        return cls(d["request_id"], list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
+                   media, bool(d.get("ignore_eos", False)), d.get("segments"), list(d.get("media_refs", [])))

@@ -1,0 +1,115 @@
+"""Graph files (`graphs/*.yaml`): which components run, how many, with which args and env.
+
+A graph is plain data validated by pydantic; errors name their path in the file
+(`components.encoder.replicas: ...`). `plan.plan` turns it into what each component runs, which
+`mm-encoder serve` (local.py) starts on one machine and `mm-encoder render-k8s` (k8s.py) renders
+as Kubernetes resources.
+
+    name: epd
+    namespace: mm
+    llm: {model_dir: null, vision_model: tiny, context_length: 4096}   # null: a generated test LLM
+    frontend_port: 8000
+    components:
+      encoder:  {kind: encoder, replicas: 1, args: [--model, tiny]}
+      shared:   {kind: cache-shared, replicas: 2}
+      router:   {kind: cache-router}
+      cluster:  {kind: cache-cluster}
+      engine:   {kind: engine, replicas: 2}
+      frontend: {kind: frontend}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .. import __version__
+from ..core.dynamo import BLOCK_SIZE, NAMESPACE
+from ..core.errors import GraphError
+from ..core.registry import DEFAULT_MODEL
+
+Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared"]
+CACHE_KINDS = ("cache-cluster", "cache-router", "cache-shared")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Component(_Strict):
+    kind: Kind
+    replicas: int = Field(1, ge=1, le=64)
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    image: str | None = None  # Kubernetes only: overrides the graph's image
+    resources: dict[str, dict[str, str]] = Field(default_factory=dict)  # Kubernetes only
+
+
+class LLM(_Strict):
+    """The language model the engines serve. Without `model_dir`, a test LLM is generated for
+    `vision_model` (the reference engine's random-weight model of the right width)."""
+
+    model_dir: str | None = None
+    name: str = "mm-chat"
+    vision_model: str = DEFAULT_MODEL
+    checkpoint: str | None = None  # the vision model's checkpoint directory (random weights without)
+    context_length: int = Field(4096, ge=64)
+
+
+class Graph(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    namespace: str = Field(NAMESPACE, pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    description: str = ""
+    image: str = f"mm-encoder:{__version__}"
+    frontend_port: int = Field(8000, ge=1, le=65535)
+    llm: LLM = Field(default_factory=LLM)
+    block_size: int = Field(BLOCK_SIZE, ge=1)
+    components: dict[str, Component]
+
+    @model_validator(mode="after")
+    def _check(self) -> Graph:
+        kinds = [c.kind for c in self.components.values()]
+        for name in self.components:
+            if not name.replace("-", "").isalnum() or name != name.lower():
+                raise ValueError(f"component name {name!r}: lowercase letters, digits and '-' only")
+        if kinds.count("frontend") != 1:
+            raise ValueError("a graph has exactly one frontend")
+        if "engine" not in kinds:
+            raise ValueError("a graph needs an engine")
+        for kind in CACHE_KINDS:
+            if kinds.count(kind) > 1:
+                raise ValueError(f"at most one {kind} component (use replicas)")
+        if ("cache-router" in kinds) != ("cache-shared" in kinds):
+            raise ValueError("cache-router and cache-shared go together (the router shards over the shared tier)")
+        if any(k in CACHE_KINDS for k in kinds) and "encoder" not in kinds:
+            raise ValueError("cache tiers front encode workers: add an encoder component")
+        return self
+
+    def of_kind(self, kind: str) -> list[tuple[str, Component]]:
+        return [(n, c) for n, c in self.components.items() if c.kind == kind]
+
+    @property
+    def inline_encoding(self) -> bool:
+        """No encoder component: the engines encode media themselves (the aggregated baseline)."""
+        return not self.of_kind("encoder")
+
+
+def load_graph(path: str | Path) -> Graph:
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise GraphError(f"{path}: no such graph file") from None
+    except yaml.YAMLError as e:
+        raise GraphError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return Graph.model_validate(doc)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors(include_url=False, include_input=False):
+            where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise GraphError(f"{path}: invalid graph:\n" + "\n".join(lines)) from None

@@ -1,0 +1,301 @@
+"""`mm-encoder serve GRAPH`: run a whole graph on one machine.
+
+The graph's plan (plan.py) on a `LocalSite`: every component on loopback, each replica on a free
+port, Dynamo without etcd or NATS (file discovery in the run directory, TCP request plane, ZMQ
+events). Each replica is a process in its own session (so stopping it stops its children: nginx
+workers, thread pools), started in the plan's order and waited on until healthy.
+`run_dir/state.json` records ports and PIDs for `mm-encoder status` and for tests; logs are
+`run_dir/<name>.log`. Ctrl-C or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL
+after a grace period) and checks that no process of the graph is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import GraphError
+from .graph import Graph, Kind, load_graph
+from .plan import READY_LINE, ComponentPlan, GeneratedLLM, Replica, Site, plan
+from .status import collect, format_lines
+
+PY = sys.executable
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class LocalSite(Site):
+    """One machine: loopback, a free port per replica (the frontend on the graph's port), files in
+    the run directory, file discovery in `run_dir/dynamo-store`."""
+
+    def __init__(self, graph: Graph, run_dir: Path):
+        self.graph = graph
+        self.run_dir = run_dir
+        self.llm_dir = graph.llm.model_dir or str(run_dir / "llm" / graph.llm.name)
+        self.vision_dir = graph.llm.checkpoint
+        self._ports: dict[tuple[str, int], int] = {}
+
+    def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
+        if (name, replica) not in self._ports:
+            port = self.graph.frontend_port if kind == "frontend" else free_port()
+            self._ports[(name, replica)] = port
+        return LOOPBACK, self._ports[(name, replica)]
+
+    def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
+        if kind == "engine":  # found through Dynamo's discovery, not by address
+            return []
+        return [":".join(map(str, self.listen(name, kind, i))) for i in range(replicas)]
+
+    def tier_dirs(self, name: str, replica: int) -> tuple[str, str]:
+        return str(self.run_dir / f"nginx-{name}"), str(self.run_dir / f"cache-{name}")
+
+    def dynamo_env(self, kind: Kind) -> dict[str, str]:
+        env = {
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(self.run_dir / "dynamo-store"),
+            "DYN_TCP_RPC_HOST": LOOPBACK,
+            "DYN_SELF_HOST_METADATA": "0",
+            "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
+        }
+        if "DYN_TCP_MAX_MESSAGE_SIZE" in os.environ:  # the caller's own limit wins over the plan's
+            env["DYN_TCP_MAX_MESSAGE_SIZE"] = os.environ["DYN_TCP_MAX_MESSAGE_SIZE"]
+        return env
+
+
+@dataclass
+class Proc:
+    """One replica of a planned component, as a process."""
+
+    component: ComponentPlan
+    replica: Replica
+    popen: subprocess.Popen | None = None
+    log: Path | None = None
+    restarts: int = 0
+    state: str = "new"
+
+    @property
+    def name(self) -> str:
+        return self.replica.name
+
+    @property
+    def kind(self) -> str:
+        return self.component.kind
+
+    @property
+    def cmd(self) -> list[str]:
+        return [PY, "-m", self.component.module, *self.replica.argv]
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{LOOPBACK}:{self.replica.port}" if self.replica.port else None
+
+
+class GraphRunner:
+    def __init__(self, graph: Graph, run_dir: Path, *, restart: bool = False, grace_s: float = 30.0,
+                 start_timeout_s: float = 180.0):
+        self.graph = graph
+        self.run_dir = run_dir.resolve()
+        self.site = LocalSite(graph, self.run_dir)
+        self.restart = restart
+        self.grace_s = grace_s
+        self.start_timeout_s = start_timeout_s
+        self.procs: list[Proc] = []
+
+    def prepare(self) -> list[Proc]:
+        """The run directory, the generated LLM (if the graph names none) and the processes to start."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        generated = GeneratedLLM.of(self.graph)
+        if generated is not None and not (Path(self.site.llm_dir) / "config.json").is_file():
+            generated.write(self.site.llm_dir)
+        return [Proc(c, r) for c in plan(self.graph, self.site) for r in c.replicas]
+
+    # --- running -----------------------------------------------------------------------------
+
+    def spawn(self, p: Proc) -> None:
+        p.log = self.run_dir / f"{p.name}.log"
+        env = {**os.environ, **p.component.env}
+        with p.log.open("a") as log:
+            p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                       cwd=self.run_dir)
+        p.state = "starting"
+
+    def healthy(self, p: Proc) -> bool:
+        if p.component.health_path is None:
+            return p.log is not None and READY_LINE in p.log.read_text(errors="replace")
+        try:
+            with urllib.request.urlopen(f"{p.url}{p.component.health_path}", timeout=2) as r:
+                if r.status != 200:
+                    return False
+                if p.kind == "frontend":
+                    return bool(json.loads(r.read()).get("data"))
+                return True
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_healthy(self, p: Proc) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.healthy(p):
+            if p.popen.poll() is not None:
+                raise GraphError(f"{p.name} exited with {p.popen.returncode} while starting:\n{self.tail(p)}")
+            if time.monotonic() > deadline:
+                raise GraphError(f"{p.name} was not healthy after {self.start_timeout_s:.0f} s:\n{self.tail(p)}")
+            time.sleep(0.1)
+        p.state = "up"
+
+    def tail(self, p: Proc, lines: int = 15) -> str:
+        text = p.log.read_text(errors="replace") if p.log and p.log.exists() else ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def start(self) -> None:
+        self.procs = self.prepare()
+        for p in self.procs:
+            self.spawn(p)
+            self.wait_healthy(p)
+            print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid}" + (f"  {p.url}" if p.url else ""), flush=True)
+        self.write_state()
+
+    def write_state(self) -> None:
+        state = {
+            "graph": self.graph.name, "namespace": self.graph.namespace, "run_dir": str(self.run_dir),
+            "base_url": f"http://{LOOPBACK}:{self.graph.frontend_port}/v1", "model": self.graph.llm.name,
+            "supervisor_pid": os.getpid(),
+            "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
+                            "url": p.url, "log": str(p.log)} for p in self.procs],
+        }
+        (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
+
+    def check(self) -> list[str]:
+        """One pass over the processes: report deaths (with the log's tail), restart if asked."""
+        events = []
+        for p in self.procs:
+            if p.popen is None or p.state != "up" or p.popen.poll() is None:
+                continue
+            p.state = "down"
+            events.append(f"{p.name} exited with {p.popen.returncode}; last log lines:\n{self.tail(p)}")
+            if self.restart:
+                p.restarts += 1
+                self.spawn(p)
+                try:
+                    self.wait_healthy(p)
+                    events.append(f"{p.name} restarted (restart {p.restarts}), pid {p.popen.pid}")
+                except GraphError as e:
+                    events.append(f"{p.name} restart failed: {e}")
+                self.write_state()
+        return events
+
+    def stop(self) -> list[int]:
+        """Reverse order; whole sessions; returns PIDs of the graph still alive afterwards (none)."""
+        for p in reversed(self.procs):
+            if p.popen is None or p.popen.poll() is not None:
+                continue
+            sig = signal.SIGQUIT if p.kind.startswith("cache-") else signal.SIGTERM  # nginx: QUIT is graceful
+            _signal_group(p.popen.pid, sig)
+            try:
+                p.popen.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(p.popen.pid, signal.SIGKILL)
+                p.popen.wait(10)
+            p.state = "stopped"
+        groups = {p.popen.pid for p in self.procs if p.popen is not None}
+        for pgid in groups:  # children left behind by a process that exited (e.g. nginx workers)
+            _signal_group(pgid, signal.SIGKILL)
+        return leftover_pids(groups)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def leftover_pids(groups: set[int]) -> list[int]:
+    """Live processes (not zombies) whose process group is one of the graph's sessions."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgid = fields[0], int(fields[2])
+        if pgid in groups and state != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mm-encoder serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("graph", type=Path, help="a graph file, e.g. graphs/epd.yaml")
+    p.add_argument("--run-dir", type=Path, help="logs, state, Dynamo store (default: /tmp/mm-encoder-<graph>)")
+    p.add_argument("--restart", action="store_true", help="restart a component that dies")
+    p.add_argument("--port", type=int, help="the frontend's port (default: the graph's frontend_port)")
+    p.add_argument("--status-interval", type=float, default=60.0, help="seconds between status lines (0: never)")
+    args = p.parse_args(argv)
+    try:
+        graph = load_graph(args.graph)
+    except GraphError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    if args.port:
+        graph = graph.model_copy(update={"frontend_port": args.port})
+    run_dir = args.run_dir or Path(f"/tmp/mm-encoder-{graph.name}")
+    runner = GraphRunner(graph, run_dir, restart=args.restart)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also when started in the background, where SIGINT is ignored
+    print(f"mm-encoder serve {args.graph} (graph {graph.name}, namespace {graph.namespace}); logs in {run_dir}",
+          flush=True)
+    rc = 0
+    try:
+        runner.start()
+        print(f"graph {graph.name} ready: OpenAI base URL http://{LOOPBACK}:{graph.frontend_port}/v1 "
+              f"(model {graph.llm.name}); status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops", flush=True)
+        last = time.monotonic()
+        while True:
+            for event in runner.check():
+                print(event, flush=True)
+            if args.status_interval and time.monotonic() - last >= args.status_interval:
+                for line in format_lines(collect(run_dir)):
+                    print(line, flush=True)
+                last = time.monotonic()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except GraphError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        rc = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below must not be interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("stopping ...", flush=True)
+        left = runner.stop()
+        if left:
+            print(f"warning: processes left behind: {left}", file=sys.stderr)
+            rc = rc or 1
+        else:
+            print("stopped; no processes left", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

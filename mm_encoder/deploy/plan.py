@@ -1,0 +1,194 @@
+"""A graph's one plan: per component, the module it runs, each replica's arguments, its environment
+and how to tell it is ready. `mm-encoder serve` (local.py) starts the plan as processes on one
+machine and `mm-encoder render-k8s` (k8s.py) renders it as pods; the topology (who talks to
+whom, in which order) is written here only, and every default comes from the component's own
+settings (the worker's, the frontend's, `TierConfig`'s, `core.dynamo`'s).
+
+What differs between the two is a `Site`: where components listen, how they reach each other
+(loopback ports here, Service DNS names there), where the LLM directory and the caches live,
+and the Dynamo environment (file discovery here, the operator's Kubernetes discovery there).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from ..core.dynamo import MAX_MESSAGE_SIZE, PLANES
+from .graph import Component, Graph, Kind
+
+# Start order: each kind only talks to kinds before it.
+ORDER: tuple[Kind, ...] = ("encoder", "cache-shared", "cache-router", "cache-cluster", "engine", "frontend")
+MODULES: dict[Kind, str] = {
+    "encoder": "mm_encoder.worker",
+    "cache-shared": "mm_encoder.deploy.cache_tiers",
+    "cache-router": "mm_encoder.deploy.cache_tiers",
+    "cache-cluster": "mm_encoder.deploy.cache_tiers",
+    "engine": "mm_encoder.engines.reference",
+    "frontend": "mm_encoder.frontend",
+}
+DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
+READY_LINE = "engine ready"  # what a reference engine prints once registered (it serves no HTTP)
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str  # the component's name, plus -N for replicas beyond one (on one machine)
+    argv: tuple[str, ...]  # after `python -m <module>`
+    port: int | None  # where it serves HTTP (None: an engine)
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    name: str
+    kind: Kind
+    component: Component  # the graph's entry: replicas, image, resources
+    module: str
+    replicas: tuple[Replica, ...]
+    env: dict[str, str]  # the Dynamo environment, then the graph's `env` (which wins)
+    health_path: str | None  # GET on the replica's port that answers 200 once ready
+    uses: frozenset[str] = field(default_factory=frozenset)  # "llm" (the LLM directory), "vision" (checkpoint)
+
+
+class Site(ABC):
+    """Where a plan runs."""
+
+    llm_dir: str  # the LLM directory (config.json, tokenizer, chat template) as components see it
+    vision_dir: str | None  # the vision checkpoint directory, if the graph names one
+
+    @abstractmethod
+    def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
+        """Host and port replica `replica` of component `name` serves HTTP on."""
+
+    @abstractmethod
+    def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
+        """The host:port addresses other components use for component `name`."""
+
+    @abstractmethod
+    def tier_dirs(self, name: str, replica: int) -> tuple[str, str]:
+        """A cache tier's run directory and cache directory."""
+
+    @abstractmethod
+    def dynamo_env(self, kind: Kind) -> dict[str, str]:
+        """Dynamo's environment for a component of `kind`, beyond the planes every site shares."""
+
+
+def replica_name(name: str, i: int, n: int) -> str:
+    return name if n == 1 else f"{name}-{i}"
+
+
+def plan(graph: Graph, site: Site) -> list[ComponentPlan]:
+    """Every component of `graph`, in start order."""
+    return _Planner(graph, site).components()
+
+
+class _Planner:
+    """One method per kind: a replica's arguments. `reach` collects, kind by kind in start order,
+    the addresses of what was planned so far, which is what the later kinds connect to."""
+
+    def __init__(self, graph: Graph, site: Site):
+        self.g, self.site = graph, site
+        self.reach: dict[Kind, list[str]] = {}
+        self.vision = ["--checkpoint", site.vision_dir] if site.vision_dir else []
+
+    def components(self) -> list[ComponentPlan]:
+        out = []
+        for kind in ORDER:
+            for name, c in self.g.of_kind(kind):
+                out.append(self._component(name, c))
+                self.reach.setdefault(kind, []).extend(self.site.reach(name, kind, c.replicas))
+        return out
+
+    def _component(self, name: str, c: Component) -> ComponentPlan:
+        argv, health, uses = {
+            "encoder": (self.encoder, "/ready", ("vision",) if self.vision else ()),
+            "cache-shared": (self.shared, "/_cache/health", ()),
+            "cache-router": (self.router, "/_cache/health", ()),
+            "cache-cluster": (self.cluster, "/_cache/health", ()),
+            "engine": (self.engine, None, ("llm", "vision") if self.g.inline_encoding and self.vision else ("llm",)),
+            "frontend": (self.frontend, "/v1/models", ("llm",)),
+        }[c.kind]
+        replicas = tuple(
+            Replica(replica_name(name, i, c.replicas), (*argv(name, i), *c.args),
+                    self.site.listen(name, c.kind, i)[1] if health else None)
+            for i in range(c.replicas)
+        )
+        env = {"PYTHONUNBUFFERED": "1"}
+        if c.kind in DYNAMO_KINDS:
+            env |= {"DYN_REQUEST_PLANE": PLANES["DYN_REQUEST_PLANE"], "DYN_EVENT_PLANE": PLANES["DYN_EVENT_PLANE"],
+                    "DYN_TCP_MAX_MESSAGE_SIZE": str(MAX_MESSAGE_SIZE), **self.site.dynamo_env(c.kind)}
+        return ComponentPlan(name, c.kind, c, MODULES[c.kind], replicas, {**env, **c.env}, health, frozenset(uses))
+
+    def _http(self, name: str, kind: Kind, i: int) -> list[str]:
+        host, port = self.site.listen(name, kind, i)
+        return ["--http-host", host, "--http-port", str(port)]
+
+    def _tier(self, name: str, kind: Kind, i: int, tier: str) -> list[str]:
+        host, port = self.site.listen(name, kind, i)
+        run_dir, cache_dir = self.site.tier_dirs(replica_name(name, i, self.g.components[name].replicas), i)
+        argv = ["up", "--tier", tier, "--listen", f"{host}:{port}", "--run-dir", run_dir]
+        return argv if tier == "router" else [*argv, "--cache-dir", cache_dir]
+
+    def encoder(self, name: str, i: int) -> list[str]:
+        return ["--model", self.g.llm.vision_model, *self.vision, "--dynamo", "--namespace", self.g.namespace,
+                *self._http(name, "encoder", i)]
+
+    def shared(self, name: str, i: int) -> list[str]:
+        return [*self._tier(name, "cache-shared", i, "shared"), *_pairs("--next", self.reach["encoder"])]
+
+    def router(self, name: str, i: int) -> list[str]:
+        return [*self._tier(name, "cache-router", i, "router"), *_pairs("--shard", self.reach["cache-shared"])]
+
+    def cluster(self, name: str, i: int) -> list[str]:
+        upstream = self.reach.get("cache-router") or self.reach["encoder"]
+        return [*self._tier(name, "cache-cluster", i, "cluster"), *_pairs("--next", upstream),
+                *_pairs("--direct", self.reach["encoder"])]
+
+    def engine(self, name: str, i: int) -> list[str]:
+        g = self.g
+        argv = ["--model-dir", self.site.llm_dir, "--name", g.llm.name, "--namespace", g.namespace,
+                "--block-size", str(g.block_size)]
+        if g.inline_encoding:  # the aggregated baseline: the engine encodes media itself
+            argv += ["--encoder-model", g.llm.vision_model]
+            argv += ["--encoder-checkpoint", self.site.vision_dir] if self.site.vision_dir else []
+        return argv
+
+    def frontend(self, name: str, i: int) -> list[str]:
+        g = self.g
+        argv = ["--model-dir", self.site.llm_dir, *self._http(name, "frontend", i), "--namespace", g.namespace,
+                "--block-size", str(g.block_size)]
+        if self.reach.get("cache-cluster"):  # the outermost tier, and the route through the chain
+            route = "cluster,shared" if self.reach.get("cache-router") else "cluster"
+            argv += ["--encoder-http", f"http://{self.reach['cache-cluster'][0]}", "--encoder-route", route]
+        elif self.reach.get("cache-router"):
+            argv += ["--encoder-http", f"http://{self.reach['cache-router'][0]}", "--encoder-route", "shared"]
+        return argv + (["--inline-media"] if g.inline_encoding else [])
+
+
+def _pairs(flag: str, values: list[str]) -> list[str]:
+    return [x for v in values for x in (flag, v)]
+
+
+@dataclass(frozen=True)
+class GeneratedLLM:
+    """The test LLM a graph without `llm.model_dir` serves: written by `make_model_dir` with these
+    arguments, the same on every site (so a frontend and its engines always agree)."""
+
+    vision_model: str
+    name: str
+    context_length: int
+
+    @classmethod
+    def of(cls, graph: Graph) -> GeneratedLLM | None:
+        llm = graph.llm
+        return None if llm.model_dir else cls(llm.vision_model, llm.name, llm.context_length)
+
+    def argv(self, target: str) -> list[str]:
+        """`python -m mm_encoder.engines.reference` arguments that write it into `target`."""
+        return ["--make-model-dir", target, "--model", self.vision_model, "--name", self.name,
+                "--context-length", str(self.context_length)]
+
+    def write(self, target) -> None:
+        from ..engines.model_dir import make_model_dir
+
+        make_model_dir(target, self.vision_model, name=self.name, context_length=self.context_length)

@@ -1,0 +1,132 @@
+"""`mm-encoder status`: per component of a running graph: up/down, requests, cache hit ratio per
+level, encodes and p50 latency. Reads `state.json` from the graph's run directory and asks each
+component (frontend `/mm/stats`, encoder `/metrics`, cache tiers `/_cache/stats`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+
+def _get(url: str, timeout: float = 2.0) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read()
+    except OSError:
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition (prometheus_client's parser)."""
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def total(found: list[Sample], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(s.value for s in found if s.name == name and labels.items() <= s.labels.items())
+
+
+def histogram_p50(found: list[Sample], metric: str, **labels: str) -> float | None:
+    """Median from cumulative Prometheus buckets (upper bound of the bucket holding it), seconds."""
+    buckets = sorted((float(s.labels["le"]), s.value) for s in found
+                     if s.name == f"{metric}_bucket" and labels.items() <= s.labels.items())
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    return next(le for le, count in buckets if count >= buckets[-1][1] / 2)
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    state = json.loads((run_dir / "state.json").read_text())
+    rows = []
+    for c in state["components"]:
+        row = {"name": c["name"], "kind": c["kind"], "up": _alive(c.get("pid"))}
+        url = c.get("url")
+        if row["up"] and url and c["kind"] == "encoder":
+            text = _get(f"{url}/metrics")
+            if text is not None:
+                found = samples(text.decode())
+                row["requests"] = total(found, "mm_encoder_requests_total")
+                row["encodes"] = total(found, "mm_encoder_forward_items_total")
+                for level in ("alias", "mm_hash"):
+                    hits = total(found, "mm_encoder_cache_hits_total", level=level)
+                    misses = total(found, "mm_encoder_cache_misses_total", level=level)
+                    row[f"hit_{level}"] = hits / (hits + misses) if hits + misses else None
+                p50 = histogram_p50(found, "mm_encoder_stage_seconds", stage="total")
+                row["p50_ms"] = p50 * 1e3 if p50 is not None else None
+        elif row["up"] and url and c["kind"].startswith("cache-") and c["kind"] != "cache-router":
+            raw = _get(f"{url}/_cache/stats")
+            if raw:
+                counts = json.loads(raw)
+                row["requests"] = counts.get("requests", 0)
+                looked = sum(v for k, v in counts.items() if k in ("HIT", "MISS", "EXPIRED", "STALE", "UPDATING"))
+                row["hit_ratio"] = counts.get("HIT", 0) / looked if looked else None
+        elif row["up"] and url and c["kind"] == "frontend":
+            raw = _get(f"{url}/mm/stats")
+            if raw:
+                procs = json.loads(raw).get("processors", [])
+                row["requests"] = sum(p["requests"] for p in procs)
+                row["encoder_calls"] = sum(p["encoder_calls"] for p in procs)
+                row["errors"] = sum(sum(p["errors"].values()) for p in procs)
+                routed: dict[str, int] = {}
+                for p in procs:
+                    for k, v in p["routed"].items():
+                        routed[k] = routed.get(k, 0) + v
+                row["routed"] = routed
+        rows.append(row)
+    return {"graph": state["graph"], "base_url": state["base_url"], "components": rows}
+
+
+def format_lines(status: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in status["components"]:
+        parts = [f"{r['name']:12s} {r['kind']:14s} {'up' if r['up'] else 'DOWN':4s}"]
+        for key, label in (("requests", "requests"), ("encodes", "encodes"), ("encoder_calls", "encoder calls"),
+                           ("errors", "errors")):
+            if r.get(key) is not None:
+                parts.append(f"{label}={r[key]:.0f}")
+        for key, label in (("hit_ratio", "hit"), ("hit_alias", "alias hit"), ("hit_mm_hash", "mm_hash hit")):
+            if key in r:
+                parts.append(f"{label}={'-' if r[key] is None else format(r[key], '.0%')}")
+        if r.get("p50_ms") is not None:
+            parts.append(f"p50<={r['p50_ms']:.0f}ms")
+        if r.get("routed"):
+            parts.append("routed=" + ",".join(str(v) for v in r["routed"].values()))
+        lines.append("  " + "  ".join(parts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mm-encoder status", description=__doc__)
+    p.add_argument("--run-dir", type=Path, default=None, help="the graph's run dir (default: /tmp/mm-encoder-epd)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    run_dir = args.run_dir or Path("/tmp/mm-encoder-epd")
+    if not (run_dir / "state.json").is_file():
+        print(f"error: no running graph in {run_dir} (start one with mm-encoder serve)", file=sys.stderr)
+        return 2
+    status = collect(run_dir)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(f"graph {status['graph']}: {status['base_url']}")
+        print("\n".join(format_lines(status)))
+    return 0

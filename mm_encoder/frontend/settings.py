@@ -1,0 +1,41 @@
+"""The frontend's options: every one from the command line or `MM_FRONTEND_<OPTION>` (the command
+line wins); the README lists them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, NAMESPACE
+from .processor import Limits
+
+
+class FrontendSettings(BaseSettings):
+    """Every option from the command line or `MM_FRONTEND_<OPTION>`."""
+
+    model_config = SettingsConfigDict(env_prefix="MM_FRONTEND_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_prog_name="python -m mm_encoder.frontend", extra="ignore", frozen=True)
+
+    model_dir: Path = Field(description="the served LLM's directory: config.json, tokenizer, chat template")
+    http_host: str = Field("127.0.0.1")
+    http_port: int = Field(8000, ge=1, le=65535)
+    namespace: str = Field(NAMESPACE, description="Dynamo namespace of the engines and encode workers")
+    engine_component: str = Field(ENGINE_COMPONENT, description="engines serve <namespace>.<component>.generate")
+    block_size: int = Field(BLOCK_SIZE, ge=1, description="KV block size the engines use (routing hashes per block)")
+    encoder_http: str | None = Field(None, description="cache chain URL (the cluster tier); unset: RPC only")
+    encoder_route: str = Field("cluster,shared", description="X-Cache-Route for the chain")
+    encoder_rpc: bool = Field(True, description="Dynamo RPC to <namespace>.mm_encoder.encode (direct, and fallback)")
+    encoder_timeout_s: float = Field(600.0, gt=0)
+    max_media: int = Field(Limits.max_media, ge=1, description="media items per request")
+    max_inflight_media: int = Field(
+        Limits.max_inflight_media, ge=1,
+        description="requests holding embeddings at once (encode -> engine's first item); others wait",
+    )
+    default_max_tokens: int = Field(
+        Limits.default_max_tokens, ge=1, description="completion budget when the request names none"
+    )
+    allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
+    inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
+    log_level: str = Field("INFO")

@@ -1,0 +1,165 @@
+"""The bottom two cache levels of the hierarchy, and single-flight.
+
+- `AliasCache`: (scope, URL, processor identity) -> mm_hash, with a TTL because URLs are mutable.
+  A hit skips the download; scopes (tenants) never see each other's entries.
+- `BodyCache`: mm_hash -> packed response body, capped in bytes (not entries: a 4K image's body
+  is ~1000x a thumbnail's). A hit skips decode, preprocess and forward.
+- `SingleFlight`: concurrent identical work runs once; errors are returned to the waiters of
+  that flight only, never stored.
+
+The LRUs are cachetools' (`TTLCache`, `LRUCache` with `getsizeof=len`), counting what they evict
+and expire for /metrics. Not thread-safe: used from the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import cachetools
+
+T = TypeVar("T")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    expirations: int = 0
+
+
+class _Counted:
+    """Counts the entries a cachetools cache drops: evicted to stay within its cap, or expired."""
+
+    stats: CacheStats
+
+    def popitem(self):
+        item = super().popitem()
+        self.stats.evictions += 1
+        return item
+
+    def expire(self, time=None):
+        expired = super().expire(time)
+        self.stats.expirations += len(expired)
+        return expired
+
+
+class _TTL(_Counted, cachetools.TTLCache):
+    pass
+
+
+class _LRU(_Counted, cachetools.LRUCache):
+    pass
+
+
+class AliasCache:
+    """LRU of (scope, url, identity) -> mm_hash; entries expire `ttl_s` after they were written."""
+
+    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.enabled = max_entries > 0 and ttl_s > 0
+        self.stats = CacheStats()
+        self._entries = _TTL(max(max_entries, 1), max(ttl_s, 1e-9), timer=clock)
+        self._entries.stats = self.stats
+
+    def get(self, scope: str, url: str, identity: bytes) -> str | None:
+        self._entries.expire()
+        mm_hash = self._entries.get((scope, url, identity))
+        if mm_hash is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+        return mm_hash
+
+    def put(self, scope: str, url: str, identity: bytes, mm_hash: str) -> None:
+        if self.enabled:
+            self._entries[(scope, url, identity)] = mm_hash
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class BodyCache:
+    """LRU of mm_hash -> response body, holding at most `max_bytes` of bodies."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        self._entries = _LRU(max(max_bytes, 1), getsizeof=len)
+        self._entries.stats = self.stats
+
+    @property
+    def bytes(self) -> int:
+        return self._entries.currsize
+
+    def get(self, mm_hash: str) -> bytes | None:
+        body = self._entries.get(mm_hash)
+        if body is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+        return body
+
+    def put(self, mm_hash: str, body: bytes) -> None:
+        if len(body) <= self.max_bytes:  # a bigger one would evict everything and still not fit
+            self._entries[mm_hash] = body
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _Flight(Generic[T]):
+    __slots__ = ("task", "waiters")
+
+    def __init__(self, task: asyncio.Task[T]):
+        self.task = task
+        self.waiters = 0
+
+
+class SingleFlight(Generic[T]):
+    """`run(key, fn)`: the first caller starts `fn()`, concurrent callers with the same key await it.
+
+    The work is cancelled only when every waiter has gone (one impatient client must not fail the
+    others). The key is released as soon as the work ends, so a failure is never replayed.
+    """
+
+    def __init__(self) -> None:
+        self._flights: dict[Hashable, _Flight[T]] = {}
+        self.joined = 0  # callers that shared someone else's work
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._flights
+
+    async def run(self, key: Hashable, fn: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+        """The result, and whether this caller joined an existing flight."""
+        flight = self._flights.get(key)
+        joined = flight is not None
+        if flight is None:
+            flight = _Flight(asyncio.ensure_future(self._work(key, fn)))
+            flight.task.add_done_callback(_retrieve)  # no "exception never retrieved" if all waiters left
+            self._flights[key] = flight
+        else:
+            self.joined += 1
+        flight.waiters += 1
+        try:
+            return await asyncio.shield(flight.task), joined
+        except asyncio.CancelledError:
+            if not flight.task.done() and flight.waiters == 1:
+                flight.task.cancel()
+            raise
+        finally:
+            flight.waiters -= 1
+
+    async def _work(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            return await fn()
+        finally:
+            self._flights.pop(key, None)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,82 @@
+"""Dynamo RPC transport: `<namespace>.mm_encoder.encode` on the Dynamo runtime.
+
+Request: the same fields as the HTTP request (`core.requests.EncodeRequest`), as a dict; `data`
+may be raw bytes (Dynamo's msgpack codec carries them as bytes). Response: one message, an
+`EncodeReply` (`body` is byte-for-byte what `POST /v1/encode` returns) or
+`{"error": {"code", "message", "status"}}`. The client side is `core.dynamo.call_encode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..core.dynamo import HEALTH_PAYLOAD, endpoint_path
+from ..core.errors import MMEncoderError
+from ..core.requests import EncodeRequest
+from .pipeline import EncodeResult, EncodeService
+
+log = logging.getLogger("mm_encoder.dynamo")
+
+
+class DynamoServer:
+    """Serves one EncodeService on a Dynamo endpoint; `stop()` drains, then deregisters."""
+
+    def __init__(self, service: EncodeService, runtime, namespace: str):
+        self.service = service
+        self.runtime = runtime
+        self.path = endpoint_path(namespace)
+        self._task: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        endpoint = self.runtime.endpoint(self.path)
+        endpoint.metrics.register_prometheus_expfmt_callback(lambda: self.service.metrics.render().decode())
+        # serve_endpoint returns a future that resolves when the endpoint stops serving.
+        self._task = asyncio.ensure_future(
+            endpoint.serve_endpoint(self.handle, graceful_shutdown=True, health_check_payload=HEALTH_PAYLOAD)
+        )
+        log.info("serving Dynamo endpoint %s", self.path)
+
+    async def handle(self, request: Any, context) -> AsyncIterator[dict[str, Any]]:
+        if isinstance(request, dict) and request.get("health_check"):
+            yield {"ready": self.service.ready}
+            return
+        try:
+            result = await self._unless_stopped(EncodeRequest.parse(request), context)
+        except MMEncoderError as e:
+            yield e.to_dict(status=True)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error in Dynamo encode")
+            yield MMEncoderError("internal error; see the worker's log", "internal", 500).to_dict(status=True)
+            return
+        yield result.reply().to_dict()
+
+    async def _unless_stopped(self, req: EncodeRequest, context) -> EncodeResult:
+        """Run the request, cancelling it if the caller stops the stream (queued work is dropped)."""
+        work = asyncio.ensure_future(self.service.handle(req, "dynamo"))
+        stopped = context.async_killed_or_stopped() if context is not None else None
+        if stopped is None:
+            return await work
+        try:
+            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+            if not stopped.done():
+                stopped.cancel()
+        if work.cancelled():
+            raise asyncio.CancelledError
+        return work.result()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Dynamo waits for in-flight streams, then deregisters the instance."""
+        self.runtime.shutdown()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._task, timeout_s)

@@ -1,0 +1,151 @@
+"""HTTP transport (aiohttp): what the nginx cache tiers and HTTP clients talk to.
+
+    POST /v1/encode   JSON or msgpack request -> wire v1 body (or legacy JSON with Accept: application/json)
+    GET  /health      liveness: the process answers
+    GET  /ready       readiness: model loaded and not draining (503 otherwise)
+    GET  /metrics     Prometheus text
+    GET  /v1/models   served model names
+
+Errors are `{"error": {"code", "message"}}` with the error's status; 503s carry Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import msgpack
+from aiohttp import web
+
+from ..core import wire
+from ..core.errors import BadRequest, MMEncoderError, code_for_status
+from ..core.requests import EncodeRequest
+from .pipeline import EncodeService
+
+log = logging.getLogger("mm_encoder.http")
+
+SERVICE_KEY = web.AppKey("service", EncodeService)
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+def error_response(e: MMEncoderError, retry_after: int | None = None) -> web.Response:
+    """The error's JSON body and status; 503s say when to retry."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None and e.http_status == 503 else None
+    return web.Response(status=e.http_status, text=json.dumps(e.to_dict()), content_type="application/json",
+                        headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure becomes a typed JSON error; nothing escapes as a bare 500 page."""
+    retry = request.app[SERVICE_KEY].settings.retry_after_s
+    try:
+        return await handler(request)
+    except MMEncoderError as e:
+        return error_response(e, retry)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = e.reason if e.status != 413 else e.text or e.reason
+        return error_response(MMEncoderError(message, code_for_status(e.status), e.status))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(MMEncoderError("internal error; see the worker's log", "internal", 500))
+
+
+async def _parse(request: web.Request) -> EncodeRequest:
+    ctype = request.content_type
+    body = await request.read()
+    if ctype == "application/json":
+        return EncodeRequest.parse(body, json=True)
+    if ctype in MSGPACK_TYPES:
+        try:
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types for malformed input
+            raise BadRequest(f"the msgpack body does not decode: {e}") from None
+        return EncodeRequest.parse(obj)
+    raise BadRequest(f"Content-Type must be application/json or application/msgpack, not {ctype!r}")
+
+
+def _wants_json(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    return "application/json" in accept and wire.CONTENT_TYPE not in accept
+
+
+async def post_encode(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    try:
+        req = await _parse(request)
+    except MMEncoderError as e:
+        service.metrics.refused("http", e.code)
+        raise
+    result = await service.handle(req, "http")
+    body, ctype = result.body, wire.CONTENT_TYPE
+    if _wants_json(request):  # legacy json+base64, for comparison only
+        body = await asyncio.get_running_loop().run_in_executor(None, wire.to_json, result.body)
+        ctype = wire.JSON_CONTENT_TYPE
+    headers = {
+        "Content-Type": ctype,
+        "X-MM-Hash": result.mm_hash,
+        "X-MM-Cache": result.source,
+        "Server-Timing": result.server_timing(),
+        "ETag": f'"{result.mm_hash}.{"json" if ctype == wire.JSON_CONTENT_TYPE else "v1"}"',
+        "Vary": "Accept",
+    }
+    return web.Response(body=body, headers=headers)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    if not service.ready:
+        reason = "draining" if service.draining else "starting"
+        return error_response(MMEncoderError(f"worker is {reason}", "not_ready", 503), service.settings.retry_after_s)
+    return web.json_response({"status": "ready", "model": service.encoder.spec.name})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[SERVICE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def models(request: web.Request) -> web.Response:
+    spec = request.app[SERVICE_KEY].encoder.spec
+    entry = {
+        "id": spec.name,
+        "object": "model",
+        "aliases": list(spec.aliases),
+        "revision": spec.revision,
+        "out_dim": spec.projector.out_dim,
+        "owned_by": "mm-encoder",
+    }
+    return web.json_response({"object": "list", "data": [entry]})
+
+
+def build_app(service: EncodeService) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=service.settings.max_body_bytes)
+    app[SERVICE_KEY] = service
+    app.router.add_post("/v1/encode", post_encode)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def start_http(service: EncodeService, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (for cleanup) and the bound port (for port 0)."""
+    # handler_cancellation: a client that hangs up cancels its handler, so queued work is dropped.
+    runner = web.AppRunner(
+        build_app(service), handler_cancellation=True, access_log=None,
+        shutdown_timeout=service.settings.drain_timeout_s,
+    )
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]

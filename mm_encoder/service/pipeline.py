@@ -1,0 +1,217 @@
+"""`EncodeService`: the engine behind both transports. One request reads top to bottom:
+
+    handle         count, time and log the request; 503 while draining
+    _answer        URL alias (scope, url, identity) -> mm_hash -> body: hit, answer
+    _from_url      miss: fetch (async I/O), once per URL in flight (single-flight)
+    _from_bytes    identify (modality + mm_hash, in a thread when big) -> body cache
+    _compute       miss: decode + preprocess (CPU pool) -> DeviceBatcher (queue, forward, pack)
+                   -> body cache, once per mm_hash in flight (single-flight)
+
+The stages run on different executors so a slow download never blocks the device. Items past the
+caches are bounded (`max_pending`): beyond it a request gets 503 + Retry-After instead of growing
+memory. A request cancelled before its forward starts is dropped from the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..core.errors import Draining, MediaError, Overloaded, UnknownModelError
+from ..core.requests import EncodeReply, EncodeRequest
+from ..core.spec import PreprocessConfig
+from ..fetch import Fetcher
+from ..model.encoder import Encoder
+from .batcher import DeviceBatcher
+from .caches import AliasCache, BodyCache, SingleFlight
+from .metrics import ServiceMetrics
+from .settings import WorkerSettings
+
+log = logging.getLogger("mm_encoder.service")
+
+_HASH_IN_THREAD_BYTES = 1 << 20  # blake3 runs ~6 GB/s: below 1 MiB a thread hop costs more than it saves
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+@dataclass
+class EncodeResult:
+    body: bytes  # wire format v1
+    mm_hash: str
+    source: str  # who answered: "alias", "mm_hash", "coalesced" or "forward"
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def server_timing(self) -> str:
+        """The `Server-Timing` header value: one metric per stage, plus the answering level."""
+        parts = [f"{stage};dur={ms:.2f}" for stage, ms in self.timings_ms.items()]
+        parts.append(f'cache;desc="{self.source}"')
+        return ", ".join(parts)
+
+    def reply(self) -> EncodeReply:
+        return EncodeReply(self.body, self.mm_hash, self.source, self.timings_ms)
+
+
+class EncodeService:
+    def __init__(self, encoder: Encoder, settings: WorkerSettings, fetcher: Fetcher | None = None):
+        self.encoder = encoder
+        self.settings = settings
+        self.fetcher = fetcher or Fetcher(settings.fetch_policy())
+        self.alias = AliasCache(settings.alias_cache_entries, settings.alias_ttl_s)
+        self.bodies = BodyCache(settings.cache_bytes)
+        self._url_flights: SingleFlight = SingleFlight()
+        self._hash_flights: SingleFlight = SingleFlight()
+        self._cpu = ThreadPoolExecutor(settings.cpu_workers, thread_name_prefix="mm-cpu")
+        self._pending = 0
+        self._inflight = 0
+        self._idle: asyncio.Event | None = None
+        self.draining = False
+        self.served_names = {n.lower() for n in encoder.spec.served_names}
+        self.metrics = ServiceMetrics(self.alias, self.bodies, pending=lambda: self._pending,
+                                      inflight=lambda: self._inflight, queued=lambda: len(self.batcher))
+        self.batcher = DeviceBatcher(encoder, settings, self.metrics)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.batcher.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.batcher.running and not self.draining
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (503 draining) and wait for in-flight ones; False on timeout."""
+        self.draining = True
+        if self._idle is None:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("drain: %d requests still in flight after %.1f s", self._inflight, timeout_s)
+            return False
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        await self.fetcher.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    # --- the request path --------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name.lower() not in self.served_names:
+            raise UnknownModelError(name, sorted(self.encoder.spec.served_names))
+
+    async def handle(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
+        t0 = time.perf_counter()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            if self.draining:
+                raise Draining("this worker is shutting down; retry on another replica")
+            result = await self._answer(req)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(transport, "cancelled").inc()
+            raise
+        except Exception as e:
+            self.metrics.refused(transport, getattr(e, "code", "internal"))
+            raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        result.timings_ms["total"] = _ms(t0)
+        self.metrics.served(transport, result.source, result.timings_ms, len(result.body))
+        log.log(
+            logging.DEBUG if result.source in ("alias", "mm_hash") else logging.INFO,
+            "encode %s via %s from %s: %d bytes, %s", result.mm_hash[:16], transport, result.source,
+            len(result.body), " ".join(f"{k}={v:.1f}ms" for k, v in result.timings_ms.items()),
+        )
+        return result
+
+    async def _answer(self, req: EncodeRequest) -> EncodeResult:
+        self.check_model(req.model)
+        cfg = req.processor.apply(self.encoder.spec.preprocess) if req.processor else self.encoder.spec.preprocess
+        if req.data is not None:
+            return await self._from_bytes(req.data, req.modality, cfg, {})
+        if req.url[:5].lower() == "data:":  # inline content: nothing to alias, nothing to download
+            fetched = await self.fetcher.fetch(req.url)
+            return await self._from_bytes(fetched.data, req.modality, cfg, {})
+        identity = self.encoder.identity(cfg)
+        h = self.alias.get(req.scope, req.url, identity)
+        if h is not None:
+            body = self.bodies.get(h)
+            if body is not None:
+                return EncodeResult(body, h, "alias")
+        key = (req.scope, req.url, identity, req.modality)
+        result, joined = await self._url_flights.run(key, lambda: self._from_url(req, cfg, identity))
+        if joined:
+            self.metrics.coalesced.labels("fetch").inc()
+            return EncodeResult(result.body, result.mm_hash, "coalesced", dict(result.timings_ms))
+        return result
+
+    async def _from_url(self, req: EncodeRequest, cfg: PreprocessConfig, identity: bytes) -> EncodeResult:
+        with self._admit():
+            t0 = time.perf_counter()
+            self.metrics.fetches.inc()
+            fetched = await self.fetcher.fetch(req.url)
+            self.metrics.fetch_bytes.inc(len(fetched.data))
+            timings = {"fetch": _ms(t0)}
+        result = await self._from_bytes(fetched.data, req.modality, cfg, timings)
+        self.alias.put(req.scope, req.url, identity, result.mm_hash)  # only after success: errors are not cached
+        return result
+
+    async def _from_bytes(
+        self, data: bytes, modality: str | None, cfg: PreprocessConfig, timings: dict[str, float]
+    ) -> EncodeResult:
+        if not data:
+            raise MediaError("empty", "the media item has no bytes")
+        if len(data) > _HASH_IN_THREAD_BYTES:
+            identified = await asyncio.get_running_loop().run_in_executor(self._cpu, self.encoder.identify, data, cfg)
+        else:
+            identified = self.encoder.identify(data, cfg)
+        sniffed, h = identified
+        if modality is not None and modality != sniffed:
+            raise MediaError("bad_input", f"modality is {modality!r} but the bytes are {sniffed}; fix or omit it")
+        body = self.bodies.get(h)
+        if body is not None:
+            return EncodeResult(body, h, "mm_hash", timings)
+        (body, work), joined = await self._hash_flights.run(h, lambda: self._compute(data, identified, cfg))
+        if joined:
+            self.metrics.coalesced.labels("encode").inc()
+        return EncodeResult(body, h, "coalesced" if joined else "forward", {**timings, **work})
+
+    async def _compute(self, data: bytes, identified: tuple[str, str], cfg: PreprocessConfig) -> tuple[bytes, dict]:
+        modality, h = identified
+        with self._admit():
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._cpu, lambda: self.encoder.prepare_media(data, cfg, identified=identified))
+            timings = {
+                "decode": sum(p.timings_ms["decode"] for p in prepared),
+                "preprocess": sum(p.timings_ms["preprocess"] for p in prepared),
+            }
+            body, device = await self.batcher.submit(h, modality, prepared)
+            self.bodies.put(h, body)
+            return body, {**timings, **device}
+
+    @contextlib.contextmanager
+    def _admit(self) -> Iterator[None]:
+        if self._pending >= self.settings.max_pending:
+            raise Overloaded(
+                f"the encode queue is full ({self.settings.max_pending} items); retry after "
+                f"{self.settings.retry_after_s} s or on another replica"
+            )
+        self._pending += 1
+        try:
+            yield
+        finally:
+            self._pending -= 1

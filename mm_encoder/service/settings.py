@@ -1,0 +1,103 @@
+"""Worker configuration: every option from the command line (`--http-port 8090`) or the
+environment (`MM_ENCODER_HTTP_PORT=8090`); the command line wins. pydantic-settings does the
+parsing, so the two spellings cannot drift apart. The README lists the options.
+
+Dynamo's own settings stay Dynamo's: DYN_DISCOVERY_BACKEND (default here: file), DYN_REQUEST_PLANE
+(tcp), DYN_EVENT_PLANE (zmq), DYN_FILE_KV, ETCD_ENDPOINTS, NATS_SERVER, DYN_SYSTEM_PORT.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..core.dynamo import NAMESPACE
+from ..core.registry import DEFAULT_MODEL
+from ..core.spec import MediaLimits
+from ..fetch import FetchPolicy
+from ..model.encoder import BATCH_MAX_PATCHES
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MM_ENCODER_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="python -m mm_encoder.worker",
+        extra="ignore",
+        frozen=True,
+    )
+
+    # --- model -------------------------------------------------------------------------------
+    model: str = Field(DEFAULT_MODEL, description="registry name or alias, or a checkpoint directory")
+    checkpoint: str | None = Field(None, description="checkpoint directory (default: deterministic random weights)")
+    device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    dtype: str | None = Field(None, description="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: torch's); fewer leaves cores for decode and pack"
+    )
+
+    # --- transports --------------------------------------------------------------------------
+    http_host: str = Field("127.0.0.1", description="HTTP bind address")
+    http_port: int = Field(8090, ge=-1, le=65535, description="HTTP port; 0 picks a free one, -1 disables HTTP")
+    dynamo: bool = Field(False, description="also serve <namespace>.mm_encoder.encode on the Dynamo runtime")
+    namespace: str = Field(NAMESPACE, description="Dynamo namespace")
+
+    # --- wire format -------------------------------------------------------------------------
+    wire_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="embedding dtype on the wire")
+    wire_byte_planes: bool = Field(True, description="byte-plane split before zstd (smaller bodies; see BENCHMARKS)")
+    zstd_level: int = Field(
+        1, ge=1, le=19, description="zstd level of bodies (1: smallest and fastest with byte planes; BENCHMARKS.md)"
+    )
+
+    # --- pipeline ----------------------------------------------------------------------------
+    max_pending: int = Field(64, ge=1, description="items past the caches at once; beyond it: 503 + Retry-After")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds on 503")
+    cpu_workers: int = Field(2, ge=1, description="threads that decode and preprocess")
+    post_workers: int = Field(
+        1, ge=0, description="threads that copy, pack and compress; 0 packs on the device thread (no overlap)"
+    )
+    batch_max_patches: int = Field(
+        BATCH_MAX_PATCHES, ge=1,
+        description="pack queued items into one forward up to this many patches; bigger items go alone",
+    )
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest request body accepted")
+    drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight work may finish")
+
+    # --- caches ------------------------------------------------------------------------------
+    alias_cache_entries: int = Field(100_000, ge=0, description="URL-alias LRU size (0 disables)")
+    alias_ttl_s: float = Field(300.0, ge=0, description="URL-alias TTL: URLs are mutable")
+    cache_bytes: int = Field(1 << 30, ge=0, description="mm_hash LRU capacity in bytes of bodies (0 disables)")
+
+    # --- media fetching ----------------------------------------------------------------------
+    fetch_max_bytes: int = Field(64 * 1024 * 1024, ge=1, description="media download cap (streamed)")
+    fetch_timeout_s: float = Field(30.0, gt=0, description="whole download, redirects included")
+    fetch_max_redirects: int = Field(3, ge=0, description="each hop is re-checked")
+    fetch_allow_hosts: tuple[str, ...] = Field(
+        (), description='internal hosts exempt from the address rules: "host", "host:port", "10.0.0.0/8" (JSON list)'
+    )
+    fetch_allow_file_dirs: tuple[str, ...] = Field((), description="directories file:// URLs may read (JSON list)")
+    max_pixels: int = Field(MediaLimits().max_pixels, ge=1, description="refused from the header, before decoding")
+
+    log_level: str = Field("INFO", description="DEBUG logs cache hits too")
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        if self.http_port < 0 and not self.dynamo:
+            raise ValueError("nothing to serve: HTTP is disabled (--http-port -1) and --dynamo is off")
+        return self
+
+    def fetch_policy(self) -> FetchPolicy:
+        return FetchPolicy(
+            max_bytes=self.fetch_max_bytes,
+            timeout_s=self.fetch_timeout_s,
+            max_redirects=self.fetch_max_redirects,
+            allow_hosts=self.fetch_allow_hosts,
+            allow_file_dirs=self.fetch_allow_file_dirs,
+        )
+
+    def media_limits(self) -> MediaLimits:
+        return MediaLimits(max_bytes=self.fetch_max_bytes, max_pixels=self.max_pixels)

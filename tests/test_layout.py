@@ -1,0 +1,86 @@
+"""The package's architecture, kept true: which room may import which, what stays torch-free, and
+how long a module may grow (README "Layout", docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "mm_encoder"
+# room -> rooms (or room.module) it may import; entry points at the top (cli, worker) may import any.
+ALLOWED = {
+    "core": set(),
+    "kernels": set(),
+    "routing": set(),
+    "model": {"core", "kernels"},
+    "fetch": {"core"},
+    "service": {"core", "model", "fetch"},
+    "frontend": {"core", "routing"},
+    "engines": {"core", "routing", "fetch", "model"},
+    "deploy": {"core", "engines.model_dir"},
+}
+TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt",
+              "mm_encoder.core.requests", "mm_encoder.core.dynamo", "mm_encoder.frontend",
+              "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.fetch", "mm_encoder.engines.model_dir",
+              "mm_encoder.deploy.local", "mm_encoder.deploy.k8s", "mm_encoder.deploy.cache_tiers",
+              "mm_encoder.deploy.status"]
+MAX_LINES = 450
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "_configs" not in p.parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The mm_encoder modules `path` imports, anywhere in the file (lazy imports count too)."""
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            mod = ".".join([*base, *(node.module.split(".") if node.module else ())])
+            found = [f"{mod}.{a.name}" for a in node.names] if node.module is None else [mod]
+        elif isinstance(node, ast.Import):
+            found = [a.name for a in node.names]
+        else:
+            continue
+        out.update(m for m in found if m.startswith("mm_encoder"))
+    return out
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PKG / parts[1]).is_dir()) else None
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_rooms_import_only_what_they_may(path):
+    room = _room(".".join(path.relative_to(PKG.parent).with_suffix("").parts))
+    if room is None:  # cli.py, worker.py, __init__.py: the entry points and the facade
+        return
+    allowed = ALLOWED[room] | {room}
+    for imported in _imports(path):
+        if imported in ("mm_encoder", "mm_encoder.__version__"):  # the facade's version, for any room
+            continue
+        parts = imported.split(".")
+        target = _room(imported) or parts[1]
+        qualified = ".".join(parts[1:3])
+        assert target in allowed or qualified in allowed, f"{path.relative_to(PKG)} imports {imported}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_no_module_over_the_limit(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+def test_frontend_deploy_and_cli_import_no_torch():
+    code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in TORCH_FREE) + (
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'numpy' not in sys.modules, 'numpy was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
