@@ -46,7 +46,7 @@ class EncodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, max_length=512)
-    url: str | None = Field(None, min_length=1)  # bounded by the body cap; fetch.py caps http(s) URLs
+    url: str | None = Field(None, min_length=1)  # bounded by the body cap; the fetcher caps http(s) URLs
     data: bytes | None = None
     modality: Literal["image", "video"] | None = None  # None: sniffed from the bytes
     processor: ProcessorOverrides | None = None

@@ -78,7 +78,7 @@ class ProjectorConfig(_Frozen):
 
 
 class PreprocessConfig(_Frozen):
-    """What decides the pixels the model sees; part of mm_hash (see hashing.py)."""
+    """What decides the pixels the model sees; part of mm_hash (see model/hashing.py)."""
 
     in_patch_limit: int = 16384
     patch_limit_on_one_side: int = 512
