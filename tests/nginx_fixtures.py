@@ -1,4 +1,4 @@
-"""Real nginx cache tiers for tests: started through `python -m mm_encoder.cache_tier up` (which
+"""Real nginx cache tiers for tests: started through `python -m mm_encoder.deploy.cache_tiers up` (which
 execs nginx, so the child's PID is nginx's master), ready when /_cache/health answers, stopped
 by PID with QUIT (then KILL)."""
 
