@@ -79,13 +79,18 @@ class WireHeader:
         return [tokens_for_grid(g) for g in self.grid_thws]
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)  # eq=False: a tensor field has no boolean ==
+@dataclass(frozen=True, eq=False, kw_only=True)
 class WireMessage(WireHeader):
     """A decoded body: the header and the tensor."""
 
     embeds: torch.Tensor  # [length, hidden], CPU, `dtype`, writable (owns its buffer)
     byte_planes: bool  # how the body laid the bytes out (decoded embeds are always plain tensors)
     version: int = WIRE_VERSION
+
+    # Identity, not the header's field equality: two messages with one header may differ in embeds,
+    # and a tensor has no boolean ==.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
 
 # ---------------------------------------------------------------------------------------- encode
