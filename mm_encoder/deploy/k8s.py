@@ -26,7 +26,7 @@ from pydantic_settings import SettingsError
 from ..core.errors import GraphError
 from .cache_tiers import parse_args as parse_tier_args
 from .graph import Component, Graph, Kind, load_graph
-from .k8s_site import (  # noqa: F401 (FRONTEND_PORT, VISION_DIR, pascal: the renderer's API, for tests and users)
+from .k8s_site import (
     CACHE_DIR,
     ENCODER_PORT,
     FRONTEND_PORT,
@@ -36,7 +36,7 @@ from .k8s_site import (  # noqa: F401 (FRONTEND_PORT, VISION_DIR, pascal: the re
     VISION_DIR,
     K8sNames,
     K8sSite,
-    pascal,
+    pascal,  # noqa: F401 (re-exported: how service names are spelled, for callers of render)
 )
 from .plan import MODULES, ComponentPlan, GeneratedLLM, plan
 

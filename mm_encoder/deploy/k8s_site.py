@@ -90,7 +90,7 @@ class K8sSite(Site):
             return [f"{self.names.tiers[name]}:{TIER_PORT}"]
         return []
 
-    def tier_dirs(self, name: str, replica: int) -> tuple[str, str]:
+    def tier_dirs(self, replica: str) -> tuple[str, str]:
         return RUN_DIR, CACHE_DIR
 
     def dynamo_env(self, kind: Kind) -> dict[str, str]:

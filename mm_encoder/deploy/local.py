@@ -62,8 +62,8 @@ class LocalSite(Site):
             return []
         return [":".join(map(str, self.listen(name, kind, i))) for i in range(replicas)]
 
-    def tier_dirs(self, name: str, replica: int) -> tuple[str, str]:
-        return str(self.run_dir / f"nginx-{name}"), str(self.run_dir / f"cache-{name}")
+    def tier_dirs(self, replica: str) -> tuple[str, str]:
+        return str(self.run_dir / f"nginx-{replica}"), str(self.run_dir / f"cache-{replica}")
 
     def dynamo_env(self, kind: Kind) -> dict[str, str]:
         env = {

@@ -12,7 +12,7 @@ and the Dynamo environment (file discovery here, the operator's Kubernetes disco
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..core.dynamo import MAX_MESSAGE_SIZE, PLANES
 from .graph import Component, Graph, Kind
@@ -47,7 +47,7 @@ class ComponentPlan:
     replicas: tuple[Replica, ...]
     env: dict[str, str]  # the Dynamo environment, then the graph's `env` (which wins)
     health_path: str | None  # GET on the replica's port that answers 200 once ready
-    uses: frozenset[str] = field(default_factory=frozenset)  # "llm" (the LLM directory), "vision" (checkpoint)
+    uses: frozenset[str]  # "llm" (the LLM directory), "vision" (the checkpoint)
 
 
 class Site(ABC):
@@ -65,8 +65,8 @@ class Site(ABC):
         """The host:port addresses other components use for component `name`."""
 
     @abstractmethod
-    def tier_dirs(self, name: str, replica: int) -> tuple[str, str]:
-        """A cache tier's run directory and cache directory."""
+    def tier_dirs(self, replica: str) -> tuple[str, str]:
+        """The run directory and cache directory of the tier replica named `replica`."""
 
     @abstractmethod
     def dynamo_env(self, kind: Kind) -> dict[str, str]:
@@ -125,7 +125,7 @@ class _Planner:
 
     def _tier(self, name: str, kind: Kind, i: int, tier: str) -> list[str]:
         host, port = self.site.listen(name, kind, i)
-        run_dir, cache_dir = self.site.tier_dirs(replica_name(name, i, self.g.components[name].replicas), i)
+        run_dir, cache_dir = self.site.tier_dirs(replica_name(name, i, self.g.components[name].replicas))
         argv = ["up", "--tier", tier, "--listen", f"{host}:{port}", "--run-dir", run_dir]
         return argv if tier == "router" else [*argv, "--cache-dir", cache_dir]
 

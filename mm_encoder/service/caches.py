@@ -32,8 +32,8 @@ class CacheStats:
     expirations: int = 0
 
 
-class _Counted:
-    """Counts the entries a cachetools cache drops: evicted to stay within its cap, or expired."""
+class _CountsEvictions:
+    """Counts the entries a cachetools cache evicts to stay within its cap."""
 
     stats: CacheStats
 
@@ -42,18 +42,16 @@ class _Counted:
         self.stats.evictions += 1
         return item
 
+
+class _LRU(_CountsEvictions, cachetools.LRUCache):
+    pass
+
+
+class _TTL(_CountsEvictions, cachetools.TTLCache):
     def expire(self, time=None):
         expired = super().expire(time)
         self.stats.expirations += len(expired)
         return expired
-
-
-class _TTL(_Counted, cachetools.TTLCache):
-    pass
-
-
-class _LRU(_Counted, cachetools.LRUCache):
-    pass
 
 
 class AliasCache:
