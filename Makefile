@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
+# Dynamo's stock frontend; --no-deps because it requires `aisimulate`, which no public index serves
+# (its other requirements are the `stock` extra).
+AI_DYNAMO_PIN := ai-dynamo==1.6.1
 STAMP := $(VENV)/.installed
 # The nginx cache tiers (mm-encoder cache up) and their tests need these Debian packages.
 NGINX_PKGS := nginx libnginx-mod-http-lua lua-nginx-string
@@ -16,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e '.[dev,dynamo,frontend]'
+	$(BIN)/python -m pip install -q -e '.[dev,dynamo,frontend,stock]'
+	$(BIN)/python -m pip install -q --no-deps "$(AI_DYNAMO_PIN)"
 	@touch $(STAMP)
 
 venv: $(STAMP)

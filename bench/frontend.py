@@ -1,13 +1,19 @@
-"""Frontend memory benchmark (not a test): RSS across concurrent long streams with 4K-sized embeddings.
+"""Frontend benchmark (not a test): embeddings by handle vs through the frontend, side by side.
 
-    python bench/frontend.py [--streams 50] [--tokens 200] [--quick]
+    python bench/frontend.py [--streams 50] [--tokens 200] [--repeats 5] [--quick] [--json PATH]
 
-Processes on loopback (Dynamo file discovery + TCP): an encode worker serving `tiny-wide` (tiny
-tower, 7168-wide projector), one reference engine for it (0 transformer blocks: embeddings, norm,
-head; width 7168), and the frontend (RPC to the encoder). N clients ask at once about the same
-3840x2160 image (4,214 tokens x 7168 bf16: a ~40 MB body per request) and stream `--tokens`
-tokens each. The frontend's RSS is sampled every 100 ms: before, at its peak (bodies in flight
-until each request's prefill), and through the decode phase, when it should hold no embeddings.
+Per transport (`--media-transport handle`, and `body`: the frontend fetching each body and sending
+it to the engine, as before handles), one stack on loopback, both up at once (Dynamo file discovery + TCP): an
+encode worker serving `tiny-wide` (tiny tower, 7168-wide projector), an nginx cluster tier in front
+of it, one reference engine (0 transformer blocks, width 7168) and the frontend. A 3840x2160 image
+is 4,214 tokens x 7168 bf16: a ~40 MB body. Measured per transport, in one run:
+- bytes on Dynamo's request plane per 4K request (the engine's `dynamo_component_request_bytes_total`);
+- time to first token of a cold 4K image (a new image each time) and of a repeated one, medians,
+  single requests interleaved between the two stacks;
+- the frontend's RSS over N concurrent streams about the same 4K image (sampled every 100 ms),
+  one stack at a time.
+In `handle` mode the frontend runs with Dynamo's default `DYN_TCP_MAX_MESSAGE_SIZE`; `body` mode
+needs it raised (256 MiB here) on the frontend and the engine.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +39,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import worker as worker_bench  # noqa: E402  (bench/worker.py: tiny-wide configs)
 from media_factory import image_bytes, natural_image  # noqa: E402
+from nginx_fixtures import dynamo_system_port  # noqa: E402 (Dynamo reads DYN_SYSTEM_PORT as an i16)
 
 from mm_encoder.deploy.local import free_port  # noqa: E402
+
+BIG = str(256 << 20)
+MODES = ("handle", "body")
 
 
 def rss_mb(pid: int) -> float:
@@ -43,132 +54,232 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-
-def start(name: str, run: Path, env: dict, *args: str, ready: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=(run / f"{name}.log").open("w"), text=True)
+def start(name: str, run: Path, env: dict, *args: str, ready: str | None = None,
+          url: str | None = None) -> subprocess.Popen:
+    """A process, ready when it prints `ready` or when `url` answers 200."""
+    log = (run / f"{name}.log").open("w")
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE if ready else log,
+                            stderr=log, text=True)
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if ready in line:
-            return proc
-        if not line and proc.poll() is not None:
-            break
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready:
+            if ready in proc.stdout.readline():
+                return proc
+            continue
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.05)
     raise RuntimeError(f"{name} did not start: {(run / f'{name}.log').read_text()[-2000:]}")
+
+
+def chat_body(img: bytes | str, tokens: int) -> bytes:
+    url = img if isinstance(img, str) else "data:image/jpeg;base64," + base64.b64encode(img).decode()
+    return json.dumps({"model": "wide-chat", "max_tokens": tokens, "stream": True, "ignore_eos": True, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Describe it."},
+                                     {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
 
 
 def stream_chat(port: int, body: bytes, result: dict) -> None:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     t0 = time.monotonic()
-    first = None
-    n = 0
-    last = b""
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                n += 1
-                last = line
-                if first is None:
-                    first = time.monotonic() - t0
-    usage = json.loads(last[6:]).get("usage") or {} if last else {}
+    first, n, last = None, 0, b""
+    try:
+        with urllib.request.urlopen(req, timeout=900) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    n += 1
+                    last = line
+                    first = first if first is not None else time.monotonic() - t0
+    except OSError as e:
+        last = str(e).encode()
+    usage = (json.loads(last[6:]).get("usage") or {}) if last.startswith(b"data: ") else {}
     result.update(first_s=first, chunks=n, total_s=time.monotonic() - t0, last=last[:300],
                   completion_tokens=usage.get("completion_tokens"))
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith((name + " ", name + "{")))
+
+
+def serve_image(img: bytes) -> tuple[ThreadingHTTPServer, str]:
+    """The 4K image at an http URL on loopback (a handle then names a URL, not a data: URL)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/jpeg")
+            self.send_header("Content-Length", str(len(img)))
+            self.end_headers()
+            self.wfile.write(img)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/4k.jpg"
+
+
+def request_bytes(port: int, engine_sys: int, img: bytes | str) -> int:
+    """Bytes the engine received on the request plane for one request about `img`."""
+    before = metric(engine_sys, "dynamo_component_request_bytes_total")
+    stream_chat(port, chat_body(img, 1), {})
+    return int(metric(engine_sys, "dynamo_component_request_bytes_total") - before)
+
+
+class Stack:
+    """One transport's processes: encode worker, cluster tier, engine, frontend."""
+
+    def __init__(self, mode: str, configs: Path, model_dir: Path, image_url: str):
+        self.mode = mode
+        self.run = Path(tempfile.mkdtemp(prefix=f"mm-bench-frontend-{mode}-"))
+        base = {**os.environ, "DYN_FILE_KV": str(self.run / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
+                "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_LOG": "error", "DYN_SELF_HOST_METADATA": "0",
+                "MM_ENCODER_CONFIGS": str(configs), "MM_ENCODER_LOG_LEVEL": "WARNING"}
+        base.pop("DYN_TCP_MAX_MESSAGE_SIZE", None)
+        bodies = {**base, "DYN_TCP_MAX_MESSAGE_SIZE": BIG}  # the encoder and engine carry bodies in both modes
+        worker_port, tier_port, self.port, self.engine_sys = free_port(), free_port(), free_port(), dynamo_system_port()
+        self.procs: list[subprocess.Popen] = []
+        allow = json.dumps([image_url.split("/")[2]])
+        self.procs.append(start("worker", self.run, {**bodies, "MM_ENCODER_FETCH_ALLOW_HOSTS": allow},
+                                "-m", "mm_encoder.worker", "--model", "tiny-wide",
+                                "--dynamo", "--http-port", str(worker_port), ready="worker ready"))
+        self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier",
+                                "cluster", "--listen", f"127.0.0.1:{tier_port}", "--next", f"127.0.0.1:{worker_port}",
+                                "--run-dir", str(self.run / "tier"), "--cache-dir", str(self.run / "tier-cache"),
+                                url=f"http://127.0.0.1:{tier_port}/_cache/health"))
+        chain = f"http://127.0.0.1:{tier_port}"
+        self.procs.append(start("engine", self.run, {**bodies, "DYN_SYSTEM_PORT": str(self.engine_sys)}, "-m",
+                                "mm_encoder.engines.reference", "--model-dir", str(model_dir), "--encoder-chain",
+                                chain, ready="engine ready"))
+        self.frontend = start("frontend", self.run, bodies if mode == "body" else base,  # handles: default limit
+                              "-m", "mm_encoder.frontend", "--model-dir", str(model_dir), "--http-port",
+                              str(self.port), "--log-level", "WARNING", "--encoder-http", chain, "--encoder-route",
+                              "cluster", "--media-transport", mode, ready="frontend ready")
+        self.procs.append(self.frontend)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the model is served
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5) as r:
+                    if json.loads(r.read())["data"]:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{mode}: the frontend never listed the model")
+
+    def ttft(self, img: bytes | str) -> float:
+        r: dict = {}
+        stream_chat(self.port, chat_body(img, 1), r)
+        return r["first_s"]
+
+    def request_bytes(self, img: bytes | str) -> int:
+        """Bytes the engine received on the request plane for one request about `img`."""
+        before = metric(self.engine_sys, "dynamo_component_request_bytes_total")
+        self.ttft(img)
+        return int(metric(self.engine_sys, "dynamo_component_request_bytes_total") - before)
+
+    def load(self, img: bytes, streams: int, tokens: int) -> dict:
+        """The frontend's RSS over `streams` concurrent streams of `tokens` tokens about `img`."""
+        body = chat_body(img, tokens)
+        baseline = rss_mb(self.frontend.pid)
+        samples: list[float] = []
+        results = [{} for _ in range(streams)]
+        threads = [threading.Thread(target=stream_chat, args=(self.port, body, r)) for r in results]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            samples.append(rss_mb(self.frontend.pid))
+            time.sleep(0.1)
+        for t in threads:
+            t.join()
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/mm/stats", timeout=10) as r:
+            stats = json.loads(r.read())["processors"][0]
+        firsts = [r["first_s"] for r in results if r["first_s"] is not None]
+        return {"rss_baseline_mb": round(baseline, 1), "rss_peak_mb": round(max(samples), 1),
+                "streams_completed": sum(1 for r in results if r["completion_tokens"] == tokens),
+                "ttft_under_load_median_s": round(statistics.median(firsts), 2) if firsts else None,
+                "encoder_body_bytes": stats["encoder_body_bytes"],
+                "failed_example": next((r["last"].decode(errors="replace") for r in results
+                                        if r["completion_tokens"] != tokens), None)}
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if not os.environ.get("MM_BENCH_KEEP"):
+            shutil.rmtree(self.run, ignore_errors=True)
+
+
+def measure(args, configs: Path, model_dir: Path) -> dict:
+    """Both stacks up at once; single requests interleaved (handle, body, handle, ...) so the
+    machine's noise falls on both; the concurrent load runs on one stack at a time."""
+    shared_img = image_bytes(natural_image(3840, 2160, seed=4), "JPEG", quality=90)
+    origin, image_url = serve_image(shared_img)
+    stacks: dict[str, Stack] = {}
+    try:
+        for mode in MODES:
+            stacks[mode] = Stack(mode, configs, model_dir, image_url)
+        out: dict[str, dict] = {m: {"transport": m} for m in MODES}
+        for m, st in stacks.items():  # warm: the shared image encoded once per stack, by data: URL and URL
+            st.ttft(shared_img)
+            st.ttft(image_url)
+            out[m]["request_plane_bytes_per_4k_request"] = {"data_url": st.request_bytes(shared_img),
+                                                            "http_url": st.request_bytes(image_url)}
+        repeated: dict[str, list[float]] = {m: [] for m in MODES}
+        cold: dict[str, list[float]] = {m: [] for m in MODES}
+        for i in range(args.repeats):
+            img = image_bytes(natural_image(3840, 2160, seed=1000 + i), "JPEG", quality=90)
+            for m, st in stacks.items():
+                repeated[m].append(st.ttft(shared_img))
+                cold[m].append(st.ttft(img))  # new to this stack: the same pixels are cold in each
+        for m, st in stacks.items():
+            out[m] |= {"ttft_repeated_ms": _spread(repeated[m]), "ttft_cold_ms": _spread(cold[m]),
+                       **st.load(shared_img, args.streams, args.tokens)}
+        return out
+    finally:
+        origin.shutdown()
+        for st in stacks.values():
+            st.stop()
+
+
+def _spread(values: list[float]) -> dict:
+    ms = [v * 1e3 for v in values if v is not None]
+    return {"median": round(statistics.median(ms), 1), "min": round(min(ms), 1), "max": round(max(ms), 1),
+            "n": len(ms)} if ms else {}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=50)
     p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--quick", action="store_true", help="10 streams of 60 tokens")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="10 streams of 60 tokens, 3 repeats")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
-        args.streams, args.tokens = 10, 60
-    run = Path(tempfile.mkdtemp(prefix="mm-bench-frontend-"))
+        args.streams, args.tokens, args.repeats = 10, 60, 3
     configs = worker_bench.bench_configs()
     os.environ["MM_ENCODER_CONFIGS"] = str(configs)
     from mm_encoder.engines.model_dir import make_model_dir
 
-    model_dir = make_model_dir(run / "wide-chat", "tiny-wide", name="wide-chat", context_length=8192, num_layers=0)
-    env = {**os.environ, "DYN_FILE_KV": str(run / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "error",
-           # a 4K image's engine request is ~40 MB, above the request plane's default message limit
-           "DYN_TCP_MAX_MESSAGE_SIZE": os.environ.get("DYN_TCP_MAX_MESSAGE_SIZE", str(256 << 20)),
-           "DYN_SELF_HOST_METADATA": "0", "MM_ENCODER_CONFIGS": str(configs), "MM_ENCODER_LOG_LEVEL": "WARNING"}
-    port = free_port()
-    procs = []
+    work = Path(tempfile.mkdtemp(prefix="mm-bench-frontend-"))
+    model_dir = make_model_dir(work / "wide-chat", "tiny-wide", name="wide-chat", context_length=8192, num_layers=0)
     try:
-        procs.append(start("worker", run, env, "-m", "mm_encoder.worker", "--model", "tiny-wide", "--dynamo",
-                           "--http-port", "-1", ready="worker ready"))
-        procs.append(start("engine", run, env, "-m", "mm_encoder.engines.reference", "--model-dir", str(model_dir),
-                           ready="engine ready"))
-        frontend = start("frontend", run, env, "-m", "mm_encoder.frontend", "--model-dir", str(model_dir),
-                         "--http-port", str(port), "--log-level", "WARNING", ready="frontend ready")
-        procs.append(frontend)
-        img = image_bytes(natural_image(3840, 2160, seed=4), "JPEG", quality=90)
-        url = "data:image/jpeg;base64," + base64.b64encode(img).decode()
-        body = json.dumps({"model": "wide-chat", "max_tokens": args.tokens, "stream": True,
-                           "ignore_eos": True, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Describe it."},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until the model is served, then warm the encoder's cache
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-                    if json.loads(r.read())["data"]:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        warm: dict = {}
-        stream_chat(port, body, warm)
-        baseline = rss_mb(frontend.pid)
-        samples: list[tuple[float, float]] = []
-        results = [{} for _ in range(args.streams)]
-        threads = [threading.Thread(target=stream_chat, args=(port, body, r)) for r in results]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            samples.append((time.monotonic() - t0, rss_mb(frontend.pid)))
-            time.sleep(0.1)
-        for t in threads:
-            t.join()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/mm/stats", timeout=10) as r:
-            stats = json.loads(r.read())["processors"][0]
+        out = measure(args, configs, model_dir)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         shutil.rmtree(configs, ignore_errors=True)
-    last_first = max(r["first_s"] for r in results)
-    decode = [mb for t, mb in samples if t > last_first]
-    body_mb = 4214 * 7168 * 2 / 1e6
-    out = {
-        "streams": args.streams, "tokens": args.tokens, "embeddings_mb_per_request": round(body_mb, 1),
-        "rss_baseline_mb": round(baseline, 1), "rss_peak_mb": round(max(mb for _, mb in samples), 1),
-        "rss_decode_median_mb": round(statistics.median(decode), 1) if decode else None,
-        "rss_decode_max_mb": round(max(decode), 1) if decode else None,
-        "rss_end_mb": round(samples[-1][1], 1), "last_first_token_s": round(last_first, 2),
-        "decode_phase_s": round(samples[-1][0] - last_first, 2), "decode_samples": len(decode),
-        "chunks_per_stream_min": min(r["chunks"] for r in results),
-        "chunks_per_stream_max": max(r["chunks"] for r in results),
-        "streams_completed": sum(1 for r in results if r["completion_tokens"] == args.tokens),
-        "failed_example": next((r["last"].decode(errors="replace") for r in results
-                                if r["completion_tokens"] != args.tokens), None),
-        "last_event_example": results[0]["last"].decode(errors="replace"),
-        "live_embedding_requests_at_end": stats["live_embedding_requests"],
-    }
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out, indent=2))
     if args.json:
-        args.json.write_text(json.dumps({**out, "samples": samples}, indent=2))
-    if not os.environ.get("MM_BENCH_KEEP"):
-        shutil.rmtree(run, ignore_errors=True)
-    else:
-        print(f"kept {run}")
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

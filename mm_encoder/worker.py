@@ -20,6 +20,7 @@ from .service.dynamo_server import DynamoServer
 from .service.http_app import start_http
 from .service.pipeline import EncodeService
 from .service.settings import WorkerSettings
+from .service.stock_encode import StockEncoder
 
 log = logging.getLogger("mm_encoder.worker")
 
@@ -38,6 +39,7 @@ class Worker:
         self.http_runner = None
         self.http_port: int | None = None
         self.dynamo = None
+        self.stock = None
         self._stopped: asyncio.Future | None = None
 
     async def start(self) -> None:
@@ -52,6 +54,10 @@ class Worker:
         if s.dynamo:
             self.dynamo = DynamoServer(self.service, make_runtime(asyncio.get_running_loop()), s.namespace)
             await self.dynamo.start()
+        if s.stock_model_dir:  # also Dynamo's Encode worker, for the stock frontend
+            self.stock = StockEncoder(self.service, self.dynamo.runtime, s.namespace, s.stock_model_dir, s.stock_name,
+                                      s.handle_chain, s.handle_route)
+            await self.stock.start()
 
     async def stop(self) -> None:
         """Graceful: refuse new work, let in-flight requests finish, then close the transports.
@@ -66,7 +72,9 @@ class Worker:
         timeout = self.settings.drain_timeout_s
         drained = asyncio.ensure_future(self.service.drain(timeout))
         if self.dynamo is not None:
-            await self.dynamo.stop(timeout)
+            await self.dynamo.stop(timeout)  # shuts the runtime down: both Dynamo endpoints drain
+        if self.stock is not None:
+            await self.stock.stop(timeout)
         await drained
         if self.http_runner is not None:
             await self.http_runner.cleanup()

@@ -20,6 +20,7 @@ import pytest
 from media_factory import image_bytes, natural_image, video_bytes
 from nginx_fixtures import dynamo_system_port, free_port, require_nginx
 
+from mm_encoder.core.dynamo import PLANES
 from mm_encoder.core.prompt import ChatTokenizer
 from mm_encoder.core.registry import get_spec
 from mm_encoder.engines.model_dir import make_model_dir
@@ -103,7 +104,7 @@ def graph(tmp_path_factory):
                 str(g.root / "tier"), "--cache-dir", str(g.root / "tier-cache"), "--workers", "1")
         for i in (1, 2):
             g.start(f"engine{i}", "-m", "mm_encoder.engines.reference", "--model-dir", str(g.model_dir),
-                    ready="engine ready")
+                    "--encoder-chain", f"http://127.0.0.1:{g.tier_port}", ready="engine ready")
         g.start("frontend", "-m", "mm_encoder.frontend", "--model-dir", str(g.model_dir), "--http-port",
                 str(g.frontend_port), "--encoder-http", f"http://127.0.0.1:{g.tier_port}", "--encoder-route",
                 "cluster", ready="frontend ready", env={"DYN_SYSTEM_PORT": str(g.system_port)})
@@ -123,9 +124,9 @@ def graph(tmp_path_factory):
             g.stop(name, signal.SIGQUIT if name == "tier" else signal.SIGTERM)
 
 
-def chat(g: Graph, content, *, stream: bool = False, max_tokens: int = 4, timeout: float = 60):
+def chat(g: Graph, content, *, stream: bool = False, max_tokens: int = 4, timeout: float = 60, **fields):
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": stream}
+            "stream": stream, **fields}
     req = urllib.request.Request(g.url("/v1/chat/completions"), data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
@@ -177,6 +178,7 @@ def test_two_images_one_repeated_then_the_same_request_costs_no_encode(graph):
     events = sse_events(raw)
     assert status == 200 and events[-1]["usage"]["prompt_tokens"] == usage["prompt_tokens"]
     assert graph.worker_metric("mm_encoder_forward_items_total") == forwards  # zero encodes
+    assert graph.stats()["encoder_body_bytes"] == 0  # headers only: the engines fetched the bodies
     again = graph.stats()["recent"][-1]
     assert again["worker_id"] == first["worker_id"] and again["overlap_blocks"] > 0
     assert again["media"] == first["media"] and len(set(first["media"])) == 2
@@ -249,6 +251,30 @@ def test_video_chunks_are_spliced_with_their_timestamps(graph):
     assert json.loads(raw)["usage"]["prompt_tokens"] == text + chunks + 2 * 12  # 2 chunks x (6 x 8 patches / 4)
 
 
+def test_sampling_is_honoured_or_refused_by_name(graph):
+    """Seeded sampling is reproducible, seeds differ, stop strings end the text, and fields the engine
+    cannot honour are refused with a 400 that names them (never silently dropped)."""
+    image = {"type": "image_url", "image_url": {"url": data_url(IMG_A)}}
+
+    def text(**fields) -> tuple[str, str]:
+        status, raw = chat(graph, [image, {"type": "text", "text": "Tell a story."}], max_tokens=16, **fields)
+        assert status == 200, raw
+        choice = json.loads(raw)["choices"][0]
+        return choice["message"]["content"], choice["finish_reason"]
+
+    a, b, c = text(temperature=1.0, seed=7), text(temperature=1.0, seed=7), text(temperature=1.0, seed=8)
+    assert a == b and a[0] != c[0]
+    greedy, _ = text()
+    assert len(greedy) > 4
+    cut = greedy[len(greedy) // 2 :][:3]
+    stopped, finish = text(stop=[cut])
+    assert finish == "stop" and stopped == greedy[: greedy.index(cut)]
+    for field, value in (("n", 2), ("logprobs", True), ("tools", [{"type": "function",
+                                                                     "function": {"name": "f", "parameters": {}}}])):
+        status, raw = chat(graph, "hi", **{field: value})
+        assert status == 400 and f"`{field}`" in raw, raw
+
+
 def test_openai_client_with_a_data_url_image(graph):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=graph.url("/v1"), api_key="unused")
@@ -265,6 +291,43 @@ def test_openai_client_with_a_data_url_image(graph):
     )
     chunks = list(stream)
     assert chunks and any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_a_stock_dynamo_frontend_in_the_same_namespace_serves_text_and_refuses_media_cleanly(graph):
+    """The engines take Dynamo's preprocessed requests too: a stock `python -m dynamo.frontend` that
+    discovers them answers text, and media (no Encode worker registered for it) get a 400 saying so."""
+    pytest.importorskip("dynamo.frontend")
+    port = free_port()
+    graph.start("stock", "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
+                "--namespace", "mm", env=PLANES)  # ours default to these; Dynamo's frontend to etcd
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if graph.get_json(f"{url}/v1/models")["data"]:
+                    break
+            except (urllib.error.URLError, KeyError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline, (graph.root / "stock.log").read_text()[-2000:]
+            time.sleep(0.1)
+
+        def ask(content):
+            body = {"model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": content}]}
+            req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        status, out = ask("a text question")
+        assert status == 200 and out["usage"]["completion_tokens"] == 3
+        status, out = ask([{"type": "image_url", "image_url": {"url": data_url(IMG_A)}}])
+        assert status == 400 and "no encoder_result" in out["message"], out
+    finally:
+        graph.stop("stock")
 
 
 def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):

@@ -1,5 +1,5 @@
 """The frontend's parts one by one: routing info, chat parsing and splicing, max_tokens, cache keys,
-wire headers, the reference engine's parity, and that embeddings are dropped after prefill."""
+wire headers, the reference engine's parity, and that the frontend handles no embeddings."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ from worker_fixtures import run_worker
 
 from mm_encoder import wire
 from mm_encoder.core.errors import BadRequest, ContextOverflow
+from mm_encoder.core.handle import MediaHandle, Source, cache_key
 from mm_encoder.core.prompt import ChatTokenizer, Splicer
 from mm_encoder.core.registry import get_spec
 from mm_encoder.core.requests import EngineRequest, MediaInput
+from mm_encoder.core.sampling import SamplingParams
 from mm_encoder.engines.lm import ReferenceLM
 from mm_encoder.engines.model_dir import make_model_dir
 from mm_encoder.engines.reference import ReferenceEngine
 from mm_encoder.frontend.chat import MediaRef, parse_messages, prompt_segments
-from mm_encoder.frontend.encoder_client import EncoderClient, cache_key
+from mm_encoder.frontend.encoder_client import EncoderClient
 from mm_encoder.frontend.processor import Limits, MultimodalProcessor
 from mm_encoder.routing import MediaSpan, block_mm_infos, pad_routing_tokens, to_signed64
 
@@ -124,24 +126,29 @@ def test_max_tokens_is_capped_to_the_context_and_overflow_refused(model_dir):
                                encoder=EncoderClient("tiny", rpc_client=object()), router=None, engine_client=None,
                                block_size=16, eos_token_ids=[1], limits=Limits(context_length=100,
                                                                                 default_max_tokens=30))
-    assert proc.max_tokens_for({}, 50) == 30
-    assert proc.max_tokens_for({"max_tokens": 500}, 50) == 50
-    assert proc.max_tokens_for({"max_completion_tokens": 10, "max_tokens": 500}, 50) == 10
+    def cap(request, prompt):
+        return proc.max_tokens_for(SamplingParams.from_openai(request), prompt)
+
+    assert cap({}, 50) == 30
+    assert cap({"max_tokens": 500}, 50) == 50
+    assert cap({"max_completion_tokens": 10, "max_tokens": 500}, 50) == 10
     with pytest.raises(ContextOverflow, match=r"context length is 100"):
-        proc.max_tokens_for({}, 100)
-    with pytest.raises(BadRequest):
-        proc.max_tokens_for({"max_tokens": 0}, 10)
+        cap({}, 100)
+    with pytest.raises(BadRequest, match="max_tokens"):
+        cap({"max_tokens": 0}, 10)
 
 
 def test_cache_key_names_what_the_answer_depends_on():
-    def documented(model, processor, ref, scope):  # sha256 of the canonical JSON [model, processor, ref, scope]
-        doc = json.dumps([model, processor or {}, ref, scope], sort_keys=True, separators=(",", ":"))
+    def documented(model, processor, ref, scope, modality=None):  # sha256 of canonical JSON
+        doc = json.dumps([model, processor or {}, ref, scope, modality], sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(doc.encode()).hexdigest()
 
     k = cache_key("tiny", None, "https://x/a.png", "")
     assert k == documented("tiny", None, "https://x/a.png", "")
     assert len({k, cache_key("tiny", None, "https://x/a.png", "t2"), cache_key("other", None, "https://x/a.png", ""),
-                cache_key("tiny", {"in_patch_limit": 64}, "https://x/a.png", "")}) == 4
+                cache_key("tiny", {"in_patch_limit": 64}, "https://x/a.png", ""),
+                cache_key("tiny", None, "https://x/a.png", "", "image"),
+                cache_key("tiny", None, "https://x/a.png", "", "video")}) == 6  # modality is part of the answer
     # a data: URL is keyed by the hash of its text, not the text (which may be megabytes)
     url = "data:image/png;base64,AAAA"
     assert cache_key("tiny", None, url, "") == documented("tiny", None, "sha256:" + hashlib.sha256(url.encode())
@@ -164,77 +171,104 @@ def test_wire_peek_reads_the_header_without_the_tensor():
 # --- the reference engine ---------------------------------------------------------------------------
 
 
+class _Bodies:
+    """Stands in for the engine's HandleResolver in the parity test (the chain has its own tests)."""
+
+    def __init__(self, *bodies: bytes):
+        self.by_hash = {wire.peek(b).mm_hash: b for b in bodies}
+
+    async def body(self, handle: MediaHandle) -> bytes:
+        return self.by_hash[handle.mm_hash]
+
+
+def _handle(body: bytes, url: str = "https://media.test/a.png") -> dict:
+    return MediaHandle.build(wire.peek(body), Source(model="tiny", url=url), chain=None, route="cluster",
+                             rpc=None).to_dict()
+
+
 async def test_engine_first_step_logits_equal_a_direct_forward_on_spliced_embeddings(model_dir):
-    engine = ReferenceEngine(model_dir)
-    hidden = engine.cfg.hidden_size
+    hidden = ReferenceEngine(model_dir).cfg.hidden_size
     emb = torch.randn(10, hidden)
     body = wire.encode(mm_hash=H1, model="tiny", modality="image", embeds=emb, grid_thws=[[1, 4, 10]],
                        dtype="float32")
+    engine = ReferenceEngine(model_dir, resolver=_Bodies(body))
     tokens = [3, 5, 7] + [10] * 10 + [6, 4]
-    req = EngineRequest("r", tokens, 2, [1], [MediaInput(H1, body, [(3, 10)])])
-    logits, _ = engine.prefill(req)
+    req = EngineRequest("r", tokens, 2, [1], [MediaInput(_handle(body), [(3, 10)])])
+    out = [item async for item in engine.generate(req.to_dict())]
     # independent splice: token embeddings with rows 3..12 replaced, then the same weights
     model = ReferenceLM.from_dir(model_dir)
     with torch.no_grad():
         x = model.embed.weight[torch.tensor(tokens)].clone()
         x[3:13] = emb
         ref, _ = model(x)
+    logits, _ = engine.prefill(tokens, [(3, emb)])
     torch.testing.assert_close(logits, ref[-1], rtol=0, atol=0)
     # and greedy decoding with the KV cache equals recomputing the whole sequence
-    out = [item async for item in engine.generate(req.to_dict())]
     first = int(ref[-1].argmax())
     with torch.no_grad():
         x2 = torch.cat([x, model.embed.weight[first][None]])
         ref2, _ = model(x2)
     assert [o["token_ids"][0] for o in out] == [first, int(ref2[-1].argmax())]
+    # a span that does not match the handle's token count is refused before any fetch, as an error item
+    bad = EngineRequest("r", tokens, 2, [1], [MediaInput(_handle(body), [(3, 9)])])
+    (err,) = [item async for item in engine.generate(bad.to_dict())]
+    assert err["error"]["code"] == "bad_request" and "do not match" in err["error"]["message"]
 
 
-async def test_frontend_drops_embeddings_once_the_engine_has_them(tiny, model_dir, tmp_path, monkeypatch):
-    """In one process on the real Dynamo runtime: encode worker, reference engine, KvRouter and the
-    processor. After the engine's first item, nothing in the frontend references the body."""
+async def test_frontend_holds_no_embeddings(tiny, model_dir, tmp_path, monkeypatch):
+    """In one process on the real Dynamo runtime: encode worker, reference engine (fetching bodies
+    by handle over RPC), KvRouter and the processor. The processor's encoder client receives headers
+    only (0 body bytes) and the engine request is kilobytes."""
     from dynamo.llm import KvEventPublisher, KvRouter, KvRouterConfig, ModelInput, ModelType, WorkerType, register_model
+
+    from mm_encoder.core.handle import HandleResolver
 
     monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
     monkeypatch.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
     async with run_worker(tiny, dynamo=True) as w:
         rt = w.dynamo.runtime
         endpoint = rt.endpoint("mm.engine.generate")
-        engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16))
+        rpc = await rt.endpoint("mm.mm_encoder.encode").client()
+        await asyncio.wait_for(rpc.wait_for_instances(), 30)
+        resolver = HandleResolver((), rpc)
+        engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16), resolver=resolver)
         serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.generate))
         try:
             await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(model_dir), "tiny-chat",
                                  worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+            sent: list[int] = []
+
+            class Measured:  # the engine client, recording each request's size on the wire
+                def __init__(self, client):
+                    self.client = client
+
+                def instance_ids(self):
+                    return self.client.instance_ids()
+
+                async def direct(self, payload, worker):
+                    import msgpack
+
+                    sent.append(len(msgpack.packb(payload)))
+                    return await self.client.direct(payload, worker)
+
             engine_client = await endpoint.client()
             await asyncio.wait_for(engine_client.wait_for_instances(), 30)
-            rpc = await rt.endpoint("mm.mm_encoder.encode").client()
-            await asyncio.wait_for(rpc.wait_for_instances(), 30)
-            bodies: list[bytes] = []
-
-            class Recording(EncoderClient):
-                async def embed(self, item, scope=""):
-                    out = await super().embed(item, scope)
-                    bodies.append(out.body)
-                    return out
-
             router = KvRouter(endpoint, 16, KvRouterConfig())
             await _until_routable(router)
+            encoder = EncoderClient("tiny", rpc_client=rpc, namespace="mm")
             proc = MultimodalProcessor(
                 served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-                encoder=Recording("tiny", rpc_client=rpc), router=router,
-                engine_client=engine_client, block_size=16, eos_token_ids=[], limits=Limits(context_length=256))
+                encoder=encoder, router=router, engine_client=Measured(engine_client), block_size=16,
+                eos_token_ids=[], limits=Limits(context_length=256))
             url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
             request = {"model": "tiny-chat", "max_tokens": 40,
                        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
-            stream = proc.generate(request)
-            chunks = [await stream.__anext__()]
-            gc.collect()
-            assert len(bodies) == 1
-            # only the test's list holds it: same count as a private copy held the same way
-            baseline = [bytes(bytearray(bodies[0]))]  # a distinct object (bytes(b) would return b itself)
-            assert sys.getrefcount(bodies[0]) == sys.getrefcount(baseline[0]), _referrers(bodies[0])
-            assert proc.stats.live_embedding_requests == 0
-            chunks += [c async for c in stream]
+            chunks = [c async for c in proc.generate(request)]
             assert chunks[-1]["usage"]["completion_tokens"] == 40
+            assert encoder.body_bytes == 0 and encoder.calls == 1
+            assert resolver.fetches == 1
+            assert len(sent) == 1 and sent[0] < len(url) + 4096  # the data URL travels once, no embeddings
+            assert proc.stats.media_requests_in_flight == 0
         finally:
             serving.cancel()
 
@@ -279,18 +313,23 @@ def test_vllm_inputs_carry_embeddings_grids_and_mm_hash_uuids():
     vid = wire.encode(mm_hash=H2, model="tiny", modality="video", embeds=torch.randn(8, 8),
                       grid_thws=[[4, 4, 4], [4, 4, 4]], timestamps=["00:00:00.000", "00:00:02.000"])
     tokens = [1] + [9] * 6 + [2, 3] + [9] * 4 + [4] + [9] * 4 + [5]
-    req = EngineRequest("r", tokens, 5, [7], [MediaInput(H1, img, [(1, 6)]), MediaInput(H2, vid, [(9, 4), (14, 4)])])
-    prompt = build_inputs(req)
+    req = EngineRequest("r", tokens, 5, [7], [MediaInput(_handle(img), [(1, 6)]),
+                                              MediaInput(_handle(vid, "https://media.test/v.mp4"), [(9, 4), (14, 4)])],
+                        sampling={"temperature": 0.5, "seed": 3})
+    prompt = build_inputs(req, [img, vid])
     assert prompt["prompt_token_ids"] == tokens
     assert prompt["multi_modal_uuids"] == {"image": [H1], "video": [H2]}
     image, video = prompt["multi_modal_data"]["image"][0], prompt["multi_modal_data"]["video"][0]
     assert image["image_embeds"].shape == (6, 8) and image["image_grid_thw"].tolist() == [[1, 4, 6]]
     assert video["video_embeds"].shape == (8, 8) and video["video_grid_thw"].tolist() == [[4, 4, 4], [4, 4, 4]]
     assert torch.equal(image["image_embeds"], wire.decode(img).embeds)
-    assert sampling_kwargs(req) == {"max_tokens": 5, "temperature": 0.0, "stop_token_ids": [7], "ignore_eos": False}
-    bad = EngineRequest("r", tokens, 5, [], [MediaInput(H1, img, [(0, 6)])])  # span not a placeholder run
-    with pytest.raises(ValueError):
-        build_inputs(bad)
+    assert sampling_kwargs(req) == {"max_tokens": 5, "temperature": 0.5, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                    "seed": 3, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                    "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [7],
+                                    "ignore_eos": False}
+    bad = EngineRequest("r", tokens, 5, [], [MediaInput(_handle(img), [(0, 6)])])  # span not a placeholder run
+    with pytest.raises(BadRequest):
+        build_inputs(bad, [img])
     assert _parse_rest(["--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization", "0.8"]) == {
         "max_model_len": 8192, "enforce_eager": True, "gpu_memory_utilization": 0.8}
-    assert build_inputs(EngineRequest("t", [1, 2], 3)) == {"prompt_token_ids": [1, 2]}
+    assert build_inputs(EngineRequest("t", [1, 2], 3), []) == {"prompt_token_ids": [1, 2]}

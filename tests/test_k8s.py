@@ -68,7 +68,7 @@ def epd_docs(epd) -> list[dict]:
     return docs_of(epd)
 
 
-@pytest.mark.parametrize("name", ["epd", "agg"])
+@pytest.mark.parametrize("name", ["epd", "agg", "epd-stock"])
 def test_graph_deployment_has_the_documented_shape(name):
     graph = load_graph(GRAPHS / f"{name}.yaml")
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
@@ -84,12 +84,18 @@ def test_graph_deployment_has_the_documented_shape(name):
         assert type(svc["replicas"]) is int and svc["replicas"] == c.replicas
         main = svc["extraPodSpec"]["mainContainer"]
         assert main["image"] == graph.image
-        assert main["command"] == ["python", "-m", MODULES[c.kind]]
+        assert main["command"] == ["python", "-m", "dynamo.frontend" if c.stock else MODULES[c.kind]]
         assert all(isinstance(a, str) for a in main["args"])
         env = {e["name"]: e["value"] for e in main["env"]}
-        assert env["DYN_TCP_MAX_MESSAGE_SIZE"] == "268435456"
+        # bodies fetched over RPC (the chain's fallback) are the embeddings' size; the frontend sends handles
+        assert env.get("DYN_TCP_MAX_MESSAGE_SIZE") == ("268435456" if c.kind in ("encoder", "engine") else None)
         assert env["DYN_NAMESPACE"] == graph.namespace
         assert opt(main["args"], "--namespace") == [graph.namespace]
+        if graph.stock_frontend and c.kind == "encoder":  # Dynamo's Encode worker; handles name the chain
+            assert opt(main["args"], "--stock-model-dir") == [k8s.LLM_DIR]
+            assert opt(main["args"], "--handle-chain") == [f"http://{graph.name}-cluster:{k8s.TIER_PORT}"]
+        if graph.stock_frontend and c.kind == "engine":
+            assert opt(main["args"], "--frontend") == ["stock"]
     assert [s["componentType"] for s in services.values()].count("frontend") == 1
 
 

@@ -16,7 +16,8 @@ from mm_encoder.deploy.plan import ORDER, GeneratedLLM, plan
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 # Flags whose values are the site's (an address, a port, a path), not the component's options.
 SITE_VALUES = {"--http-host", "--http-port", "--listen", "--run-dir", "--cache-dir", "--next", "--direct", "--shard",
-               "--encoder-http", "--model-dir", "--checkpoint", "--encoder-checkpoint"}
+               "--encoder-http", "--encoder-chain", "--stock-model-dir", "--handle-chain", "--model-dir",
+               "--checkpoint", "--encoder-checkpoint"}
 
 
 def shape(argv: tuple[str, ...]) -> list[str]:
@@ -28,7 +29,7 @@ def opt(argv, flag: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
-@pytest.fixture(params=["epd", "agg"])
+@pytest.fixture(params=["epd", "agg", "epd-stock"])
 def graph(request):
     return load_graph(GRAPHS / f"{request.param}.yaml")
 
@@ -71,6 +72,9 @@ def test_local_site_wires_the_chain_by_loopback_ports(tmp_path):
     assert opt(engine.replicas[0].argv, "--name") == [g.llm.name] and engine.health_path is None
     assert engine.env["DYN_DISCOVERY_BACKEND"] == "file" and engine.env["DYN_FILE_KV"] == str(tmp_path / "dynamo-store")
     assert engine.env["DYN_TCP_MAX_MESSAGE_SIZE"] == str(MAX_MESSAGE_SIZE)
+    assert "DYN_TCP_MAX_MESSAGE_SIZE" not in by_kind["frontend"].env  # it sends handles, never bodies
+    # engines trust exactly the chain the frontend's handles name
+    assert opt(engine.replicas[0].argv, "--encoder-chain") == opt(frontend.replicas[0].argv, "--encoder-http")
 
 
 def test_the_generated_llm_is_one_call_on_both_sites(tmp_path):

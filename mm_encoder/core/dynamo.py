@@ -11,7 +11,7 @@ import asyncio
 import os
 from typing import Any
 
-from .errors import RemoteError
+from .errors import MMEncoderError, RemoteError
 from .requests import EncodeReply
 
 NAMESPACE = "mm"  # Dynamo namespace of every component, unless a graph or option says otherwise
@@ -42,6 +42,28 @@ def make_runtime(loop: asyncio.AbstractEventLoop):
 def is_too_large(e: BaseException) -> bool:
     """Dynamo's TCP request plane refusing a message above DYN_TCP_MAX_MESSAGE_SIZE."""
     return "payload is too large" in str(e)
+
+
+def client_error(e: MMEncoderError) -> Exception:
+    """The exception a handler inside Dynamo's HTTP frontend raises so the client sees `e`'s status.
+    Dynamo 1.6.1 shows a message only for `InvalidArgument` (400); for an `HttpError` it keeps the
+    status and replaces the message with the status's name. The code leads the message: `[code] ...`."""
+    from dynamo.llm.exceptions import HttpError, InvalidArgument
+
+    text = f"[{e.code}] {e.message}"
+    return InvalidArgument(text) if e.http_status == 400 else HttpError(e.http_status, text)
+
+
+def worker_error(e: MMEncoderError) -> Exception:
+    """The exception a worker behind Dynamo's stock frontend raises for `e`: the frontend shows the
+    message of `InvalidArgument` (as a 400: a 404/413/422 keeps its code in the text) and answers
+    503 to `CannotConnect`; anything else is a 500 whose message it hides."""
+    from dynamo.llm.exceptions import CannotConnect, InvalidArgument, Unknown
+
+    text = f"[{e.code}] {e.message}"
+    if 400 <= e.http_status < 500:
+        return InvalidArgument(text)
+    return CannotConnect(text) if e.http_status == 503 else Unknown(text)
 
 
 async def call_encode(client, request: dict[str, Any]) -> EncodeReply:

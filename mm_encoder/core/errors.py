@@ -13,6 +13,7 @@ HTTP status its transport answers. Callers map errors to responses by reading `c
     │                                    EncoderUnavailable, EngineUnavailable
     ├── RemoteError           any        an error another component returned, code and status kept
     ├── WireError             502        a peer's wire-v1 body is broken
+    ├── HandleError           502        an embedding handle that does not resolve to its own body
     └── configuration (operator's mistakes, 4xx/500): CheckpointError, ModelDirError, GraphError,
         CacheTierError
 """
@@ -181,6 +182,14 @@ class WireError(MMEncoderError):
 
     def __init__(self, message: str):
         super().__init__(message)
+
+
+class HandleError(MMEncoderError):
+    """An embedding handle that is malformed, names a chain this engine does not trust, or whose
+    fetched body is not the one it announced (mm_hash or grids differ): never spliced."""
+
+    code = "bad_handle"
+    http_status = 502
 
 
 # --- the operator's configuration -----------------------------------------------------------

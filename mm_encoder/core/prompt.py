@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import MMEncoderError, ModelDirError
+from .errors import BadRequest, MMEncoderError, ModelDirError
 from .spec import PromptConfig
 
 
@@ -93,6 +93,31 @@ class Splicer:
             pre, _, post = text.partition(self.prompt.placeholder)
             self._around[text] = (self.tok.encode(pre), self.tok.encode(post))
         return self._around[text]
+
+    def split_markers(self, token_ids: list[int]) -> tuple[list[list[int]], list[str]]:
+        """The inverse of a chat template that renders each media item as its prompt with one
+        placeholder (Dynamo's stock frontend, our model directories' template): the text segments
+        around the items and each item's modality, ready for `splice_ids`. A placeholder outside
+        a media prompt is refused: nothing could fill it."""
+        markers = {m: self._pre_post(t) for m, t in (("image", self.prompt.image),
+                                                      ("video", self.prompt.video.format(timestamp="")))}
+        segments: list[list[int]] = []
+        modalities: list[str] = []
+        start = 0
+        for i, tid in enumerate(token_ids):
+            if tid != self.placeholder_id or i < start:
+                continue
+            for modality, (pre, post) in markers.items():
+                lo, hi = i - len(pre), i + 1 + len(post)
+                if lo >= start and token_ids[lo:i] == pre and token_ids[i + 1 : hi] == post:
+                    segments.append(token_ids[start:lo])
+                    modalities.append(modality)
+                    start = hi
+                    break
+            else:
+                raise BadRequest(f"the prompt has a media placeholder at token {i} outside any media item's prompt")
+        segments.append(token_ids[start:])
+        return segments, modalities
 
     def splice(self, texts: list[str], media: list[tuple[str, list[int], list[str] | None]]) -> Spliced:
         """texts: n+1 segments; media: per item (modality, tokens per image/chunk, timestamps)."""

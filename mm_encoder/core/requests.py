@@ -77,44 +77,57 @@ def _describe(e: ValidationError) -> str:
 
 @dataclass
 class EncodeReply:
-    """The encode worker's Dynamo RPC answer: `body` is byte-for-byte what `POST /v1/encode` returns."""
+    """The encode worker's Dynamo RPC answer: `body` is byte-for-byte what `POST /v1/encode` returns;
+    a `header_only` request gets `header` (the wire header's fields) and an empty body."""
 
     body: bytes  # wire v1
     mm_hash: str
     source: str  # the level that answered: alias, mm_hash, coalesced or forward
     timings_ms: dict[str, float] = field(default_factory=dict)
+    header: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"body": self.body, "mm_hash": self.mm_hash, "source": self.source, "timings_ms": self.timings_ms}
+        d = {"body": self.body, "mm_hash": self.mm_hash, "source": self.source, "timings_ms": self.timings_ms}
+        if self.header is not None:
+            d["header"] = self.header
+        return d
 
     @classmethod
-    def from_dict(cls, reply: Any) -> EncodeReply:
+    def from_dict(cls, reply: Any, *, header_only: bool = False) -> EncodeReply:
         """A reply message -> EncodeReply; an error reply raises RemoteError with the worker's code."""
         if not isinstance(reply, dict):
             raise RemoteError(f"the encode worker answered a {type(reply).__name__}, not a reply map")
         if "error" in reply:
             raise RemoteError.from_dict(reply["error"], "the encode worker failed without a message")
-        if not isinstance(reply.get("body"), bytes):
+        if header_only and not isinstance(reply.get("header"), dict):
+            raise RemoteError("the encode worker's reply has no header")
+        if not header_only and not isinstance(reply.get("body"), bytes):
             raise RemoteError("the encode worker's reply has no body")
-        return cls(reply["body"], str(reply.get("mm_hash", "")), str(reply.get("source", "")),
-                   dict(reply.get("timings_ms") or {}))
+        return cls(reply.get("body") or b"", str(reply.get("mm_hash", "")), str(reply.get("source", "")),
+                   dict(reply.get("timings_ms") or {}), reply.get("header"))
 
 
 # --- frontend -> engine ---------------------------------------------------------------------
-# Travels as msgpack over Dynamo RPC on our own endpoint (bytes stay bytes; Dynamo's Rust-typed
-# request fields are JSON-only, so they are not used). The engine's response stream:
-# `{"token_ids": [int], "finish_reason": None | "stop" | "length"}` per step; the first item comes
-# right after prefill, which is when the frontend drops the embeddings.
+# Travels as msgpack over Dynamo RPC on our own endpoint. Media travel as handles (`core.handle`):
+# the engine fetches each body itself, so the message is kilobytes. The engine's response stream:
+# `{"token_ids": [int], "finish_reason": None | "stop" | "length"}` per step.
 
 
 @dataclass
 class MediaInput:
-    mm_hash: str
-    body: bytes  # wire v1: rows in span order
+    handle: dict[str, Any]  # a MediaHandle's JSON form: the engine fetches and checks the body
     spans: list[tuple[int, int]]  # (offset, length) in token_ids, one per image or video chunk
+    body: bytes | None = None  # the body itself: only a frontend in `--media-transport body` sends it
+
+    @property
+    def mm_hash(self) -> str:
+        return str(self.handle.get("mm_hash", ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mm_hash": self.mm_hash, "body": self.body, "spans": [list(s) for s in self.spans]}
+        d: dict[str, Any] = {"handle": self.handle, "spans": [list(s) for s in self.spans]}
+        if self.body is not None:
+            d["body"] = self.body
+        return d
 
 
 @dataclass
@@ -124,7 +137,7 @@ class EngineRequest:
     max_tokens: int
     eos_token_ids: list[int] = field(default_factory=list)
     media: list[MediaInput] = field(default_factory=list)
-    ignore_eos: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # core.sampling.SamplingParams.to_dict()
     # The aggregated baseline (no encode worker): text segments around media the engine fetches,
     # encodes and splices itself; token_ids is then empty and the engine reports prompt_tokens.
     segments: list[list[int]] | None = None
@@ -136,7 +149,7 @@ class EngineRequest:
             "token_ids": self.token_ids,
             "max_tokens": self.max_tokens,
             "eos_token_ids": self.eos_token_ids,
-            "ignore_eos": self.ignore_eos,
+            "sampling": self.sampling,
             "media": [m.to_dict() for m in self.media],
         }
         if self.segments is not None:
@@ -146,6 +159,7 @@ class EngineRequest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineRequest:
-        media = [MediaInput(m["mm_hash"], m["body"], [tuple(s) for s in m["spans"]]) for m in d.get("media", [])]
+        media = [MediaInput(dict(m["handle"]), [tuple(s) for s in m["spans"]], m.get("body"))
+                 for m in d.get("media", [])]
         return cls(d["request_id"], list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                   media, bool(d.get("ignore_eos", False)), d.get("segments"), list(d.get("media_refs", [])))
+                   media, dict(d.get("sampling") or {}), d.get("segments"), list(d.get("media_refs", [])))

@@ -58,6 +58,7 @@ DEFAULT_LEVEL = 1  # bench/wire.py: with byte planes, level 1 is both smaller an
 DEFAULT_MAX_SIZE = 1 << 31  # decompressed bytes a decoder accepts by default
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_META_KEYS = tuple(k for k in KEYS if k not in ("version", "byte_planes", "embeds"))
 _HOST_LITTLE = sys.byteorder == "little"
 
 
@@ -77,6 +78,20 @@ class WireHeader:
     @property
     def tokens_per_grid(self) -> list[int]:
         return [tokens_for_grid(g) for g in self.grid_thws]
+
+    def to_meta(self) -> dict[str, Any]:
+        """The header as JSON values: the worker's `X-MM-Meta` header and a handle's fields."""
+        return {"mm_hash": self.mm_hash, "model": self.model, "modality": self.modality, "dtype": self.dtype,
+                "shape": list(self.shape), "grid_thws": [list(g) for g in self.grid_thws], "length": self.length,
+                "timestamps": None if self.timestamps is None else list(self.timestamps)}
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> WireHeader:
+        """`to_meta`'s dict back, checked by the same rules as a body's header (WireError if not)."""
+        if not isinstance(meta, dict) or sorted(meta) != sorted(_META_KEYS):
+            raise WireError(f"header metadata must be a map of exactly {list(_META_KEYS)}, got {kind(meta)}")
+        check_header({**meta, "byte_planes": False})
+        return cls(**_header(meta))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -46,6 +46,8 @@ class Component(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     image: str | None = None  # Kubernetes only: overrides the graph's image
     resources: dict[str, dict[str, str]] = Field(default_factory=dict)  # Kubernetes only
+    # frontend only: run Dynamo's own `python -m dynamo.frontend` (media through our Encode worker)
+    stock: bool = False
 
 
 class LLM(_Strict):
@@ -77,6 +79,10 @@ class Graph(_Strict):
                 raise ValueError(f"component name {name!r}: lowercase letters, digits and '-' only")
         if kinds.count("frontend") != 1:
             raise ValueError("a graph has exactly one frontend")
+        if any(c.stock and c.kind != "frontend" for c in self.components.values()):
+            raise ValueError("`stock: true` names Dynamo's own frontend: only a frontend component takes it")
+        if self.stock_frontend and self.inline_encoding:
+            raise ValueError("Dynamo's stock frontend sends media to an Encode worker: add an encoder component")
         if "engine" not in kinds:
             raise ValueError("a graph needs an engine")
         for kind in CACHE_KINDS:
@@ -90,6 +96,11 @@ class Graph(_Strict):
 
     def of_kind(self, kind: str) -> list[tuple[str, Component]]:
         return [(n, c) for n, c in self.components.items() if c.kind == kind]
+
+    @property
+    def stock_frontend(self) -> bool:
+        """The frontend is Dynamo's own: the encoder registers as its Encode worker, engines take its requests."""
+        return any(c.stock for _, c in self.of_kind("frontend"))
 
     @property
     def inline_encoding(self) -> bool:

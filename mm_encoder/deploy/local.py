@@ -54,6 +54,9 @@ class LocalSite(Site):
     def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
         if (name, replica) not in self._ports:
             port = self.graph.frontend_port if kind == "frontend" else free_port()
+            # a port just freed may be handed out again: never give two components one port
+            while kind != "frontend" and port in {self.graph.frontend_port, *self._ports.values()}:
+                port = free_port()
             self._ports[(name, replica)] = port
         return LOOPBACK, self._ports[(name, replica)]
 
@@ -69,7 +72,10 @@ class LocalSite(Site):
         env = {
             "DYN_DISCOVERY_BACKEND": "file",
             "DYN_FILE_KV": str(self.run_dir / "dynamo-store"),
+            # every Dynamo listener on loopback: request plane, response streams, system server
             "DYN_TCP_RPC_HOST": LOOPBACK,
+            "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+            "DYN_SYSTEM_HOST": LOOPBACK,
             "DYN_SELF_HOST_METADATA": "0",
             "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
         }

@@ -27,7 +27,9 @@ MODULES: dict[Kind, str] = {
     "engine": "mm_encoder.engines.reference",
     "frontend": "mm_encoder.frontend",
 }
+STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
 DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
+BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
 READY_LINE = "engine ready"  # what a reference engine prints once registered (it serves no HTTP)
 
 
@@ -100,13 +102,14 @@ class _Planner:
         return out
 
     def _component(self, name: str, c: Component) -> ComponentPlan:
+        stock = self.g.stock_frontend
         argv, health, uses = {
-            "encoder": (self.encoder, "/ready", ("vision",) if self.vision else ()),
+            "encoder": (self.encoder, "/ready", ("vision",) * bool(self.vision) + ("llm",) * stock),
             "cache-shared": (self.shared, "/_cache/health", ()),
             "cache-router": (self.router, "/_cache/health", ()),
             "cache-cluster": (self.cluster, "/_cache/health", ()),
             "engine": (self.engine, None, ("llm", "vision") if self.g.inline_encoding and self.vision else ("llm",)),
-            "frontend": (self.frontend, "/v1/models", ("llm",)),
+            "frontend": (self.frontend, "/v1/models", () if stock else ("llm",)),
         }[c.kind]
         replicas = tuple(
             Replica(replica_name(name, i, c.replicas), (*argv(name, i), *c.args),
@@ -116,8 +119,11 @@ class _Planner:
         env = {"PYTHONUNBUFFERED": "1"}
         if c.kind in DYNAMO_KINDS:
             env |= {"DYN_REQUEST_PLANE": PLANES["DYN_REQUEST_PLANE"], "DYN_EVENT_PLANE": PLANES["DYN_EVENT_PLANE"],
-                    "DYN_TCP_MAX_MESSAGE_SIZE": str(MAX_MESSAGE_SIZE), **self.site.dynamo_env(c.kind)}
-        return ComponentPlan(name, c.kind, c, MODULES[c.kind], replicas, {**env, **c.env}, health, frozenset(uses))
+                    **self.site.dynamo_env(c.kind)}
+        if c.kind in BODY_KINDS:  # a body fetched over RPC (the chain's fallback) is the embeddings' size
+            env["DYN_TCP_MAX_MESSAGE_SIZE"] = str(MAX_MESSAGE_SIZE)
+        module = STOCK_FRONTEND if c.stock else MODULES[c.kind]
+        return ComponentPlan(name, c.kind, c, module, replicas, {**env, **c.env}, health, frozenset(uses))
 
     def _http(self, name: str, kind: Kind, i: int) -> list[str]:
         host, port = self.site.listen(name, kind, i)
@@ -130,8 +136,13 @@ class _Planner:
         return argv if tier == "router" else [*argv, "--cache-dir", cache_dir]
 
     def encoder(self, name: str, i: int) -> list[str]:
-        return ["--model", self.g.llm.vision_model, *self.vision, "--dynamo", "--namespace", self.g.namespace,
+        argv = ["--model", self.g.llm.vision_model, *self.vision, "--dynamo", "--namespace", self.g.namespace,
                 *self._http(name, "encoder", i)]
+        if self.g.stock_frontend:  # Dynamo's Encode worker for the LLM; its handles name the chain
+            argv += ["--stock-model-dir", self.site.llm_dir, "--stock-name", self.g.llm.name]
+            if self.chain():
+                argv += ["--handle-chain", self.chain()[0], "--handle-route", self.chain()[1]]
+        return argv
 
     def shared(self, name: str, i: int) -> list[str]:
         return [*self._tier(name, "cache-shared", i, "shared"), *_pairs("--next", self.reach["encoder"])]
@@ -151,17 +162,31 @@ class _Planner:
         if g.inline_encoding:  # the aggregated baseline: the engine encodes media itself
             argv += ["--encoder-model", g.llm.vision_model]
             argv += ["--encoder-checkpoint", self.site.vision_dir] if self.site.vision_dir else []
-        return argv
+        elif self.chain():  # the chain the engine trusts to fetch bodies from (handles name it)
+            argv += ["--encoder-chain", self.chain()[0]]
+        return argv + (["--frontend", "stock"] if g.stock_frontend else [])
+
+    def chain(self) -> tuple[str, str] | None:
+        """The cache chain's first level and its route, as components reach it (None: no tiers).
+        Asked of the site, not of what was planned so far: the encoder, planned first, names it too."""
+        cluster, router = self.g.of_kind("cache-cluster"), self.g.of_kind("cache-router")
+        if cluster:  # the outermost tier, and the route through the chain
+            name, c = cluster[0]
+            return f"http://{self.site.reach(name, c.kind, c.replicas)[0]}", "cluster,shared" if router else "cluster"
+        if router:
+            name, c = router[0]
+            return f"http://{self.site.reach(name, c.kind, c.replicas)[0]}", "shared"
+        return None
 
     def frontend(self, name: str, i: int) -> list[str]:
         g = self.g
+        if g.stock_frontend:  # Dynamo's own: it discovers the model from the engines' and encoder's cards
+            return [*self._http(name, "frontend", i), "--namespace", g.namespace]
         argv = ["--model-dir", self.site.llm_dir, *self._http(name, "frontend", i), "--namespace", g.namespace,
                 "--block-size", str(g.block_size)]
-        if self.reach.get("cache-cluster"):  # the outermost tier, and the route through the chain
-            route = "cluster,shared" if self.reach.get("cache-router") else "cluster"
-            argv += ["--encoder-http", f"http://{self.reach['cache-cluster'][0]}", "--encoder-route", route]
-        elif self.reach.get("cache-router"):
-            argv += ["--encoder-http", f"http://{self.reach['cache-router'][0]}", "--encoder-route", "shared"]
+        if self.chain():
+            url, route = self.chain()
+            argv += ["--encoder-http", url, "--encoder-route", route]
         return argv + (["--inline-media"] if g.inline_encoding else [])
 
 

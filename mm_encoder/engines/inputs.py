@@ -1,34 +1,51 @@
-"""An `EngineRequest`'s media as an engine takes it: each item's wire-v1 body decoded and checked
-against the spans the frontend spliced (a mismatch is refused, never written into the prompt)."""
+"""An `EngineRequest`'s media as an engine takes them: each item's handle checked against the spans
+the frontend spliced, its body fetched (`core.handle.HandleResolver`) and decoded. A mismatch at
+any step is refused, never written into the prompt."""
 
 from __future__ import annotations
 
 import torch
 
 from ..core import wire
+from ..core.aio import gather_or_cancel
+from ..core.errors import BadRequest
+from ..core.handle import HandleResolver, MediaHandle, check_body
 from ..core.requests import EngineRequest, MediaInput
 
 
-def decode_item(item: MediaInput, token_ids: list[int] | None = None) -> wire.WireMessage:
-    """The item's body, checked: one span per grid, each span as long as its grid's tokens and,
-    given the prompt, a run of one placeholder token."""
-    msg = wire.decode(item.body)
-    if [n for _, n in item.spans] != msg.tokens_per_grid:
-        raise ValueError(f"media {item.mm_hash[:12]}: spans {item.spans} do not match grids {msg.grid_thws}")
+def check_spans(item: MediaInput, token_ids: list[int] | None) -> MediaHandle:
+    """The item's handle, parsed: one span per grid, each as long as its grid's tokens and, given
+    the prompt, a run of one placeholder token. Checked before any body is fetched."""
+    handle = MediaHandle.parse(item.handle)
+    if [n for _, n in item.spans] != handle.num_tokens:
+        raise BadRequest(f"media {handle.mm_hash[:12]}: spans {item.spans} do not match its token counts "
+                         f"{handle.num_tokens}")
     for offset, n in item.spans if token_ids is not None else ():
         run = token_ids[offset : offset + n]
-        if len(run) != n or len(set(run)) != 1:
-            raise ValueError(f"media {item.mm_hash[:12]}: tokens {offset}..{offset + n} are not a placeholder run")
-    return msg
+        if offset < 0 or len(run) != n or len(set(run)) != 1:
+            raise BadRequest(f"media {handle.mm_hash[:12]}: tokens {offset}..{offset + n} are not a placeholder run")
+    return handle
 
 
-def media_rows(req: EngineRequest, hidden: int) -> list[tuple[int, torch.Tensor]]:
+async def fetch_bodies(req: EngineRequest, resolver: HandleResolver) -> list[bytes]:
+    """Every item's wire-v1 body, fetched concurrently; the first failure cancels the rest."""
+    handles = [check_spans(item, req.token_ids) for item in req.media]
+    return await gather_or_cancel(_given(h, item.body) if item.body is not None else resolver.body(h)
+                                  for h, item in zip(handles, req.media, strict=True))
+
+
+async def _given(handle: MediaHandle, body: bytes) -> bytes:
+    """A body the frontend sent along (`--media-transport body`), checked like a fetched one."""
+    return check_body(handle, body)
+
+
+def media_rows(req: EngineRequest, bodies: list[bytes], hidden: int) -> list[tuple[int, torch.Tensor]]:
     """(offset, rows) per span of every item, for writing over the placeholder embeddings."""
     out = []
-    for item in req.media:
-        msg = decode_item(item, req.token_ids)
+    for item, body in zip(req.media, bodies, strict=True):
+        msg = wire.decode(body)
         if msg.shape[1] != hidden:
-            raise ValueError(f"media {item.mm_hash[:12]}: embeddings are {msg.shape[1]} wide, the model takes {hidden}")
+            raise BadRequest(f"media {item.mm_hash[:12]}: embeddings are {msg.shape[1]} wide, the model takes {hidden}")
         start = 0
         for offset, n in item.spans:
             out.append((offset, msg.embeds[start : start + n]))

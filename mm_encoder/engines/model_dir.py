@@ -16,11 +16,22 @@ from pathlib import Path
 
 from ..core.registry import DEFAULT_MODEL, get_spec
 
+# Content is a string (this project's frontend renders media as its own sentinels) or a list of
+# OpenAI parts (Dynamo's stock frontend, which passes images as {"type": "image"}): each media part
+# becomes the model's own prompt for it with one placeholder, which the engine expands.
 CHAT_TEMPLATE = (
+    "{%- macro content(c) -%}"
+    "{%- if c is string -%}{{ c }}"
+    "{%- elif c is not none -%}{%- for p in c -%}"
+    "{%- if p['type'] == 'text' -%}{{ p['text'] }}"
+    "{%- elif p['type'] in ('image', 'image_url') -%}@IMAGE@"
+    "{%- elif p['type'] in ('video', 'video_url') -%}@VIDEO@"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ content(m['content']) }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ content(m['content']) }}<|im_end|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ content(m['content']) }}<|im_end|>"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
@@ -31,6 +42,12 @@ Describe the image in detail. What is in this picture? Compare the two images an
 Large language models read tokens; a vision encoder turns pixels into embeddings first.
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / = + * % # @ & |
 """
+
+
+def chat_template(prompt) -> str:
+    """The template for one model's prompts (`spec.prompt`): a video part gets its chunk prompt
+    without a timestamp, since chunks are known only once the video is encoded."""
+    return CHAT_TEMPLATE.replace("@IMAGE@", prompt.image).replace("@VIDEO@", prompt.video.format(timestamp=""))
 
 
 def make_model_dir(path: str | Path, model: str = DEFAULT_MODEL, *, name: str | None = None, context_length: int = 4096,
@@ -73,8 +90,10 @@ def make_model_dir(path: str | Path, model: str = DEFAULT_MODEL, *, name: str | 
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["[EOS]"]}))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": CHAT_TEMPLATE,
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": chat_template(spec.prompt),
         "model_max_length": context_length, "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True} for t in specials},
+        # every AddedToken field: Dynamo's Rust tokenizer loader refuses entries with fewer
+        "added_tokens_decoder": {str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                               "single_word": False, "special": True} for t in specials},
     }, indent=2))
     return path

@@ -1,5 +1,6 @@
-"""vLLM adapter for GPU deployments: the same `EngineRequest` as the reference engine, handed to
-vLLM as prompt token ids plus precomputed embeddings, so vLLM never runs a vision tower.
+"""vLLM adapter for GPU deployments: the same `EngineRequest` as the reference engine (media by
+handle, fetched here), handed to vLLM as prompt token ids plus precomputed embeddings, so vLLM
+never runs a vision tower.
 
     python -m mm_encoder.engines.vllm --model /models/Kimi-K2.5 [--namespace mm] [vLLM engine args]
 
@@ -21,17 +22,22 @@ from typing import Any
 
 import torch
 
+from ..core import wire
 from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
+from ..core.handle import HandleResolver
 from ..core.requests import EngineRequest
-from .inputs import decode_item
+from ..core.sampling import SamplingParams
+from .inputs import check_spans, fetch_bodies
 
 
-def build_inputs(req: EngineRequest) -> dict[str, Any]:
-    """EngineRequest -> the `prompt` dict for vLLM's `generate` (TokensPrompt with embeddings)."""
+def build_inputs(req: EngineRequest, bodies: list[bytes]) -> dict[str, Any]:
+    """EngineRequest + its fetched bodies -> the `prompt` dict for vLLM's `generate` (TokensPrompt
+    with embeddings)."""
     data: dict[str, list[dict[str, torch.Tensor]]] = {}
     uuids: dict[str, list[str]] = {}
-    for item in req.media:
-        msg = decode_item(item, req.token_ids)
+    for item, body in zip(req.media, bodies, strict=True):
+        check_spans(item, req.token_ids)
+        msg = wire.decode(body)
         m = msg.modality
         data.setdefault(m, []).append({
             f"{m}_embeds": msg.embeds,
@@ -46,26 +52,34 @@ def build_inputs(req: EngineRequest) -> dict[str, Any]:
 
 
 def sampling_kwargs(req: EngineRequest) -> dict[str, Any]:
-    """Greedy, like the reference engine; the frontend owns max_tokens and the stop tokens."""
-    return {"max_tokens": req.max_tokens, "temperature": 0.0, "stop_token_ids": list(req.eos_token_ids),
-            "ignore_eos": req.ignore_eos}
+    """vLLM's SamplingParams keywords for the request's sampling (stop strings are the frontend's:
+    it detokenizes); the frontend owns max_tokens."""
+    p = SamplingParams.from_dict(req.sampling)
+    kw: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": p.temperature or 0.0, "top_p": p.top_p,
+                          "top_k": p.top_k or -1, "min_p": p.min_p, "seed": p.seed,
+                          "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+                          "repetition_penalty": p.repetition_penalty, "min_tokens": p.min_tokens,
+                          "stop_token_ids": sorted({*req.eos_token_ids, *p.stop_token_ids}),
+                          "ignore_eos": p.ignore_eos}
+    return kw
 
 
 class VllmEngine:
     """Dynamo handler around vLLM's AsyncLLM (created on first use, in the worker process)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, resolver: HandleResolver):
         self.engine = engine
+        self.resolver = resolver
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VllmSampling
 
         req = EngineRequest.from_dict(request)
-        prompt = build_inputs(req)
+        prompt = build_inputs(req, await fetch_bodies(req, self.resolver))
         request = None
         req.media.clear()
         sent = 0
-        async for out in self.engine.generate(prompt, SamplingParams(**sampling_kwargs(req)), req.request_id):
+        async for out in self.engine.generate(prompt, VllmSampling(**sampling_kwargs(req)), req.request_id):
             prompt = None  # vLLM holds the embeddings now
             comp = out.outputs[0]
             new = list(comp.token_ids[sent:])
@@ -82,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs vLLM
     p.add_argument("--model", required=True)
     p.add_argument("--namespace", default=NAMESPACE)
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    p.add_argument("--encoder-chain", action="append", default=[], help="cache chain URL handles may name")
     args, rest = p.parse_known_args(argv)
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -97,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs vLLM
         endpoint = runtime.endpoint(endpoint_path(args.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT))
         engine_args = AsyncEngineArgs(model=args.model, block_size=args.block_size, enable_prefix_caching=True,
                                       **_parse_rest(rest))
-        handler = VllmEngine(AsyncLLM.from_engine_args(engine_args))
+        rpc = await runtime.endpoint(endpoint_path(args.namespace)).client()
+        handler = VllmEngine(AsyncLLM.from_engine_args(engine_args), HandleResolver(args.encoder_chain, rpc))
         serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate, graceful_shutdown=True))
         await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, args.model,
                              worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size)

@@ -41,7 +41,8 @@ async def serve(s: FrontendSettings) -> None:
     use_rpc = s.encoder_rpc and not s.inline_media
     rpc_client = await runtime.endpoint(endpoint_path(s.namespace)).client() if use_rpc else None
     encoder = EncoderClient(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc_client,
-                            timeout_s=s.encoder_timeout_s) if not s.inline_media else None
+                            timeout_s=s.encoder_timeout_s, namespace=s.namespace if use_rpc else None,
+                            send_bodies=s.media_transport == "body") if not s.inline_media else None
     engine_client = await runtime.endpoint(engine_path).client()
     router = KvRouter(runtime.endpoint(engine_path), s.block_size, KvRouterConfig())
     eos = config.get("eos_token_id")

@@ -105,3 +105,27 @@ class IncrementalDetokenizer:
         text = self.tok.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return text[len(done) :]
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string. A tail that could still begin a stop string is
+    held back until the next delta tells (at most the longest stop string, less one character)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [x for x in stops if x]
+        self.hold = max((len(x) for x in self.stops), default=1) - 1
+        self.pending = ""
+
+    def push(self, delta: str, final: bool = False) -> tuple[str, bool]:
+        """(text to emit, whether a stop string ended it)."""
+        if not self.stops:
+            return delta, False
+        text = self.pending + delta
+        hits = [i for i in (text.find(x) for x in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[: min(hits)], True
+        keep = 0 if final else next((k for k in range(min(self.hold, len(text)), 0, -1)
+                                     if any(x.startswith(text[-k:]) for x in self.stops)), 0)
+        self.pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False

@@ -21,6 +21,7 @@ class _ProcessorCollector(Collector):
             ("media_items", "Media items in those requests"),
             ("encoder_calls", "Calls to the encoder (one per media item)"),
             ("encoder_fallbacks", "Calls that fell back from the cache chain to direct RPC"),
+            ("encoder_body_bytes", "Embedding bytes received from the encoders (0: handles only)"),
         )
         for key, doc in simple:
             c = CounterMetricFamily(f"mm_frontend_{key}", doc, labels=["model"])
@@ -31,14 +32,15 @@ class _ProcessorCollector(Collector):
                                      labels=["model", "code"])
         routed = CounterMetricFamily("mm_frontend_routed", "Requests routed per engine instance",
                                      labels=["model", "worker"])
-        live = GaugeMetricFamily("mm_frontend_live_embedding_requests",
-                                 "Requests whose embeddings the frontend still holds", labels=["model"])
+        live = GaugeMetricFamily("mm_frontend_media_requests_in_flight",
+                                 "Requests with media between encoding and the engine's first token",
+                                 labels=["model"])
         for s in snaps:
             for code, n in s["errors"].items():
                 errors.add_metric([s["model"], code], n)
             for worker, n in s["routed"].items():
                 routed.add_metric([s["model"], worker], n)
-            live.add_metric([s["model"]], s["live_embedding_requests"])
+            live.add_metric([s["model"]], s["media_requests_in_flight"])
         yield errors
         yield routed
         yield live

@@ -2,9 +2,10 @@
 
 Per request: parse messages -> render the chat template -> encode every media item (concurrently,
 through the cache chain or RPC) -> splice placeholders by length -> recount and cap max_tokens ->
-route on (tokens, [mm_hash]) with Dynamo's KvRouter -> send token ids + embedding bodies to the
-chosen engine over our own Dynamo endpoint -> stream OpenAI chunks back. The engine's first item
-means it has ingested the embeddings: from then on this processor holds no reference to them.
+route on (tokens, [mm_hash]) with Dynamo's KvRouter -> send token ids + one handle per media item
+(`core.handle`) to the chosen engine over our own Dynamo endpoint -> stream OpenAI chunks back.
+The encoders answer this process with headers only and the engine fetches each body itself: no
+embeddings pass through here, and an engine request is kilobytes.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.dynamo import TOO_LARGE_HINT, is_too_large
-from ..core.errors import BadRequest, ContextOverflow, EngineUnavailable, MMEncoderError, RequestTooLarge
+from ..core.dynamo import TOO_LARGE_HINT, client_error, is_too_large
+from ..core.errors import ContextOverflow, EngineUnavailable, MMEncoderError, RemoteError, RequestTooLarge
 from ..core.prompt import ChatTokenizer, Splicer
 from ..core.requests import EngineRequest, MediaInput
+from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..routing import MediaSpan, block_mm_infos
-from .chat import IncrementalDetokenizer, parse_messages, prompt_segments
+from .chat import IncrementalDetokenizer, StopStrings, parse_messages, prompt_segments
 from .encoder_client import EncoderClient
 
 log = logging.getLogger("mm_encoder.frontend")
@@ -39,7 +41,7 @@ class Stats:
     errors: Counter = field(default_factory=Counter)
     routed: Counter = field(default_factory=Counter)
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
-    live_embedding_requests: int = 0  # requests whose embeddings this process still holds
+    media_requests_in_flight: int = 0  # requests with media between encoding and the engine's first item
 
 
 @dataclass
@@ -47,9 +49,9 @@ class Limits:
     context_length: int
     default_max_tokens: int = 256
     max_media: int = 16
-    # Requests that may hold embeddings at once (from encoding to the engine's first item). Others
-    # wait before encoding, holding nothing: this bounds memory (a 4K image's body is ~40-60 MB)
-    # and keeps engines from queueing more prefills than they can take before the RPC deadline.
+    # Requests with media between encoding and the engine's first item. Others wait before
+    # encoding: this keeps engines from queueing more media prefills (each a body fetch and a long
+    # prefill) than they can take before the RPC deadline. It bounds no memory here: handles are small.
     max_inflight_media: int = 8
 
 
@@ -71,16 +73,13 @@ class MultimodalProcessor:
         self.stats = Stats()
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
 
-    def max_tokens_for(self, request: dict[str, Any], prompt_tokens: int) -> int:
+    def max_tokens_for(self, params: SamplingParams, prompt_tokens: int) -> int:
         """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
         room = self.limits.context_length - prompt_tokens
         if room < 1:
             raise ContextOverflow(f"the prompt is {prompt_tokens} tokens after expanding its media; the model's "
                                   f"context length is {self.limits.context_length}")
-        asked = request.get("max_completion_tokens") or request.get("max_tokens")
-        if asked is not None and (not isinstance(asked, int) or asked < 1):
-            raise BadRequest("max_tokens must be a positive integer")
-        return min(asked or self.limits.default_max_tokens, room)
+        return min(params.max_tokens or self.limits.default_max_tokens, room)
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         from dynamo.llm import HttpError
@@ -93,12 +92,12 @@ class MultimodalProcessor:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         try:
+            params = SamplingParams.from_openai(request)
             messages, media = parse_messages(request.get("messages"), self.limits.max_media)
             texts = prompt_segments(self.tok, messages, len(media))
             if self.inline_media:
-                stream, prompt_tokens = await self._dispatch_inline(rid, request, texts, media)
+                stream, prompt_tokens = await self._dispatch_inline(rid, params, texts, media)
                 routed = True
-                payload = None
             else:
                 if media:
                     await self._media_slots.acquire()
@@ -110,7 +109,7 @@ class MultimodalProcessor:
                 spliced = self.splicer.splice(
                     texts, [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded])
                 prompt_tokens = len(spliced.token_ids)
-                max_tokens = self.max_tokens_for(request, prompt_tokens)
+                max_tokens = self.max_tokens_for(params, prompt_tokens)
                 spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
                 infos = block_mm_infos(prompt_tokens, self.block_size, spans)
                 t_route = time.perf_counter()
@@ -126,19 +125,18 @@ class MultimodalProcessor:
                                           "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans],
                                           "timings": timings})
                 payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
-                                        [MediaInput(s.mm_hash, e.body, list(s.spans)) for e, s in zip(encoded, spans,
-                                                                                                     strict=True)],
-                                        ignore_eos=_ignore_eos(request)).to_dict()
-                del encoded, spliced  # from here only `payload` holds the embedding bodies
+                                        [MediaInput(e.handle.to_dict(), list(s.spans), e.body)
+                                         for e, s in zip(encoded, spans, strict=True)],
+                                        sampling=params.to_dict()).to_dict()
                 stream = await self._send(payload, worker_id)
-                self.stats.live_embedding_requests += 1
+                self.stats.media_requests_in_flight += 1
         except BaseException as e:
             if slot:
                 self._media_slots.release()
             if isinstance(e, MMEncoderError):
                 await self._failed(rid, e.code, routed)
                 log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
-                raise HttpError(e.http_status, f"[{e.code}] {e.message}") from None
+                raise client_error(e) from None
             if isinstance(e, Exception):
                 await self._failed(rid, "internal", routed)
                 log.exception("request %s failed before the engine", rid)
@@ -149,15 +147,22 @@ class MultimodalProcessor:
 
         created = int(time.time())
         detok = IncrementalDetokenizer(self.tok)
+        stops = StopStrings(params.stop)
         finish = None
         first = True
         try:
             async for item in stream:
                 data = item.data() if hasattr(item, "data") else item
-                if first:  # the engine has the embeddings: drop ours now, not at the end of the stream
+                if "error" in data:  # the engine refused the request before its first token
+                    e = RemoteError.from_dict(data["error"], "the engine failed without a message")
+                    self.stats.errors[e.code] += 1
+                    log.warning("request %s refused by the engine: [%s] %s", rid, e.code, e.message)
+                    raise client_error(e)
+                if first:
                     timings["first_token_ms"] = (time.perf_counter() - t0) * 1e3
-                    payload = None
-                    self.stats.live_embedding_requests -= 1
+                    for stage, ms in (data.get("timings_ms") or {}).items():  # the engine's: fetch, decode, prefill
+                        timings[f"engine_{stage}_ms"] = ms
+                    self.stats.media_requests_in_flight -= 1
                     first = False
                     if slot:
                         self._media_slots.release()
@@ -169,6 +174,9 @@ class MultimodalProcessor:
                 delta = detok.push(data.get("token_ids", []))
                 if finish:
                     delta += detok.flush()
+                delta, matched = stops.push(delta, final=bool(finish))
+                if matched:  # a stop string: the text ends before it, and so does generation
+                    finish = "stop"
                 # one chunk per engine step, even when the new tokens decode to no text yet
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
                                   len(detok.ids))
@@ -178,17 +186,16 @@ class MultimodalProcessor:
                     break
         finally:
             if first:
-                payload = None
-                self.stats.live_embedding_requests -= 1
+                self.stats.media_requests_in_flight -= 1
             if slot:
                 self._media_slots.release()
             await self.router.free(rid)
 
-    async def _dispatch_inline(self, rid: str, request: dict[str, Any], texts: list[str], media) -> tuple:
+    async def _dispatch_inline(self, rid: str, params: SamplingParams, texts: list[str], media) -> tuple:
         """Aggregated baseline: route on the text alone and let the engine fetch, encode and splice."""
         segments = [self.tok.encode(t) if t else [] for t in texts]
         flat = [t for seg in segments for t in seg]
-        asked = request.get("max_completion_tokens") or request.get("max_tokens") or self.limits.default_max_tokens
+        asked = params.max_tokens or self.limits.default_max_tokens
         try:
             worker_id, _, overlap = await self.router.best_worker(flat, request_id=rid)
         except Exception as e:
@@ -197,10 +204,10 @@ class MultimodalProcessor:
         self.stats.media_items += len(media)
         self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
                                   "prompt_tokens": None, "media": [m.url[:64] for m in media]})
-        payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, ignore_eos=_ignore_eos(request),
+        payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
                                 segments=segments, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
         stream = await self._send(payload.to_dict(), worker_id)
-        self.stats.live_embedding_requests += 1
+        self.stats.media_requests_in_flight += 1
         return stream, None
 
     async def _send(self, payload: dict[str, Any], worker_id: int):
@@ -211,8 +218,7 @@ class MultimodalProcessor:
         except Exception as e:
             if is_too_large(e):
                 raise RequestTooLarge(
-                    f"the engine request ({_payload_mb(payload):.0f} MB with embeddings) is above the request "
-                    f"plane's message limit; {TOO_LARGE_HINT}") from None
+                    f"the engine request is above the request plane's message limit; {TOO_LARGE_HINT}") from None
             others = [i for i in self.engine_client.instance_ids() if i != worker_id]
             if not others:
                 raise EngineUnavailable(f"engine {worker_id} unreachable: {e}") from None
@@ -250,18 +256,9 @@ class MultimodalProcessor:
             "media_items": s.media_items,
             "encoder_calls": self.encoder.calls if self.encoder else 0,
             "encoder_fallbacks": self.encoder.fallbacks if self.encoder else 0,
+            "encoder_body_bytes": self.encoder.body_bytes if self.encoder else 0,
             "errors": dict(s.errors),
             "routed": dict(s.routed),
-            "live_embedding_requests": s.live_embedding_requests,
+            "media_requests_in_flight": s.media_requests_in_flight,
             "recent": list(s.recent),
         }
-
-
-def _payload_mb(payload: dict[str, Any]) -> float:
-    return sum(len(m["body"]) for m in payload.get("media", [])) / 1e6
-
-
-def _ignore_eos(request: dict[str, Any]) -> bool:
-    """vLLM's `ignore_eos` extension, top level or under Dynamo's `nvext` (benchmarks use it)."""
-    nvext = request.get("nvext") if isinstance(request.get("nvext"), dict) else {}
-    return bool(request.get("ignore_eos") or nvext.get("ignore_eos"))

@@ -4,6 +4,7 @@ line wins); the README lists them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,10 +29,13 @@ class FrontendSettings(BaseSettings):
     encoder_route: str = Field("cluster,shared", description="X-Cache-Route for the chain")
     encoder_rpc: bool = Field(True, description="Dynamo RPC to <namespace>.mm_encoder.encode (direct, and fallback)")
     encoder_timeout_s: float = Field(600.0, gt=0)
+    media_transport: Literal["handle", "body"] = Field(
+        "handle", description="handle: engines fetch embeddings themselves; body: through this process "
+                              "(the old way, for comparison: needs DYN_TCP_MAX_MESSAGE_SIZE raised for big images)")
     max_media: int = Field(Limits.max_media, ge=1, description="media items per request")
     max_inflight_media: int = Field(
         Limits.max_inflight_media, ge=1,
-        description="requests holding embeddings at once (encode -> engine's first item); others wait",
+        description="requests with media between encoding and the engine's first item; others wait",
     )
     default_max_tokens: int = Field(
         Limits.default_max_tokens, ge=1, description="completion budget when the request names none"

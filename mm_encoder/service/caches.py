@@ -76,6 +76,9 @@ class AliasCache:
         if self.enabled:
             self._entries[(scope, url, identity)] = mm_hash
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -104,6 +107,9 @@ class BodyCache:
     def put(self, mm_hash: str, body: bytes) -> None:
         if len(body) <= self.max_bytes:  # a bigger one would evict everything and still not fit
             self._entries[mm_hash] = body
+
+    def clear(self) -> None:
+        self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

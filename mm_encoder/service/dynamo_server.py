@@ -2,7 +2,8 @@
 
 Request: the same fields as the HTTP request (`core.requests.EncodeRequest`), as a dict; `data`
 may be raw bytes (Dynamo's msgpack codec carries them as bytes). Response: one message, an
-`EncodeReply` (`body` is byte-for-byte what `POST /v1/encode` returns) or
+`EncodeReply` (`body` is byte-for-byte what `POST /v1/encode` returns; with `"header_only": true`
+in the request, `header` instead of the body) or
 `{"error": {"code", "message", "status"}}`. The client side is `core.dynamo.call_encode`.
 """
 
@@ -44,6 +45,10 @@ class DynamoServer:
         if isinstance(request, dict) and request.get("health_check"):
             yield {"ready": self.service.ready}
             return
+        header_only = False
+        if isinstance(request, dict) and "header_only" in request:  # the envelope's, not the request's
+            request = dict(request)
+            header_only = request.pop("header_only") is True
         try:
             result = await self._unless_stopped(EncodeRequest.parse(request), context)
         except MMEncoderError as e:
@@ -55,7 +60,7 @@ class DynamoServer:
             log.exception("unhandled error in Dynamo encode")
             yield MMEncoderError("internal error; see the worker's log", "internal", 500).to_dict(status=True)
             return
-        yield result.reply().to_dict()
+        yield result.reply(header_only).to_dict()
 
     async def _unless_stopped(self, req: EncodeRequest, context) -> EncodeResult:
         """Run the request, cancelling it if the caller stops the stream (queued work is dropped)."""

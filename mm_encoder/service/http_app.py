@@ -1,12 +1,17 @@
 """HTTP transport (aiohttp): what the nginx cache tiers and HTTP clients talk to.
 
     POST /v1/encode   JSON or msgpack request -> wire v1 body (or legacy JSON with Accept: application/json)
+    GET|HEAD /v1/encode  the same request in the body: the cache tiers turn a client's HEAD into a GET
+                      (they fetch and cache the body, the client gets the headers); X-MM-Meta has
+                      the wire header as JSON, so a HEAD answers what a frontend needs to splice
+    POST /v1/encode/fetch  the same, for an engine fetching a body by handle (tiers do not wait on a fill)
     GET  /health      liveness: the process answers
     GET  /ready       readiness: model loaded and not draining (503 otherwise)
     GET  /metrics     Prometheus text
     GET  /v1/models   served model names
 
-Errors are `{"error": {"code", "message"}}` with the error's status; 503s carry Retry-After.
+Errors are `{"error": {"code", "message"}}` with the error's status, and the code and message again
+in `X-MM-Error-Code` / `X-MM-Error` (a HEAD answer has no body); 503s carry Retry-After.
 """
 
 from __future__ import annotations
@@ -31,9 +36,17 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 
 def error_response(e: MMEncoderError, retry_after: int | None = None) -> web.Response:
     """The error's JSON body and status; 503s say when to retry."""
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None and e.http_status == 503 else None
+    headers = {"X-MM-Error-Code": e.code, "X-MM-Error": _header_text(e.message)}
+    if retry_after is not None and e.http_status == 503:
+        headers["Retry-After"] = str(retry_after)
     return web.Response(status=e.http_status, text=json.dumps(e.to_dict()), content_type="application/json",
                         headers=headers)
+
+
+def _header_text(text: str, limit: int = 512) -> str:
+    """A message as one printable-ASCII header line."""
+    out = "".join(c if " " <= c <= "~" else "?" for c in text)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 @web.middleware
@@ -90,6 +103,7 @@ async def post_encode(request: web.Request) -> web.Response:
     headers = {
         "Content-Type": ctype,
         "X-MM-Hash": result.mm_hash,
+        "X-MM-Meta": json.dumps(result.header.to_meta(), separators=(",", ":")),
         "X-MM-Cache": result.source,
         "Server-Timing": result.server_timing(),
         "ETag": f'"{result.mm_hash}.{"json" if ctype == wire.JSON_CONTENT_TYPE else "v1"}"',
@@ -132,6 +146,8 @@ def build_app(service: EncodeService) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=service.settings.max_body_bytes)
     app[SERVICE_KEY] = service
     app.router.add_post("/v1/encode", post_encode)
+    app.router.add_get("/v1/encode", post_encode)  # and HEAD (aiohttp adds it; the body is dropped)
+    app.router.add_post("/v1/encode/fetch", post_encode)  # an engine's fetch by handle (the tiers' lock-free path)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

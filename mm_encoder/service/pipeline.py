@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..core import wire
 from ..core.errors import Draining, MediaError, Overloaded, UnknownModelError
 from ..core.requests import EncodeReply, EncodeRequest
 from ..core.spec import PreprocessConfig
@@ -54,7 +56,13 @@ class EncodeResult:
         parts.append(f'cache;desc="{self.source}"')
         return ", ".join(parts)
 
-    def reply(self) -> EncodeReply:
+    @functools.cached_property
+    def header(self) -> wire.WireHeader:
+        return wire.peek(self.body)
+
+    def reply(self, header_only: bool = False) -> EncodeReply:
+        if header_only:
+            return EncodeReply(b"", self.mm_hash, self.source, self.timings_ms, self.header.to_meta())
         return EncodeReply(self.body, self.mm_hash, self.source, self.timings_ms)
 
 

@@ -45,6 +45,13 @@ class WorkerSettings(BaseSettings):
     http_port: int = Field(8090, ge=-1, le=65535, description="HTTP port; 0 picks a free one, -1 disables HTTP")
     dynamo: bool = Field(False, description="also serve <namespace>.mm_encoder.encode on the Dynamo runtime")
     namespace: str = Field(NAMESPACE, description="Dynamo namespace")
+    stock_model_dir: str | None = Field(
+        None, description="also register as Dynamo's Encode worker for this LLM directory, so the stock "
+                          "`python -m dynamo.frontend` calls this worker for requests with media (needs --dynamo)")
+    stock_name: str | None = Field(None, description="with --stock-model-dir: the served model name")
+    handle_chain: str | None = Field(
+        None, description="the cache chain URL that handles name (engines fetch bodies there; unset: RPC only)")
+    handle_route: str = Field("cluster,shared", description="X-Cache-Route handles name with --handle-chain")
 
     # --- wire format -------------------------------------------------------------------------
     wire_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="embedding dtype on the wire")
@@ -88,6 +95,8 @@ class WorkerSettings(BaseSettings):
     def _check(self) -> WorkerSettings:
         if self.http_port < 0 and not self.dynamo:
             raise ValueError("nothing to serve: HTTP is disabled (--http-port -1) and --dynamo is off")
+        if self.stock_model_dir and not self.dynamo:
+            raise ValueError("--stock-model-dir registers a Dynamo Encode worker: it needs --dynamo")
         return self
 
     def fetch_policy(self) -> FetchPolicy:
