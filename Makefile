@@ -8,8 +8,11 @@ TORCH_PIN := torch==2.13.0
 # (its other requirements are the `stock` extra).
 AI_DYNAMO_PIN := ai-dynamo==1.6.1
 STAMP := $(VENV)/.installed
-# The nginx cache tiers (mm-encoder cache up) and their tests need these Debian packages.
-NGINX_PKGS := nginx libnginx-mod-http-lua lua-nginx-string
+# The nginx cache tiers (mm-encoder cache up) and Dynamo's production runtime (etcd + NATS, for
+# graphs with `runtime: {discovery: etcd, ...}` and their tests) need these Debian packages.
+SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-server
+CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm_encoder.deploy import infra; \
+	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
 .PHONY: venv system-deps up demo worker test test-quick lint bench clean
 
@@ -25,20 +28,20 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# nginx + Lua: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
+# nginx + Lua, etcd, NATS: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
 system-deps: $(STAMP)
-	@$(BIN)/python -c 'from mm_encoder.deploy.cache_tiers import check_install; check_install()' 2>/dev/null || { \
+	@$(BIN)/python -c '$(CHECK_SYSTEM)' 2>/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing $(NGINX_PKGS) with apt-get"; \
+	    echo "installing $(SYSTEM_PKGS) with apt-get"; \
 	    export DEBIAN_FRONTEND=noninteractive; \
-	    apt-get install -y -qq --no-install-recommends $(NGINX_PKGS) >/dev/null 2>&1 || \
-	      { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(NGINX_PKGS) >/dev/null; } || \
-	      { echo "error: apt-get could not install $(NGINX_PKGS)"; exit 1; }; \
+	    apt-get install -y -qq --no-install-recommends $(SYSTEM_PKGS) >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_PKGS) >/dev/null; } || \
+	      { echo "error: apt-get could not install $(SYSTEM_PKGS)"; exit 1; }; \
 	  else \
-	    echo "error: the cache tiers need nginx with its Lua module; run as root:"; \
-	    echo "  apt-get install -y --no-install-recommends $(NGINX_PKGS)"; exit 1; \
+	    echo "error: the cache tiers need nginx with its Lua module, the etcd graphs etcd and NATS; run as root:"; \
+	    echo "  apt-get install -y --no-install-recommends $(SYSTEM_PKGS)"; exit 1; \
 	  fi; }
-	@$(BIN)/python -c 'from mm_encoder.deploy.cache_tiers import check_install; check_install()'
+	@$(BIN)/python -c '$(CHECK_SYSTEM)'
 
 # The main job: the whole EPD graph on this machine (frontend on :8000); Ctrl-C stops it.
 up: $(STAMP) system-deps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -36,12 +37,12 @@ def chat(port: int) -> dict:
 class Served:
     """`mm-encoder serve` in a subprocess; one thread collects everything it prints."""
 
-    def __init__(self, graph: str, run_dir: Path, port: int, *extra: str):
+    def __init__(self, graph: str, run_dir: Path, port: int, *extra: str, env: dict[str, str] | None = None):
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / graph), "--run-dir", str(run_dir),
              "--port", str(port), "--status-interval", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()

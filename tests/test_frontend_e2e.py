@@ -335,8 +335,8 @@ def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):
     graph.stop("worker")
     img = image_bytes(natural_image(112, 84, seed=77))  # not cached anywhere
     t0 = time.monotonic()
-    status, _ = chat(graph, [{"type": "image_url", "image_url": {"url": data_url(img)}}], timeout=30)
-    assert status == 503 and time.monotonic() - t0 < 10
+    status, body = chat(graph, [{"type": "image_url", "image_url": {"url": data_url(img)}}], timeout=30)
+    assert status == 503 and time.monotonic() - t0 < 10, body
     assert graph.stats()["encoder_fallbacks"] >= 1  # the chain failed; direct RPC had no worker
     with urllib.request.urlopen(f"http://127.0.0.1:{graph.system_port}/metrics", timeout=30) as r:
         metrics = r.read().decode()  # the processor's counters on Dynamo's own /metrics

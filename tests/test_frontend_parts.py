@@ -9,6 +9,7 @@ import gc
 import hashlib
 import json
 import sys
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -215,11 +216,11 @@ async def test_engine_first_step_logits_equal_a_direct_forward_on_spliced_embedd
     assert err["error"]["code"] == "bad_request" and "do not match" in err["error"]["message"]
 
 
-async def test_frontend_holds_no_embeddings(tiny, model_dir, tmp_path, monkeypatch):
-    """In one process on the real Dynamo runtime: encode worker, reference engine (fetching bodies
-    by handle over RPC), KvRouter and the processor. The processor's encoder client receives headers
-    only (0 body bytes) and the engine request is kilobytes."""
-    from dynamo.llm import KvEventPublisher, KvRouter, KvRouterConfig, ModelInput, ModelType, WorkerType, register_model
+@asynccontextmanager
+async def engine_beside_worker(tiny, model_dir, tmp_path, monkeypatch):
+    """A real encode worker (Dynamo RPC) and a reference engine fetching bodies from it by handle,
+    registered as `tiny-chat`, on one Dynamo runtime in this process. Yields (runtime, rpc, engine)."""
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
 
     from mm_encoder.core.handle import HandleResolver
 
@@ -230,47 +231,92 @@ async def test_frontend_holds_no_embeddings(tiny, model_dir, tmp_path, monkeypat
         endpoint = rt.endpoint("mm.engine.generate")
         rpc = await rt.endpoint("mm.mm_encoder.encode").client()
         await asyncio.wait_for(rpc.wait_for_instances(), 30)
-        resolver = HandleResolver((), rpc)
-        engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16), resolver=resolver)
-        serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.generate))
+        engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16),
+                                 resolver=HandleResolver((), rpc))
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle))
         try:
             await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(model_dir), "tiny-chat",
                                  worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
-            sent: list[int] = []
-
-            class Measured:  # the engine client, recording each request's size on the wire
-                def __init__(self, client):
-                    self.client = client
-
-                def instance_ids(self):
-                    return self.client.instance_ids()
-
-                async def direct(self, payload, worker):
-                    import msgpack
-
-                    sent.append(len(msgpack.packb(payload)))
-                    return await self.client.direct(payload, worker)
-
-            engine_client = await endpoint.client()
-            await asyncio.wait_for(engine_client.wait_for_instances(), 30)
-            router = KvRouter(endpoint, 16, KvRouterConfig())
-            await _until_routable(router)
-            encoder = EncoderClient("tiny", rpc_client=rpc, namespace="mm")
-            proc = MultimodalProcessor(
-                served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-                encoder=encoder, router=router, engine_client=Measured(engine_client), block_size=16,
-                eos_token_ids=[], limits=Limits(context_length=256))
-            url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
-            request = {"model": "tiny-chat", "max_tokens": 40,
-                       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
-            chunks = [c async for c in proc.generate(request)]
-            assert chunks[-1]["usage"]["completion_tokens"] == 40
-            assert encoder.body_bytes == 0 and encoder.calls == 1
-            assert resolver.fetches == 1
-            assert len(sent) == 1 and sent[0] < len(url) + 4096  # the data URL travels once, no embeddings
-            assert proc.stats.media_requests_in_flight == 0
+            yield rt, rpc, engine
         finally:
             serving.cancel()
+
+
+async def test_frontend_holds_no_embeddings(tiny, model_dir, tmp_path, monkeypatch):
+    """In one process on the real Dynamo runtime: encode worker, reference engine (fetching bodies
+    by handle over RPC), KvRouter and the processor. The processor's encoder client receives headers
+    only (0 body bytes) and the engine request is kilobytes."""
+    from dynamo.llm import KvRouter, KvRouterConfig
+
+    async with engine_beside_worker(tiny, model_dir, tmp_path, monkeypatch) as (rt, rpc, engine):
+        endpoint = rt.endpoint("mm.engine.generate")
+        sent: list[int] = []
+
+        class Measured:  # the engine client, recording each request's size on the wire
+            def __init__(self, client):
+                self.client = client
+
+            def instance_ids(self):
+                return self.client.instance_ids()
+
+            async def direct(self, payload, worker):
+                import msgpack
+
+                sent.append(len(msgpack.packb(payload)))
+                return await self.client.direct(payload, worker)
+
+        engine_client = await endpoint.client()
+        await asyncio.wait_for(engine_client.wait_for_instances(), 30)
+        router = KvRouter(endpoint, 16, KvRouterConfig())
+        await _until_routable(router)
+        encoder = EncoderClient("tiny", rpc_client=rpc, namespace="mm")
+        proc = MultimodalProcessor(
+            served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
+            encoder=encoder, router=router, engine_client=Measured(engine_client), block_size=16,
+            eos_token_ids=[], limits=Limits(context_length=256))
+        url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
+        request = {"model": "tiny-chat", "max_tokens": 40,
+                   "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        chunks = [c async for c in proc.generate(request)]
+        assert chunks[-1]["usage"]["completion_tokens"] == 40
+        assert encoder.body_bytes == 0 and encoder.calls == 1
+        assert engine.resolver.fetches == 1
+        assert len(sent) == 1 and sent[0] < len(url) + 4096  # the data URL travels once, no embeddings
+        assert proc.stats.media_requests_in_flight == 0
+
+
+async def test_the_entry_point_provider_returns_a_working_factory(tiny, model_dir, tmp_path, monkeypatch):
+    """What Dynamo's frontend (after 1.6.1) does with `--dyn-chat-processor mm-encoder`: resolve the
+    entry point, call the provider with its parsed FrontendConfig (Dynamo 1.6.1's own parser) and
+    the processor's JSON config, then call the factory for a discovered model. The returned engine
+    is Dynamo's PythonAsyncEngine; the processor behind it answers a request end to end (real
+    worker and reference engine on the Dynamo runtime in this process)."""
+    import argparse
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    from dynamo.frontend.frontend_args import FrontendArgGroup, FrontendConfig
+    from dynamo.llm import PythonAsyncEngine
+
+    (ep,) = [e for e in importlib.metadata.entry_points(group="dynamo.frontend.chat_processors")
+             if e.name == "mm-encoder"]
+    parser = argparse.ArgumentParser()
+    FrontendArgGroup().add_arguments(parser)
+    config = FrontendConfig.from_cli_args(parser.parse_args(["--namespace", "mm"]))
+    factory = ep.load()(config, {"model_dir": str(model_dir), "max_media": 4})
+    assert factory.s.namespace == "mm" and factory.s.max_media == 4
+    async with engine_beside_worker(tiny, model_dir, tmp_path, monkeypatch):
+        try:
+            made = await factory(SimpleNamespace(name="tiny-chat"), None, None)  # the process's own runtime
+            assert isinstance(made, PythonAsyncEngine)
+            proc = factory.processors["tiny-chat"]
+            await _until_routable(proc.router)
+            url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=6))).decode()
+            chunks = [c async for c in proc.generate({"model": "tiny-chat", "max_tokens": 3, "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})]
+            assert chunks[-1]["usage"]["completion_tokens"] == 3 and factory.encoder.calls == 1
+        finally:
+            await factory.close()
 
 
 async def _until_routable(router, timeout: float = 30.0) -> None:
@@ -302,34 +348,3 @@ def _referrers(obj, depth: int = 3) -> list[str]:
         frontier = nxt[:5]
     return out
 
-
-# --- the vLLM adapter (request building only: vLLM is not installed in CI) ----------------------------
-
-
-def test_vllm_inputs_carry_embeddings_grids_and_mm_hash_uuids():
-    from mm_encoder.engines.vllm import _parse_rest, build_inputs, sampling_kwargs
-
-    img = wire.encode(mm_hash=H1, model="tiny", modality="image", embeds=torch.randn(6, 8), grid_thws=[[1, 4, 6]])
-    vid = wire.encode(mm_hash=H2, model="tiny", modality="video", embeds=torch.randn(8, 8),
-                      grid_thws=[[4, 4, 4], [4, 4, 4]], timestamps=["00:00:00.000", "00:00:02.000"])
-    tokens = [1] + [9] * 6 + [2, 3] + [9] * 4 + [4] + [9] * 4 + [5]
-    req = EngineRequest("r", tokens, 5, [7], [MediaInput(_handle(img), [(1, 6)]),
-                                              MediaInput(_handle(vid, "https://media.test/v.mp4"), [(9, 4), (14, 4)])],
-                        sampling={"temperature": 0.5, "seed": 3})
-    prompt = build_inputs(req, [img, vid])
-    assert prompt["prompt_token_ids"] == tokens
-    assert prompt["multi_modal_uuids"] == {"image": [H1], "video": [H2]}
-    image, video = prompt["multi_modal_data"]["image"][0], prompt["multi_modal_data"]["video"][0]
-    assert image["image_embeds"].shape == (6, 8) and image["image_grid_thw"].tolist() == [[1, 4, 6]]
-    assert video["video_embeds"].shape == (8, 8) and video["video_grid_thw"].tolist() == [[4, 4, 4], [4, 4, 4]]
-    assert torch.equal(image["image_embeds"], wire.decode(img).embeds)
-    assert sampling_kwargs(req) == {"max_tokens": 5, "temperature": 0.5, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                                    "seed": 3, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                    "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [7],
-                                    "ignore_eos": False}
-    bad = EngineRequest("r", tokens, 5, [], [MediaInput(_handle(img), [(0, 6)])])  # span not a placeholder run
-    with pytest.raises(BadRequest):
-        build_inputs(bad, [img])
-    assert _parse_rest(["--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization", "0.8"]) == {
-        "max_model_len": 8192, "enforce_eager": True, "gpu_memory_utilization": 0.8}
-    assert build_inputs(EngineRequest("t", [1, 2], 3), []) == {"prompt_token_ids": [1, 2]}

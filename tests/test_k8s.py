@@ -1,19 +1,25 @@
 """`mm-encoder render-k8s`: graphs/*.yaml as a DynamoGraphDeployment plus the nginx tiers.
 
-Checked against the documented DynamoGraphDeployment shape (nvidia.com/v1alpha1:
-`spec.services.<Name>.{componentType, replicas, extraPodSpec.mainContainer}`; componentType one of
-the operator's types, of which we use `frontend` and `worker`), and the rendered command lines are
-fed to the real parsers of the worker, the frontend and `mm-encoder cache`.
+Checked against the Dynamo operator's v1beta1 DynamoGraphDeployment CRD (`spec.components[]`: `name`, `type`,
+`replicas`, `runtimeVersionOverride`, `podTemplate` with the container `main`), field by field through
+tests/k8s_schema.py. Schema source: ai-dynamo/dynamo
+`deploy/operator/config/crd/bases/nvidia.com_dynamographdeployments.yaml` at commit
+01cc1c3b677b20c5dd72d9eb76962dc04b55b8be (`versions[name=v1beta1].schema.openAPIV3Schema`), with the Go types
+`deploy/operator/api/v1beta1/{dynamographdeployment_types.go@0fddc01b, dynamocomponentdeployment_types.go@006b6e10,
+common.go@02911c80}` and the Dynamo v1.6.x API reference (DCD Reference). The rendered command lines are fed to
+the real parsers of the worker, the frontend and `mm-encoder cache`.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
+from k8s_schema import DYNAMO_GRAPH_DEPLOYMENT, errors
 
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import k8s
@@ -21,9 +27,6 @@ from mm_encoder.deploy.graph import Graph, load_graph
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-# The operator's component types (deploy/operator/internal/consts: planner, frontend, worker,
-# prefill, decode, epp, default); the renderer uses the first two.
-OPERATOR_COMPONENT_TYPES = {"planner", "frontend", "worker", "prefill", "decode", "epp", "default"}
 MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines.reference"}
 
 
@@ -68,44 +71,95 @@ def epd_docs(epd) -> list[dict]:
     return docs_of(epd)
 
 
+def components(dgd: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in dgd["spec"]["components"]}
+
+
+def main_of(component: dict) -> dict:
+    (main,) = [c for c in component["podTemplate"]["spec"]["containers"] if c["name"] == "main"]
+    return main
+
+
+def env_of(component: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in main_of(component)["env"]}
+
+
+def test_schema_check_refuses_misspelled_and_v1alpha1_fields(epd_docs):
+    """The checker is strict: an unknown field, a wrong enum, a v1alpha1 field or a bad type is an error."""
+    dgd = one(epd_docs, "DynamoGraphDeployment")
+    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    for path, value, message in [
+        (("spec", "components", 0, "componentType"), "worker", "unknown field 'componentType'"),
+        (("spec", "components", 0, "type"), "encode", "is not one of"),
+        (("spec", "services"), {}, "unknown field 'services'"),
+        (("spec", "components", 0, "replicas"), "1", "is not an integer"),
+        (("spec", "components", 0, "podTemplate", "spec", "containers", 0, "volumeMount"), [], "unknown field"),
+        (("spec", "components", 1, "name"), "encoder", "duplicate name"),
+        (("apiVersion",), "nvidia.com/v1alpha1", "is not 'nvidia.com/v1beta1'"),
+    ]:
+        broken = copy.deepcopy(dgd)
+        node = broken
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+        assert any(message in e for e in errors(broken, DYNAMO_GRAPH_DEPLOYMENT)), (path, value)
+
+
 @pytest.mark.parametrize("name", ["epd", "agg", "epd-stock"])
-def test_graph_deployment_has_the_documented_shape(name):
+def test_graph_deployment_has_the_crd_shape(name):
     graph = load_graph(GRAPHS / f"{name}.yaml")
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
-    assert dgd["apiVersion"] == "nvidia.com/v1alpha1"
+    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert dgd["apiVersion"] == "nvidia.com/v1beta1"
     assert dgd["metadata"]["name"] == graph.name
-    services = dgd["spec"]["services"]
+    comps = components(dgd)
     dynamo_components = {n: c for n, c in graph.components.items() if c.kind in MODULES}
-    assert set(services) == {k8s.pascal(n) for n in dynamo_components}
+    assert list(comps) == [n for n in comps if n in dynamo_components] and set(comps) == set(dynamo_components)
     for cname, c in dynamo_components.items():
-        svc = services[k8s.pascal(cname)]
-        assert svc["componentType"] in OPERATOR_COMPONENT_TYPES
-        assert svc["componentType"] == ("frontend" if c.kind == "frontend" else "worker")
-        assert type(svc["replicas"]) is int and svc["replicas"] == c.replicas
-        main = svc["extraPodSpec"]["mainContainer"]
+        comp = comps[cname]
+        assert comp["type"] == ("frontend" if c.kind == "frontend" else "worker")  # the CRD has no encode type
+        assert type(comp["replicas"]) is int and comp["replicas"] == c.replicas
+        assert comp["runtimeVersionOverride"] == k8s.DYNAMO_VERSION
+        main = main_of(comp)
         assert main["image"] == graph.image
         assert main["command"] == ["python", "-m", "dynamo.frontend" if c.stock else MODULES[c.kind]]
         assert all(isinstance(a, str) for a in main["args"])
-        env = {e["name"]: e["value"] for e in main["env"]}
+        env = env_of(comp)
         # bodies fetched over RPC (the chain's fallback) are the embeddings' size; the frontend sends handles
         assert env.get("DYN_TCP_MAX_MESSAGE_SIZE") == ("268435456" if c.kind in ("encoder", "engine") else None)
         assert env["DYN_NAMESPACE"] == graph.namespace
+        assert "DYN_DISCOVERY_BACKEND" not in env  # runtime.discovery default: the operator's own
         assert opt(main["args"], "--namespace") == [graph.namespace]
         if graph.stock_frontend and c.kind == "encoder":  # Dynamo's Encode worker; handles name the chain
             assert opt(main["args"], "--stock-model-dir") == [k8s.LLM_DIR]
             assert opt(main["args"], "--handle-chain") == [f"http://{graph.name}-cluster:{k8s.TIER_PORT}"]
         if graph.stock_frontend and c.kind == "engine":
             assert opt(main["args"], "--frontend") == ["stock"]
-    assert [s["componentType"] for s in services.values()].count("frontend") == 1
+    assert [c["type"] for c in comps.values()].count("frontend") == 1
+
+
+def test_runtime_field_sets_discovery_and_planes():
+    graph = graph_of(runtime={"discovery": "etcd", "request_plane": "nats", "event_plane": "nats"})
+    dgd = one(docs_of(graph), "DynamoGraphDeployment")
+    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    for comp in dgd["spec"]["components"]:
+        env = env_of(comp)
+        planes = env["DYN_DISCOVERY_BACKEND"], env["DYN_REQUEST_PLANE"], env["DYN_EVENT_PLANE"]
+        assert planes == ("etcd", "nats", "nats")
+        assert "ETCD_ENDPOINTS" not in env and "NATS_SERVER" not in env  # the operator's platform sets them
+    note = dgd["metadata"]["annotations"]["mm-encoder/note"]
+    assert "ETCD_ENDPOINTS" in note and "NATS_SERVER" in note
+    with pytest.raises(GraphError, match=r"runtime\.discovery"):
+        k8s.render(graph_of(runtime={"discovery": "file"}))
 
 
 def test_every_name_is_a_dns1123_label(epd_docs, agg):
     for docs in (epd_docs, docs_of(agg)):
         for d in docs:
             assert DNS1123.match(d["metadata"]["name"]) and len(d["metadata"]["name"]) <= 63
-            if d["kind"] == "DynamoGraphDeployment":  # the operator names its objects <graph>-<service lowercased>
-                for svc in d["spec"]["services"]:
-                    assert DNS1123.match(f"{d['metadata']['name']}-{svc.lower()}")
+            if d["kind"] == "DynamoGraphDeployment":  # the operator names its objects <graph>-<component>
+                for comp in d["spec"]["components"]:
+                    assert DNS1123.match(f"{d['metadata']['name']}-{comp['name']}")
         names = Counter((d["kind"], d["metadata"]["name"]) for d in docs)
         assert max(names.values()) == 1
 
@@ -154,8 +208,7 @@ def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
     assert opt(args, "--direct") == ["epd-encoder-http:8090"]
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
     one(epd_docs, "Service", "epd-cluster")
-    frontend = one(epd_docs, "DynamoGraphDeployment")["spec"]["services"]["Frontend"]
-    fargs = frontend["extraPodSpec"]["mainContainer"]["args"]
+    fargs = main_of(components(one(epd_docs, "DynamoGraphDeployment"))["frontend"])["args"]
     assert opt(fargs, "--encoder-http") == ["http://epd-cluster:8080"]
     assert opt(fargs, "--encoder-route") == ["cluster,shared"]
     assert opt(fargs, "--http-port") == [str(k8s.FRONTEND_PORT)]
@@ -166,51 +219,56 @@ def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
 def test_encoder_service_selects_the_encoder_pods(epd_docs):
     svc = one(epd_docs, "Service", "epd-encoder-http")
     assert svc["spec"]["ports"][0]["port"] == svc["spec"]["ports"][0]["targetPort"] == 8090
-    encoder = one(epd_docs, "DynamoGraphDeployment")["spec"]["services"]["Encoder"]
-    pod_labels = encoder["extraPodMetadata"]["labels"]
-    assert svc["spec"]["selector"].items() <= pod_labels.items()
-    for other in ("Frontend", "Engine"):  # and nothing else
-        labels = one(epd_docs, "DynamoGraphDeployment")["spec"]["services"][other]["extraPodMetadata"]["labels"]
-        assert not svc["spec"]["selector"].items() <= labels.items()
+    comps = components(one(epd_docs, "DynamoGraphDeployment"))
+    encoder = comps["encoder"]
+    assert svc["spec"]["selector"].items() <= encoder["podTemplate"]["metadata"]["labels"].items()
+    for other in ("frontend", "engine"):  # and nothing else
+        assert not svc["spec"]["selector"].items() <= comps[other]["podTemplate"]["metadata"]["labels"].items()
     assert "nvidia.com/dynamo-component" in svc["metadata"]["annotations"]["mm-encoder/note"]
-    env = {e["name"]: e["value"] for e in encoder["extraPodSpec"]["mainContainer"]["env"]}
-    assert env["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"] == '["encode"]'
-    # Resources from the graph, in the DynamoGraphDeployment's own vocabulary.
-    assert encoder["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"gpu": "1"}}
+    assert env_of(encoder)["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"] == '["encode"]'
+    assert main_of(encoder)["ports"] == [{"name": "mm-http", "containerPort": 8090, "protocol": "TCP"}]
+    # Resources from the graph, in Kubernetes' own names (v1beta1 takes the native container resources).
+    assert main_of(encoder)["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                                             "limits": {"nvidia.com/gpu": "1"}}
 
 
 def test_agg_renders_no_nginx_objects_and_engines_encode_inline(agg):
     docs = docs_of(agg)
     assert [d["kind"] for d in docs] == ["DynamoGraphDeployment"]
-    services = docs[0]["spec"]["services"]
-    engine = services["Engine"]["extraPodSpec"]["mainContainer"]["args"]
-    assert opt(engine, "--encoder-model") == [agg.llm.vision_model]
-    frontend = services["Frontend"]["extraPodSpec"]["mainContainer"]["args"]
+    comps = components(docs[0])
+    assert opt(main_of(comps["engine"])["args"], "--encoder-model") == [agg.llm.vision_model]
+    frontend = main_of(comps["frontend"])["args"]
     assert "--inline-media" in frontend and "--encoder-http" not in frontend
 
 
 def test_generated_llm_dir_is_made_by_an_init_container(epd_docs, epd):
-    services = one(epd_docs, "DynamoGraphDeployment")["spec"]["services"]
-    for name in ("Frontend", "Engine"):
-        pod = services[name]["extraPodSpec"]
+    comps = components(one(epd_docs, "DynamoGraphDeployment"))
+    for name in ("frontend", "engine"):
+        pod = comps[name]["podTemplate"]["spec"]
         init = pod["initContainers"][0]
         assert init["command"] == ["python", "-m", "mm_encoder.engines.reference", "--make-model-dir", k8s.LLM_DIR,
                                    "--model", epd.llm.vision_model, "--name", epd.llm.name,
                                    "--context-length", str(epd.llm.context_length)]
         assert {"name": "llm", "emptyDir": {}} in pod["volumes"]
-        assert opt(pod["mainContainer"]["args"], "--model-dir") == [k8s.LLM_DIR]
-    assert "Encoder" not in [n for n, s in services.items() if "initContainers" in s["extraPodSpec"]]
+        assert {"name": "llm", "mountPath": k8s.LLM_DIR} in main_of(comps[name])["volumeMounts"]
+        assert opt(main_of(comps[name])["args"], "--model-dir") == [k8s.LLM_DIR]
+    assert "initContainers" not in comps["encoder"]["podTemplate"]["spec"]
 
 
 def test_real_model_and_checkpoint_come_from_claims():
     graph = graph_of(llm__model_dir="/data/kimi", llm__checkpoint="/data/vision")
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
-    assert dgd["spec"]["pvcs"] == [{"name": "epd-llm", "create": False}, {"name": "epd-vision", "create": False}]
-    services = dgd["spec"]["services"]
-    assert services["Engine"]["volumeMounts"] == [{"name": "epd-llm", "mountPoint": k8s.LLM_DIR}]
-    assert services["Encoder"]["volumeMounts"] == [{"name": "epd-vision", "mountPoint": k8s.VISION_DIR}]
-    assert opt(services["Encoder"]["extraPodSpec"]["mainContainer"]["args"], "--checkpoint") == [k8s.VISION_DIR]
-    assert "initContainers" not in services["Frontend"]["extraPodSpec"]
+    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    comps = components(dgd)
+    engine, encoder = comps["engine"]["podTemplate"]["spec"], comps["encoder"]["podTemplate"]["spec"]
+    assert engine["volumes"] == [{"name": "llm", "persistentVolumeClaim": {"claimName": "epd-llm", "readOnly": True}}]
+    assert main_of(comps["engine"])["volumeMounts"] == [{"name": "llm", "mountPath": k8s.LLM_DIR, "readOnly": True}]
+    assert encoder["volumes"] == [{"name": "vision",
+                                   "persistentVolumeClaim": {"claimName": "epd-vision", "readOnly": True}}]
+    assert main_of(comps["encoder"])["volumeMounts"] == [{"name": "vision", "mountPath": k8s.VISION_DIR,
+                                                         "readOnly": True}]
+    assert opt(main_of(comps["encoder"])["args"], "--checkpoint") == [k8s.VISION_DIR]
+    assert "initContainers" not in comps["frontend"]["podTemplate"]["spec"]
 
 
 def test_component_image_env_and_resources_override_the_defaults():
@@ -220,16 +278,20 @@ def test_component_image_env_and_resources_override_the_defaults():
                      components__shared={"kind": "cache-shared", "replicas": 3,
                                          "resources": {"limits": {"memory": "9Gi"}}})
     docs = docs_of(graph)
-    engine = one(docs, "DynamoGraphDeployment")["spec"]["services"]["Engine"]
-    main = engine["extraPodSpec"]["mainContainer"]
+    dgd = one(docs, "DynamoGraphDeployment")
+    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    engine = components(dgd)["engine"]
+    main = main_of(engine)
     assert engine["replicas"] == 3 and main["image"] == "reg.example/mm:2"
-    env = {e["name"]: e["value"] for e in main["env"]}
+    env = env_of(engine)
     assert env["DYN_EVENT_PLANE"] == "nats" and env["EXTRA"] == "1" and env["DYN_TCP_MAX_MESSAGE_SIZE"] == "268435456"
-    assert engine["resources"] == {"limits": {"gpu": "2", "custom": {"example.com/nic": "1"}}}
+    assert main["resources"] == {"limits": {"nvidia.com/gpu": "2", "example.com/nic": "1"}}
     sts = one(docs, "StatefulSet")
     assert sts["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"memory": "9Gi"}}
     router = one(docs, "Deployment", "epd-router")
     assert len(opt(router["spec"]["template"]["spec"]["containers"][0]["args"], "--shard")) == 3
+    with pytest.raises(GraphError, match=r"components\.engine\.resources"):
+        k8s.render(graph_of(components__engine={"kind": "engine", "resources": {"claims": {"a": "b"}}}))
 
 
 def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsys):
@@ -238,12 +300,12 @@ def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsy
     from mm_encoder.frontend.settings import FrontendSettings
     from mm_encoder.service.settings import WorkerSettings
 
-    services = one(epd_docs, "DynamoGraphDeployment")["spec"]["services"]
-    worker = WorkerSettings(_cli_parse_args=services["Encoder"]["extraPodSpec"]["mainContainer"]["args"])
+    comps = components(one(epd_docs, "DynamoGraphDeployment"))
+    worker = WorkerSettings(_cli_parse_args=main_of(comps["encoder"])["args"])
     assert worker.dynamo and worker.http_port == 8090 and worker.http_host == "0.0.0.0" and worker.namespace == "mm"
-    frontend = FrontendSettings(_cli_parse_args=services["Frontend"]["extraPodSpec"]["mainContainer"]["args"])
+    frontend = FrontendSettings(_cli_parse_args=main_of(comps["frontend"])["args"])
     assert frontend.encoder_http == "http://epd-cluster:8080" and frontend.http_port == k8s.FRONTEND_PORT
-    engine = EngineSettings(_cli_parse_args=services["Engine"]["extraPodSpec"]["mainContainer"]["args"])
+    engine = EngineSettings(_cli_parse_args=main_of(comps["engine"])["args"])
     assert (str(engine.model_dir), engine.name, engine.namespace) == (k8s.LLM_DIR, epd.llm.name, "mm")
     for d in epd_docs:
         if d["kind"] in ("StatefulSet", "Deployment"):
@@ -261,15 +323,16 @@ def test_names_that_kubernetes_would_refuse_are_graph_errors():
     with pytest.raises(GraphError, match="DNS-1123"):
         k8s.render(Graph.model_validate(doc))
     doc = yaml.safe_load((GRAPHS / "epd.yaml").read_text())
-    doc["components"]["my-enc"] = doc["components"].pop("encoder")  # the operator names it epd-myenc ...
-    doc["components"]["myenc"] = doc["components"].pop("cluster")  # ... and so would this tier be
-    with pytest.raises(GraphError, match="epd-myenc"):
+    doc["components"]["enc"] = doc["components"].pop("encoder")  # its HTTP Service is epd-enc-http ...
+    doc["components"]["enc-http"] = doc["components"].pop("engine")  # ... and so would the operator name this
+    with pytest.raises(GraphError, match="epd-enc-http"):
         k8s.render(Graph.model_validate(doc))
 
 
 def test_main_writes_yaml_and_refuses_bad_graphs(tmp_path, capsys):
     assert k8s.main([str(GRAPHS / "agg.yaml")]) == 0
     out = capsys.readouterr().out
+    assert "apiVersion: nvidia.com/v1beta1\nkind: DynamoGraphDeployment\n" in out
     assert one([d for d in yaml.safe_load_all(out) if d], "DynamoGraphDeployment")["metadata"]["name"] == "agg"
     target = tmp_path / "epd.k8s.yaml"
     assert k8s.main([str(GRAPHS / "epd.yaml"), "-o", str(target)]) == 0

@@ -18,6 +18,7 @@ from serve_fixtures import IMAGE_TOKENS, ROOT, SAMPLE, TEXT_TOKENS, Served, chat
 
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy.graph import load_graph
+from mm_encoder.deploy.local import listeners
 from mm_encoder.deploy.status import collect
 
 
@@ -37,6 +38,11 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
         status = {c["name"]: c for c in collect(tmp_path / "run")["components"]}
         assert all(c["up"] for c in status.values())
         if "epd" in graph:
+            # every listener of every process of the graph binds loopback, none a wildcard address
+            state = json.loads((tmp_path / "run" / "state.json").read_text())
+            sockets = listeners({c["pid"] for c in state["components"]})
+            assert len({pid for pid, _, _ in sockets}) >= len(state["components"])  # each listens on something
+            assert {addr for _, addr, _ in sockets} == {"127.0.0.1"}, sockets
             assert status["encoder"]["encodes"] == 1  # the repeat came from a cache, not the encoder
             # per request the frontend's HEAD and the engine's body fetch: MISS, HIT, then HIT, HIT
             assert status["cluster"]["hit_ratio"] == 0.75

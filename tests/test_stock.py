@@ -117,3 +117,13 @@ def test_sampling_is_honoured_or_refused_by_name(stock):
         with pytest.raises(openai.BadRequestError) as e:
             ask(stock, "hi", **{field: value})
         assert f"`{field}`" in str(e.value)
+
+
+def test_no_process_of_the_graph_listens_on_a_wildcard_address(stock):
+    from mm_encoder.deploy.local import listeners
+
+    state = json.loads((stock.run_dir / "state.json").read_text())
+    groups = {c["pid"] for c in state["components"]} | {s["pid"] for s in state["runtime"]["servers"]}
+    sockets = listeners(groups)
+    assert [s["name"] for s in state["runtime"]["servers"]] == ["nats"]  # the graph's event plane, run by serve
+    assert sockets and {addr for _, addr, _ in sockets} == {"127.0.0.1"}, sockets

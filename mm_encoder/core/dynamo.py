@@ -50,6 +50,8 @@ def client_error(e: MMEncoderError) -> Exception:
     status and replaces the message with the status's name. The code leads the message: `[code] ...`."""
     from dynamo.llm.exceptions import HttpError, InvalidArgument
 
+    # Tried for 503: CannotConnect keeps the status and hides the message too; neither lets a
+    # handler set headers, so no Retry-After can be sent from here.
     text = f"[{e.code}] {e.message}"
     return InvalidArgument(text) if e.http_status == 400 else HttpError(e.http_status, text)
 

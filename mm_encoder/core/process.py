@@ -4,16 +4,17 @@ installed (Dynamo's runtime expects it), and turn failures into a message and an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, CliSettingsSource
 
 from .errors import MMEncoderError
 
@@ -21,13 +22,38 @@ S = TypeVar("S", bound=BaseSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def parse_settings(cls: type[S], argv: list[str] | None) -> S | None:
-    """The settings, or None after printing why they are invalid (exit status 2)."""
+def parse_settings(cls: type[S], argv: list[str] | None, check: Callable[[S], Any] | None = None) -> S | None:
+    """The settings, or None after printing why they are invalid (exit status 2). `check` may
+    refuse them further (a ValueError, e.g. a model directory that is not one) before any start-up."""
+    parser = argparse.ArgumentParser(prog=cls.model_config.get("cli_prog_name"), description=cls.__doc__)
+    source = CliSettingsSource(cls, root_parser=parser, add_argument_method=_add_argument)
     try:
-        return cls(_cli_parse_args=sys.argv[1:] if argv is None else argv)
+        settings = cls(_cli_settings_source=source(args=sys.argv[1:] if argv is None else argv))
     except ValidationError as e:
+        prefix = cls.model_config.get("env_prefix", "")
+        for err in e.errors(include_url=False, include_input=False):
+            name = str(err["loc"][0]) if err["loc"] else ""
+            where = f"--{name.replace('_', '-')} (or {prefix}{name.upper()})" if name else "settings"
+            print(f"error: {where}: {err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return None
+    try:
+        if check is not None:
+            check(settings)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
+    return settings
+
+
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any):
+    """pydantic-settings' arguments, tidied for --help: argparse's own metavar (`--model MODEL`,
+    not `--model str` or `{str,null}`), and a default said once when the description says it."""
+    if isinstance(kwargs.get("metavar"), str):
+        kwargs.pop("metavar")
+    text = kwargs.get("help")
+    if isinstance(text, str) and text.count("(default:") > 1:
+        kwargs["help"] = text[: text.rindex("(default:")].rstrip()
+    return parser.add_argument(*names, **kwargs)
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -147,6 +147,19 @@ class Splicer:
         return Spliced(ids, spans)
 
 
+def check_model_dir(path: Path | None) -> Path | None:
+    """An LLM directory as the frontend and engines read it: refused early, by what is missing."""
+    if path is None:
+        return None
+    if not path.is_dir():
+        raise ValueError(f"--model-dir {path} is not a directory (an LLM directory, or write one with "
+                         "--make-model-dir)")
+    missing = [f for f in ("config.json", "tokenizer_config.json") if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"--model-dir {path} has no {' or '.join(missing)}: not an LLM directory")
+    return path
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())

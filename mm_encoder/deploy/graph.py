@@ -61,6 +61,25 @@ class LLM(_Strict):
     context_length: int = Field(4096, ge=64)
 
 
+class Runtime(_Strict):
+    """Dynamo's own distributed runtime for the graph. `default`: each site's own (`serve`: file
+    discovery, TCP requests, ZMQ events, no servers to run; Kubernetes: the operator's discovery).
+    `etcd` discovery (leases drop a dead instance) and `nats` planes are the multi-machine setup;
+    `serve` uses ETCD_ENDPOINTS / NATS_SERVER when set, else runs etcd and nats-server itself."""
+
+    discovery: Literal["default", "file", "etcd", "kubernetes"] = "default"
+    request_plane: Literal["tcp", "nats"] = "tcp"
+    event_plane: Literal["zmq", "nats"] = "zmq"
+
+    @property
+    def needs_etcd(self) -> bool:
+        return self.discovery == "etcd"
+
+    @property
+    def needs_nats(self) -> bool:
+        return "nats" in (self.request_plane, self.event_plane)
+
+
 class Graph(_Strict):
     name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
     namespace: str = Field(NAMESPACE, pattern=r"^[a-z0-9][a-z0-9_-]*$")
@@ -69,6 +88,7 @@ class Graph(_Strict):
     frontend_port: int = Field(8000, ge=1, le=65535)
     llm: LLM = Field(default_factory=LLM)
     block_size: int = Field(BLOCK_SIZE, ge=1)
+    runtime: Runtime = Field(default_factory=Runtime)
     components: dict[str, Component]
 
     @model_validator(mode="after")

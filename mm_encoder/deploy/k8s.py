@@ -2,7 +2,8 @@
 
     mm-encoder render-k8s graphs/epd.yaml -o epd.k8s.yaml && kubectl apply -n NS -f epd.k8s.yaml
 
-One `DynamoGraphDeployment` for the frontend, encoders and engines; a `Service` per encoder for
+One `DynamoGraphDeployment` (nvidia.com/v1beta1: `spec.components[]`, each with a native pod template)
+for the frontend, encoders and engines; a `Service` per encoder for
 the tiers to reach its HTTP API; the nginx tiers as StatefulSet (shared) and Deployments (router,
 cluster). Every component's command line comes from the plan, on a `K8sSite` (fixed ports,
 Service DNS names, volumes under /models and /cache). What each object is for and why:
@@ -36,17 +37,18 @@ from .k8s_site import (
     VISION_DIR,
     K8sNames,
     K8sSite,
-    pascal,  # noqa: F401 (re-exported: how service names are spelled, for callers of render)
 )
 from .plan import MODULES, ComponentPlan, GeneratedLLM, plan
 
-API_VERSION = "nvidia.com/v1alpha1"
+API_VERSION = "nvidia.com/v1beta1"  # v1alpha1 (spec.services) is deprecated since Dynamo 1.5
 DGD_KIND = "DynamoGraphDeployment"
+DYNAMO_VERSION = "1.6.1"  # the ai-dynamo runtime in the image (pyproject, Makefile)
+MAIN_CONTAINER = "main"  # the container the operator injects its defaults into
 UID = 101  # the image's user (docker/Dockerfile)
 NOTE = "mm-encoder/note"
 PART_OF = "mm-encoder"
-# The operator's component types: the frontend gets a Service and probes on 8000; workers are
-# found through discovery and probed on their system port (docs/kubernetes.md).
+# v1beta1 `type` (frontend, worker, prefill, decode, planner, epp; no encode type): the frontend gets a
+# Service and probes on 8000; workers are found through discovery, probed on their system port.
 COMPONENT_TYPES: dict[Kind, str] = {"frontend": "frontend", "encoder": "worker", "engine": "worker"}
 
 _SIZE = re.compile(r"^([0-9]+)([kmgKMG]?)$")
@@ -71,24 +73,10 @@ def _quantity(n_bytes: int) -> str:
     return f"{mi // 1024}Gi" if mi % 1024 == 0 else f"{mi}Mi"
 
 
-def _dynamo_resources(resources: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Kubernetes resource names -> the DynamoGraphDeployment's `resources` (cpu, memory, gpu, custom)."""
-    out: dict[str, Any] = {}
-    for section in ("requests", "limits"):
-        items: dict[str, Any] = {}
-        for key, value in resources.get(section, {}).items():
-            if key in ("cpu", "memory"):
-                items[key] = str(value)
-            elif key == "nvidia.com/gpu":
-                items["gpu"] = str(value)
-            else:
-                items.setdefault("custom", {})[key] = str(value)
-        if items:
-            out[section] = items
+def _check_resources(where: str, resources: dict[str, dict[str, str]]) -> None:
     unknown = set(resources) - {"requests", "limits"}
     if unknown:
-        raise GraphError(f"resources: only requests and limits are supported, not {sorted(unknown)}")
-    return out
+        raise GraphError(f"{where}.resources: only requests and limits are supported, not {sorted(unknown)}")
 
 
 def _argv(cp: ComponentPlan) -> list[str]:
@@ -121,16 +109,16 @@ def _security_context() -> dict[str, Any]:
 # --- the DynamoGraphDeployment ---------------------------------------------------------------
 
 class _Storage:
-    """Volumes of one Dynamo pod: the LLM directory and the vision checkpoint."""
+    """Volumes of one Dynamo pod: the LLM directory and the vision checkpoint, as native pod volumes
+    (v1beta1 has no `pvcs` / `volumeMounts` of its own: the podTemplate carries them)."""
 
     def __init__(self, names: K8sNames, uses: frozenset[str], image: str):
-        self.pvc_mounts: list[dict[str, str]] = []  # the service's `volumeMounts` (operator-made PVC volumes)
         self.volumes: list[dict[str, Any]] = []
         self.mounts: list[dict[str, Any]] = []
         self.init: list[dict[str, Any]] = []
         generated = GeneratedLLM.of(names.g)
         if "llm" in uses and names.llm_pvc:
-            self.pvc_mounts.append({"name": names.llm_pvc, "mountPoint": LLM_DIR})
+            self._claim("llm", names.llm_pvc, LLM_DIR)
         elif "llm" in uses:  # the test LLM, written by the same call as `mm-encoder serve` makes
             self.volumes.append({"name": "llm", "emptyDir": {}})
             self.mounts.append({"name": "llm", "mountPath": LLM_DIR})
@@ -140,60 +128,78 @@ class _Storage:
                 "volumeMounts": [{"name": "llm", "mountPath": LLM_DIR}],
             })
         if "vision" in uses and names.vision_pvc:
-            self.pvc_mounts.append({"name": names.vision_pvc, "mountPoint": VISION_DIR})
+            self._claim("vision", names.vision_pvc, VISION_DIR)
+
+    def _claim(self, name: str, claim: str, path: str) -> None:
+        self.volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        self.mounts.append({"name": name, "mountPath": path, "readOnly": True})
 
 
-def _dynamo_service(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
+def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
+    """One `spec.components[]` entry: the operator fills in the container named `main` (probes,
+    system port, discovery env) and merges what we set over its defaults."""
     c, image = cp.component, cp.component.image or names.g.image
     storage = _Storage(names, cp.uses, image)
-    spec: dict[str, Any] = {"componentType": COMPONENT_TYPES[cp.kind], "replicas": c.replicas}
-    if c.resources:
-        spec["resources"] = _dynamo_resources(c.resources)
-    if storage.pvc_mounts:
-        spec["volumeMounts"] = storage.pvc_mounts
-    spec["extraPodMetadata"] = {"labels": _pod_labels(names.g, cp.name)}
-    container: dict[str, Any] = {
+    main: dict[str, Any] = {
+        "name": MAIN_CONTAINER,
         "image": image,
         "command": ["python", "-m", cp.module],
         "args": _argv(cp),
         "env": _env(cp.env),
     }
+    if cp.kind == "encoder":  # the tiers' Service targets it; the operator's own ports stay its own
+        main["ports"] = [{"name": "mm-http", "containerPort": ENCODER_PORT, "protocol": "TCP"}]
+    if c.resources:
+        main["resources"] = {k: {n: str(v) for n, v in q.items()} for k, q in c.resources.items()}
     if storage.mounts:
-        container["volumeMounts"] = storage.mounts
+        main["volumeMounts"] = storage.mounts
     pod: dict[str, Any] = {"securityContext": _security_context()}
     if storage.init:
         pod["initContainers"] = storage.init
+    pod["containers"] = [main]
     if storage.volumes:
         pod["volumes"] = storage.volumes
-    pod["mainContainer"] = container
-    spec["extraPodSpec"] = pod
-    return spec
+    return {
+        "name": names.components[cp.name],
+        "type": COMPONENT_TYPES[cp.kind],
+        "replicas": c.replicas,
+        # The image's tag is mm-encoder's version, not Dynamo's: say which runtime it carries.
+        "runtimeVersionOverride": DYNAMO_VERSION,
+        "podTemplate": {"metadata": {"labels": _pod_labels(names.g, cp.name)}, "spec": pod},
+    }
+
+
+def _runtime_note(g: Graph) -> str:
+    """What the graph's `runtime` asks of the cluster (the operator's platform provides etcd and NATS)."""
+    rt = g.runtime
+    if rt.discovery in ("default", "kubernetes"):
+        note = "Discovery: the operator's Kubernetes backend (DynamoWorkerMetadata + EndpointSlices)"
+    else:
+        note = "Discovery: etcd (DYN_DISCOVERY_BACKEND=etcd; ETCD_ENDPOINTS from the operator's platform)"
+    planes = f"; request plane {rt.request_plane}, event plane {rt.event_plane}"
+    if rt.needs_nats:
+        planes += " (NATS_SERVER from the operator's platform, else set it in the components' env)"
+    return note + planes + "."
 
 
 def _graph_deployment(names: K8sNames, components: list[ComponentPlan]) -> dict[str, Any]:
     g, llm = names.g, names.g.llm
-    services = {names.services[cp.name]: _dynamo_service(names, cp) for cp in components if cp.kind in COMPONENT_TYPES}
     llm_note = (f"the PersistentVolumeClaim {names.llm_pvc} must hold the LLM directory (llm.model_dir "
                 f"{llm.model_dir}), mounted at {LLM_DIR}" if names.llm_pvc else
                 f"an init container writes the generated test LLM for {llm.vision_model} to {LLM_DIR}")
     note = (f"Generated by mm-encoder render-k8s from graph {g.name}. Dynamo namespace {g.namespace} "
             f"(DYN_NAMESPACE set on every component); the frontend listens on {FRONTEND_PORT}, the port of the "
             f"operator's frontend Service (the graph's frontend_port {g.frontend_port} is for mm-encoder serve); "
-            f"{llm_note}.")
+            f"{llm_note}. {_runtime_note(g)}")
     if names.encoder_svc:
-        note += (" Encoder pods carry the labels mm-encoder/graph and mm-encoder/component (extraPodMetadata) that "
-                 f"their Services {', '.join(names.encoder_svc.values())} select.")
-    spec: dict[str, Any] = {}
-    pvcs = [p for p in (names.llm_pvc, names.vision_pvc) if p]
-    if pvcs:
-        spec["pvcs"] = [{"name": p, "create": False} for p in pvcs]
-    spec["services"] = services
+        note += (" Encoder pods carry the labels mm-encoder/graph and mm-encoder/component (podTemplate.metadata) "
+                 f"that their Services {', '.join(names.encoder_svc.values())} select.")
     return {
         "apiVersion": API_VERSION,
         "kind": DGD_KIND,
         "metadata": {"name": g.name, "labels": {"app.kubernetes.io/part-of": PART_OF, "mm-encoder/graph": g.name},
                      "annotations": {NOTE: note}},
-        "spec": spec,
+        "spec": {"components": [_component(names, cp) for cp in components if cp.kind in COMPONENT_TYPES]},
     }
 
 
@@ -208,10 +214,10 @@ def _encoder_services(names: K8sNames) -> list[dict[str, Any]]:
                 "name": svc,
                 "labels": {**_labels(g, cname, "encoder"), "app.kubernetes.io/name": svc},
                 "annotations": {NOTE: (
-                    f"Selects the pods of DynamoGraphDeployment {g.name} service {names.services[cname]} by the labels "
-                    "its extraPodMetadata sets. Should an operator not apply extraPodMetadata, select "
+                    f"Selects the pods of DynamoGraphDeployment {g.name} component {names.components[cname]} by the "
+                    "labels its podTemplate.metadata sets. Should an operator not keep them, select "
                     f"nvidia.com/dynamo-graph-deployment-name: {g.name} and nvidia.com/dynamo-component: "
-                    f"{names.services[cname]} instead.")},
+                    f"{names.components[cname]} instead.")},
             },
             "spec": {
                 "selector": _selector(g, cname),
@@ -326,9 +332,11 @@ def _deployment(g: Graph, cname: str, c: Component, name: str, template: dict[st
 
 def _check_components(g: Graph) -> None:
     """What Kubernetes would refuse in a component's `resources` and `env`, refused here by path."""
+    if g.runtime.discovery == "file":
+        raise GraphError("runtime.discovery: file discovery cannot span pods (each has its own filesystem); "
+                         "use default (the operator's Kubernetes discovery) or etcd")
     for n, c in g.components.items():
-        if c.resources:
-            _dynamo_resources(c.resources)  # fail early on unknown sections
+        _check_resources(f"components.{n}", c.resources)
         for key in c.env:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_.-]*$", key):
                 raise GraphError(f"components.{n}.env: {key!r} is not a valid environment variable name")
@@ -345,7 +353,7 @@ def render(graph: Graph) -> list[dict[str, Any]]:
 
 def render_yaml(graph: Graph) -> str:
     header = (f"# Rendered by `mm-encoder render-k8s` from graph {graph.name}: kubectl apply -n NAMESPACE -f FILE\n"
-              "# Needs the NVIDIA Dynamo operator (DynamoGraphDeployment, nvidia.com/v1alpha1).\n")
+              f"# Needs the NVIDIA Dynamo operator (DynamoGraphDeployment {API_VERSION}, Dynamo {DYNAMO_VERSION}).\n")
     return header + yaml.safe_dump_all(render(graph), sort_keys=False, default_flow_style=False, width=120)
 
 

@@ -21,11 +21,6 @@ CACHE_DIR = "/cache"
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def pascal(name: str) -> str:
-    """`vision-encoder` -> `VisionEncoder`: the DynamoGraphDeployment service name."""
-    return "".join(part[:1].upper() + part[1:] for part in name.split("-") if part)
-
-
 def check_name(name: str, what: str, max_len: int = 63) -> str:
     if len(name) > max_len or not _DNS1123_LABEL.match(name):
         raise GraphError(f"{what} {name!r} is not a valid Kubernetes name (a DNS-1123 label: lowercase letters, "
@@ -40,7 +35,7 @@ class K8sNames:
     def __init__(self, g: Graph):
         self.g = g
         check_name(g.name, "graph name")
-        self.services: dict[str, str] = {}  # component -> DynamoGraphDeployment service name
+        self.components: dict[str, str] = {}  # graph component -> DynamoGraphDeployment `spec.components[].name`
         taken: dict[str, str] = {}
 
         def claim(name: str, what: str, max_len: int = 63) -> str:
@@ -52,9 +47,9 @@ class K8sNames:
 
         for cname, c in g.components.items():
             if c.kind in ("frontend", "encoder", "engine"):
-                svc = self.services[cname] = pascal(cname)
-                # The operator names the component's objects (Deployment, Service) <graph>-<service lowercased>.
-                claim(f"{g.name}-{svc.lower()}", f"the operator's objects for component {cname!r}")
+                self.components[cname] = cname  # already a DNS-1123 label, as v1beta1 `name` allows
+                # The operator names the component's objects (DCD, Deployment, Service) <graph>-<name>.
+                claim(f"{g.name}-{cname}", f"the operator's objects for component {cname!r}")
         self.encoder_svc = {n: claim(f"{g.name}-{n}-http", f"the HTTP Service of encoder {n!r}")
                             for n, _ in g.of_kind("encoder")}
         # A StatefulSet's name goes into its pods' controller-revision-hash label (63 max): keep 11 spare.

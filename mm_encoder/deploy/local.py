@@ -1,9 +1,11 @@
 """`mm-encoder serve GRAPH`: run a whole graph on one machine.
 
 The graph's plan (plan.py) on a `LocalSite`: every component on loopback, each replica on a free
-port, Dynamo without etcd or NATS (file discovery in the run directory, TCP request plane, ZMQ
-events). Each replica is a process in its own session (so stopping it stops its children: nginx
-workers, thread pools), started in the plan's order and waited on until healthy.
+port, Dynamo without etcd or NATS by default (file discovery in the run directory, TCP request
+plane, ZMQ events); a graph's `runtime` may ask for etcd discovery and NATS planes, and then etcd
+and nats-server run here too (`infra.py`) unless ETCD_ENDPOINTS / NATS_SERVER name existing ones.
+Each replica is a process in its own session (so stopping it stops its children: nginx workers,
+thread pools), started in the plan's order and waited on until healthy.
 `run_dir/state.json` records ports and PIDs for `mm-encoder status` and for tests; logs are
 `run_dir/<name>.log`. Ctrl-C or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL
 after a grace period) and checks that no process of the graph is left.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -26,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import GraphError
+from . import infra
 from .graph import Graph, Kind, load_graph
-from .plan import READY_LINE, ComponentPlan, GeneratedLLM, Replica, Site, plan
+from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedLLM, Replica, Site, plan
 from .status import collect, format_lines
 
 PY = sys.executable
@@ -76,6 +80,7 @@ class LocalSite(Site):
             "DYN_TCP_RPC_HOST": LOOPBACK,
             "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
             "DYN_SYSTEM_HOST": LOOPBACK,
+            "DYN_EVENT_PLANE_HOST": LOOPBACK,  # the KV event publisher (ZMQ) binds 0.0.0.0 without it
             "DYN_SELF_HOST_METADATA": "0",
             "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
         }
@@ -122,6 +127,8 @@ class GraphRunner:
         self.grace_s = grace_s
         self.start_timeout_s = start_timeout_s
         self.procs: list[Proc] = []
+        self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
+        self.runtime_env: dict[str, str] = {}  # how Dynamo's components reach those (ETCD_ENDPOINTS, ...)
 
     def prepare(self) -> list[Proc]:
         """The run directory, the generated LLM (if the graph names none) and the processes to start."""
@@ -135,7 +142,7 @@ class GraphRunner:
 
     def spawn(self, p: Proc) -> None:
         p.log = self.run_dir / f"{p.name}.log"
-        env = {**os.environ, **p.component.env}
+        env = {**os.environ, **(self.runtime_env if p.kind in DYNAMO_KINDS else {}), **p.component.env}
         with p.log.open("a") as log:
             p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        cwd=self.run_dir)
@@ -170,11 +177,23 @@ class GraphRunner:
 
     def start(self) -> None:
         self.procs = self.prepare()
+        self.start_servers()
         for p in self.procs:
             self.spawn(p)
             self.wait_healthy(p)
             print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid}" + (f"  {p.url}" if p.url else ""), flush=True)
         self.write_state()
+
+    def start_servers(self) -> None:
+        """etcd / NATS first, unless the environment already names them."""
+        self.servers = infra.servers_for(self.graph.runtime, self.run_dir, os.environ)
+        self.runtime_env = {k: os.environ[k] for k in ("ETCD_ENDPOINTS", "NATS_SERVER") if os.environ.get(k)}
+        for server in self.servers:
+            server.start(self.run_dir / f"{server.name}.log")
+            server.wait_ready()
+            self.runtime_env |= server.env
+            print(f"  {server.name:12s} {'runtime':14s} up   pid {server.popen.pid}  {next(iter(server.env.values()))}",
+                  flush=True)
 
     def write_state(self) -> None:
         state = {
@@ -183,6 +202,7 @@ class GraphRunner:
             "supervisor_pid": os.getpid(),
             "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
                             "url": p.url, "log": str(p.log)} for p in self.procs],
+            "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.popen.pid} for s in self.servers]},
         }
         (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
 
@@ -218,7 +238,10 @@ class GraphRunner:
                 _signal_group(p.popen.pid, signal.SIGKILL)
                 p.popen.wait(10)
             p.state = "stopped"
+        for server in reversed(self.servers):  # after everything that used them
+            server.stop(self.grace_s)
         groups = {p.popen.pid for p in self.procs if p.popen is not None}
+        groups |= {s.popen.pid for s in self.servers if s.popen is not None}
         for pgid in groups:  # children left behind by a process that exited (e.g. nginx workers)
             _signal_group(pgid, signal.SIGKILL)
         return leftover_pids(groups)
@@ -243,6 +266,35 @@ def leftover_pids(groups: set[int]) -> list[int]:
         if pgid in groups and state != "Z":
             alive.append(int(entry.name))
     return alive
+
+
+def listeners(groups: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket held by a process in one of `groups`:
+    the sockets' inodes from /proc/net/tcp{,6}, their owners from /proc/<pid>/fd."""
+    listening: dict[str, tuple[str, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] != "0A":  # TCP_LISTEN
+                    continue
+                host, port = f[1].split(":")
+                listening[f[9]] = (_address(host), int(port, 16))
+    out = []
+    for pid in leftover_pids(groups):
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:[") and target[8:-1] in listening:
+                        out.append((pid, *listening[target[8:-1]]))
+    return sorted(set(out))
+
+
+def _address(hex_host: str) -> str:
+    """/proc/net's hex address -> text: IPv4, or IPv6, both as 4-byte words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_host)
+    return str(ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..core.dynamo import MAX_MESSAGE_SIZE, PLANES
+from ..core.dynamo import MAX_MESSAGE_SIZE
 from .graph import Component, Graph, Kind
 
 # Start order: each kind only talks to kinds before it.
@@ -118,8 +118,11 @@ class _Planner:
         )
         env = {"PYTHONUNBUFFERED": "1"}
         if c.kind in DYNAMO_KINDS:
-            env |= {"DYN_REQUEST_PLANE": PLANES["DYN_REQUEST_PLANE"], "DYN_EVENT_PLANE": PLANES["DYN_EVENT_PLANE"],
+            rt = self.g.runtime
+            env |= {"DYN_REQUEST_PLANE": rt.request_plane, "DYN_EVENT_PLANE": rt.event_plane,
                     **self.site.dynamo_env(c.kind)}
+            if rt.discovery != "default":  # the graph's choice over the site's
+                env["DYN_DISCOVERY_BACKEND"] = rt.discovery
         if c.kind in BODY_KINDS:  # a body fetched over RPC (the chain's fallback) is the embeddings' size
             env["DYN_TCP_MAX_MESSAGE_SIZE"] = str(MAX_MESSAGE_SIZE)
         module = STOCK_FRONTEND if c.stock else MODULES[c.kind]

@@ -42,7 +42,7 @@ from ..core.dynamo import (
 from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
 from ..core.handle import HandleResolver
 from ..core.process import parse_settings, run, stop_on_signals
-from ..core.prompt import ChatTokenizer, Splicer
+from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import DEFAULT_MODEL
 from ..core.requests import EngineRequest
 from ..core.sampling import SamplingParams
@@ -76,6 +76,7 @@ class EngineSettings(BaseSettings):
     encoder_checkpoint: str | None = Field(None, description="checkpoint directory for --encoder-model")
     encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
                                            "(none: Dynamo RPC to the encode workers only)")
+
     frontend: Literal["mm", "stock"] = Field(
         "mm", description="mm: serve this project's frontend (EngineRequest); stock: Dynamo's own frontend "
                           "(preprocessed requests, media via its Encode worker)")
@@ -317,16 +318,21 @@ async def serve(s: EngineSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    s = parse_settings(EngineSettings, argv)
+    s = parse_settings(EngineSettings, argv, check=_check)
     if s is None:
         return 2
     if s.make_model_dir:
         print(make_model_dir(s.make_model_dir, s.model, name=s.name, context_length=s.context_length))
         return 0
-    if not s.model_dir:
-        print("error: --model-dir (or --make-model-dir) is required", file=sys.stderr)
-        return 2
     return run(serve(s))
+
+
+def _check(s: EngineSettings) -> None:
+    if s.make_model_dir:
+        return
+    if not s.model_dir:
+        raise ValueError("--model-dir (or --make-model-dir) is required")
+    check_model_dir(s.model_dir)
 
 
 if __name__ == "__main__":

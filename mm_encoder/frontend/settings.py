@@ -43,3 +43,5 @@ class FrontendSettings(BaseSettings):
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
     log_level: str = Field("INFO")
+
+

@@ -1,0 +1,111 @@
+"""The multimodal processor as Dynamo's frontend loads it: one chat engine factory, two ways in.
+
+- `python -m mm_encoder.frontend` (Dynamo 1.6.1, whose `--dyn-chat-processor` takes only
+  dynamo, vllm or sglang): our launcher builds the factory and hands it to Dynamo's
+  `make_engine` as `chat_engine_factory`.
+- Dynamo after 1.6.1: `python -m dynamo.frontend --dyn-chat-processor mm-encoder
+  --dyn-chat-processor-config '{"model_dir": "/models/llm", ...}'` resolves the entry point
+  `dynamo.frontend.chat_processors: mm-encoder` to `chat_processor`, which Dynamo calls once, in its
+  event loop, with its parsed frontend config and that JSON object. The JSON holds this
+  processor's own options (`FrontendSettings` names); the namespace and block size default to
+  Dynamo's config.
+
+Dynamo calls the factory per served model when its first worker registers; the shared parts
+(tokenizer, encoder client, KV router, engine client) are built on the first call, on a Dynamo
+runtime from the process's environment (the launcher passes its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from ..core.dynamo import GENERATE_ENDPOINT, endpoint_path, make_runtime
+from ..core.prompt import ChatTokenizer
+from ..core.registry import DEFAULT_MODEL, get_spec
+from .encoder_client import EncoderClient
+from .processor import Limits, MultimodalProcessor
+from .settings import FrontendSettings
+
+
+class ProcessorFactory:
+    """`factory(instance_id, card, routed_engine)` -> a PythonAsyncEngine over one processor per model."""
+
+    def __init__(self, settings: FrontendSettings, runtime=None):
+        self.s = settings
+        self.runtime = runtime  # None: the process's own (Dynamo's frontend made it)
+        self.processors: dict[str, MultimodalProcessor] = {}
+        self.encoder: EncoderClient | None = None
+        self._parts: dict[str, Any] | None = None
+        self._lock = asyncio.Lock()
+
+    async def parts(self) -> dict[str, Any]:
+        """What every model's processor shares; built once."""
+        async with self._lock:
+            if self._parts is None:
+                self._parts = await self._build()
+        return self._parts
+
+    async def _build(self) -> dict[str, Any]:
+        from dynamo.llm import KvRouter, KvRouterConfig
+
+        s = self.s
+        # Dynamo hands a provider no runtime: one from the same environment (DYN_DISCOVERY_BACKEND, ...)
+        runtime = self.runtime = self.runtime or make_runtime(asyncio.get_running_loop())
+        config = json.loads((s.model_dir / "config.json").read_text())
+        engine_path = endpoint_path(s.namespace, s.engine_component, GENERATE_ENDPOINT)
+        use_rpc = s.encoder_rpc and not s.inline_media
+        rpc = await runtime.endpoint(endpoint_path(s.namespace)).client() if use_rpc else None
+        spec = get_spec(config.get("mm_encoder_model", DEFAULT_MODEL))
+        if not s.inline_media:
+            self.encoder = EncoderClient(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc,
+                                         timeout_s=s.encoder_timeout_s, namespace=s.namespace if use_rpc else None,
+                                         send_bodies=s.media_transport == "body")
+        eos = config.get("eos_token_id")
+        return {
+            "config": config, "spec": spec, "tokenizer": ChatTokenizer(s.model_dir, s.allow_remote_code),
+            "engine_client": await runtime.endpoint(engine_path).client(),
+            "router": KvRouter(runtime.endpoint(engine_path), s.block_size, KvRouterConfig()),
+            "eos": eos if isinstance(eos, list) else [eos] if eos is not None else [],
+            "limits": Limits(context_length=int(config.get("max_position_embeddings", 4096)),
+                             default_max_tokens=s.default_max_tokens, max_media=s.max_media,
+                             max_inflight_media=s.max_inflight_media),
+        }
+
+    async def processor(self, name: str | None = None) -> MultimodalProcessor:
+        p = await self.parts()
+        name = str(name or p["config"].get("served_model_name") or self.s.model_dir.name)
+        if name not in self.processors:
+            self.processors[name] = MultimodalProcessor(
+                served_name=name, spec=p["spec"], tokenizer=p["tokenizer"], encoder=self.encoder,
+                router=p["router"], engine_client=p["engine_client"], block_size=self.s.block_size,
+                eos_token_ids=p["eos"], limits=p["limits"], inline_media=self.s.inline_media)
+        return self.processors[name]
+
+    async def __call__(self, instance_id, card, routed_engine):
+        from dynamo.llm import PythonAsyncEngine
+
+        proc = await self.processor(getattr(instance_id, "name", None))
+        return PythonAsyncEngine(proc.generate, asyncio.get_running_loop())
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        return [p.snapshot() for p in self.processors.values()]
+
+    async def close(self) -> None:
+        if self.encoder is not None:
+            await self.encoder.close()
+
+
+def chat_processor(frontend_config: Any, processor_config: dict[str, Any] | None = None) -> ProcessorFactory:
+    """The `dynamo.frontend.chat_processors` provider: Dynamo's frontend config (its namespace and
+    KV block size are the defaults) plus this processor's options as JSON (`model_dir` required,
+    else Dynamo's `--model-path`)."""
+    options = dict(processor_config or {})
+    namespace = getattr(frontend_config, "namespace", None)
+    block_size = getattr(frontend_config, "kv_cache_block_size", None)
+    model_path = getattr(frontend_config, "model_path", None)
+    defaults = {k: v for k, v in (("namespace", namespace), ("block_size", block_size), ("model_dir", model_path))
+                if v is not None}
+    settings = FrontendSettings(_cli_parse_args=[], **{**defaults, **options})
+    return ProcessorFactory(settings)
