@@ -14,7 +14,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm_encoder.deploy import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv system-deps up demo worker test test-quick lint bench clean
+.PHONY: venv system-deps up demo worker test test-quick soak lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -60,6 +60,10 @@ test: $(STAMP) system-deps
 # The edit-test loop: everything but the tests that start whole graphs of subprocesses (CI runs them).
 test-quick: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The soak: the EPD graph overloaded and its components killed under load (minutes; loopback only).
+soak: $(STAMP) system-deps
+	$(BIN)/python tests/reliability/soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -41,6 +41,7 @@ class Graph:
     def __init__(self, root: Path):
         self.root = root
         self.procs: dict[str, subprocess.Popen] = {}
+        self.ready_lines: dict[str, str] = {}
         self.env = {**os.environ, "DYN_FILE_KV": str(root / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
                     "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
         self.model_dir = make_model_dir(root / "tiny-chat", "tiny", name="tiny-chat", context_length=CONTEXT)
@@ -58,6 +59,7 @@ class Graph:
             while time.monotonic() < deadline:
                 line = proc.stdout.readline()
                 if ready in line:
+                    self.ready_lines[name] = line
                     return proc
                 if not line and proc.poll() is not None:
                     break
@@ -275,6 +277,17 @@ def test_sampling_is_honoured_or_refused_by_name(graph):
         assert status == 400 and f"`{field}`" in raw, raw
 
 
+def test_one_url_sent_as_video_then_as_image_is_not_answered_from_the_video_entry(graph):
+    """Issue 13, 6: the tiers' key includes the modality; a video cached as `video_url` used to be
+    served to `image_url` from the cluster tier (200) where a fresh one gets 4xx."""
+    clip = video_bytes(width=112, height=84, frames=20, fps=10)
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    status, raw = chat(graph, [{"type": "video_url", "video_url": {"url": url}}])
+    assert status == 200, raw
+    status, raw = chat(graph, [{"type": "image_url", "image_url": {"url": url}}])
+    assert 400 <= status < 500, raw
+
+
 def test_openai_client_with_a_data_url_image(graph):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=graph.url("/v1"), api_key="unused")
@@ -330,6 +343,52 @@ def test_a_stock_dynamo_frontend_in_the_same_namespace_serves_text_and_refuses_m
         graph.stop("stock")
 
 
+def test_a_10_mb_prompt_is_refused_at_once_and_blocks_no_one(graph):
+    """Issue 13, 7: the prompt is measured before it is tokenized (on the event loop it took 9-12 s
+    and stalled every other client)."""
+    import threading
+
+    results: dict[str, tuple] = {}
+
+    def big():
+        t0 = time.monotonic()
+        results["big"] = (*chat(graph, "x" * (10 << 20), timeout=60), time.monotonic() - t0)
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    t0 = time.monotonic()
+    status, _ = chat(graph, "a small question")
+    small_s = time.monotonic() - t0
+    thread.join(60)
+    big_status, big_body, big_s = results["big"]
+    assert big_status == 400 and "context_length_exceeded" in big_body, big_body
+    assert status == 200 and small_s < 5 and big_s < 5
+
+
+def test_an_engine_killed_mid_stream_gives_a_5xx_and_later_requests_work(graph):
+    """Issue 13, 8: the client used to get "Invalid request" (400), and a follow-up a 500."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", graph.frontend_port, timeout=60)
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "tell"}], "max_tokens": 480,
+            "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: {")  # the first chunk: routed and generating
+    worker = graph.stats()["recent"][-1]["worker_id"]
+    name = next(n for n in ("engine1", "engine2") if graph.ready_lines[n].split("instance=")[1].strip() == str(worker))
+    graph.procs[name].kill()
+    rest = resp.read().decode()
+    conn.close()
+    errors = [e for e in sse_events(rest) if "error" in e]
+    assert errors and errors[-1]["error"]["code"] >= 500, rest[-500:]
+    for _ in range(3):  # the survivor serves every later request
+        status, raw = chat(graph, "after the engine died")
+        assert status == 200, raw
+    graph.procs.pop(name).wait(10)
+
+
 def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):
     """Last in the module: it stops the encode worker (and the tier's upstream with it)."""
     graph.stop("worker")
@@ -337,6 +396,7 @@ def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):
     t0 = time.monotonic()
     status, body = chat(graph, [{"type": "image_url", "image_url": {"url": data_url(img)}}], timeout=30)
     assert status == 503 and time.monotonic() - t0 < 10, body
+    assert "Internal server error" not in body  # issue 13, 10: a 503 reads as one
     assert graph.stats()["encoder_fallbacks"] >= 1  # the chain failed; direct RPC had no worker
     with urllib.request.urlopen(f"http://127.0.0.1:{graph.system_port}/metrics", timeout=30) as r:
         metrics = r.read().decode()  # the processor's counters on Dynamo's own /metrics

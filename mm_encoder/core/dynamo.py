@@ -48,12 +48,14 @@ def client_error(e: MMEncoderError) -> Exception:
     """The exception a handler inside Dynamo's HTTP frontend raises so the client sees `e`'s status.
     Dynamo 1.6.1 shows a message only for `InvalidArgument` (400); for an `HttpError` it keeps the
     status and replaces the message with the status's name. The code leads the message: `[code] ...`."""
-    from dynamo.llm.exceptions import HttpError, InvalidArgument
+    from dynamo.llm.exceptions import CannotConnect, HttpError, InvalidArgument
 
-    # Tried for 503: CannotConnect keeps the status and hides the message too; neither lets a
-    # handler set headers, so no Retry-After can be sent from here.
+    # For 503, HttpError reads "Internal server error"; CannotConnect reads "Service temporarily
+    # unavailable". Neither shows our message, and no handler can set headers: no Retry-After here.
     text = f"[{e.code}] {e.message}"
-    return InvalidArgument(text) if e.http_status == 400 else HttpError(e.http_status, text)
+    if e.http_status == 400:
+        return InvalidArgument(text)
+    return CannotConnect(text) if e.http_status == 503 else HttpError(e.http_status, text)
 
 
 def worker_error(e: MMEncoderError) -> Exception:

@@ -9,6 +9,7 @@ times, N = the encoder's token count for that image or chunk.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,15 @@ class ChatTokenizer:
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token in bytes: a bound from text size to token count, known without tokenizing."""
+        if self._hf is not None:
+            vocab = self._hf.get_vocab()
+            return max(len(t.encode()) for t in vocab) if vocab else 1
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(t.encode()) for t in vocab), default=1)
 
     def token_id(self, token: str) -> int:
         tid = self._hf.convert_tokens_to_ids(token) if self._hf is not None else self._tok.token_to_id(token)

@@ -45,12 +45,13 @@ class EncodeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(min_length=1, max_length=512)
-    url: str | None = Field(None, min_length=1)  # bounded by the body cap; the fetcher caps http(s) URLs
-    data: bytes | None = None
+    # strict: a msgpack `bin` (bytes) is not a name or a URL, and a JSON string is not raw bytes
+    model: str = Field(min_length=1, max_length=512, strict=True)
+    url: str | None = Field(None, min_length=1, strict=True)  # bounded by the body cap; the fetcher caps http(s) URLs
+    data: bytes | None = Field(None, strict=True)
     modality: Literal["image", "video"] | None = None  # None: sniffed from the bytes
     processor: ProcessorOverrides | None = None
-    scope: str = Field("", max_length=256, description="tenant: URL aliases never answer across scopes")
+    scope: str = Field("", max_length=256, strict=True, description="tenant: URL aliases never answer across scopes")
 
     @model_validator(mode="after")
     def _one_source(self) -> EncodeRequest:

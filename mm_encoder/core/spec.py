@@ -97,6 +97,14 @@ class MediaLimits(_Frozen):
     max_aspect_ratio: float = 200.0
     max_video_seconds: float = 600.0
     max_video_frames: int = 36_000  # decoded frames, sampled or not
+    # Sampled frames (padded to whole chunks) x patches per frame, checked before decoding: what a
+    # video costs to decode, hold and encode. 2**21 = 131,072 LLM tokens: ~4 min of HD (4,096-patch
+    # frames) or ~8 min of 480p at 2 fps.
+    max_video_patches: int = 1 << 21
+    # Pixels being decoded at once in the process (None: 4 * max_pixels), and how long a request
+    # waits for room before a 503 `overloaded`.
+    max_decoding_pixels: int | None = None
+    decode_wait_s: float = 30.0
 
 
 class PromptConfig(_Frozen):

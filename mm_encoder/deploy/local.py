@@ -129,6 +129,7 @@ class GraphRunner:
         self.procs: list[Proc] = []
         self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
         self.runtime_env: dict[str, str] = {}  # how Dynamo's components reach those (ETCD_ENDPOINTS, ...)
+        self.sessions: set[int] = set()  # process groups of every replica started, restarts included
 
     def prepare(self) -> list[Proc]:
         """The run directory, the generated LLM (if the graph names none) and the processes to start."""
@@ -146,6 +147,7 @@ class GraphRunner:
         with p.log.open("a") as log:
             p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        cwd=self.run_dir)
+        self.sessions.add(p.popen.pid)  # every session ever started: the leftover check covers them all
         p.state = "starting"
 
     def healthy(self, p: Proc) -> bool:
@@ -214,6 +216,8 @@ class GraphRunner:
                 continue
             p.state = "down"
             events.append(f"{p.name} exited with {p.popen.returncode}; last log lines:\n{self.tail(p)}")
+            # what it left in its session (a killed nginx master's workers keep serving its port)
+            _signal_group(p.popen.pid, signal.SIGKILL)
             if self.restart:
                 p.restarts += 1
                 self.spawn(p)
@@ -240,8 +244,7 @@ class GraphRunner:
             p.state = "stopped"
         for server in reversed(self.servers):  # after everything that used them
             server.stop(self.grace_s)
-        groups = {p.popen.pid for p in self.procs if p.popen is not None}
-        groups |= {s.popen.pid for s in self.servers if s.popen is not None}
+        groups = self.sessions | {s.popen.pid for s in self.servers if s.popen is not None}
         for pgid in groups:  # children left behind by a process that exited (e.g. nginx workers)
             _signal_group(pgid, signal.SIGKILL)
         return leftover_pids(groups)

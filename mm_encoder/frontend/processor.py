@@ -73,6 +73,15 @@ class MultimodalProcessor:
         self.stats = Stats()
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
 
+    def check_text_size(self, messages: list[dict[str, str]]) -> None:
+        """Refuse, before tokenizing it, a prompt whose text cannot fit: every token is at most
+        `max_token_bytes` bytes, so more bytes than context x that is more tokens than the context."""
+        size = sum(len(m["content"].encode()) for m in messages)
+        limit = self.limits.context_length * self.tok.max_token_bytes
+        if size > limit:
+            raise ContextOverflow(f"the prompt's text is {size} bytes: more than {self.limits.context_length} tokens "
+                                  f"of at most {self.tok.max_token_bytes} bytes each, the model's context length")
+
     def max_tokens_for(self, params: SamplingParams, prompt_tokens: int) -> int:
         """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
         room = self.limits.context_length - prompt_tokens
@@ -94,7 +103,9 @@ class MultimodalProcessor:
         try:
             params = SamplingParams.from_openai(request)
             messages, media = parse_messages(request.get("messages"), self.limits.max_media)
-            texts = prompt_segments(self.tok, messages, len(media))
+            self.check_text_size(messages)
+            # rendering and tokenizing a long prompt takes seconds: off the loop, so others are not blocked
+            texts = await asyncio.to_thread(prompt_segments, self.tok, messages, len(media))
             if self.inline_media:
                 stream, prompt_tokens = await self._dispatch_inline(rid, params, texts, media)
                 routed = True
@@ -106,8 +117,9 @@ class MultimodalProcessor:
                 encoded = await self.encoder.embed_all(media) if media else []
                 timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
                 self.stats.media_items += len(media)
-                spliced = self.splicer.splice(
-                    texts, [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded])
+                spliced = await asyncio.to_thread(
+                    self.splicer.splice, texts,
+                    [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded])
                 prompt_tokens = len(spliced.token_ids)
                 max_tokens = self.max_tokens_for(params, prompt_tokens)
                 spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
@@ -142,7 +154,7 @@ class MultimodalProcessor:
                 log.exception("request %s failed before the engine", rid)
                 raise HttpError(500, f"internal error: {type(e).__name__}") from None
             if routed:  # cancelled: the client went away
-                await self.router.free(rid)
+                await self._router_call(self.router.free, rid)
             raise
 
         created = int(time.time())
@@ -151,8 +163,7 @@ class MultimodalProcessor:
         finish = None
         first = True
         try:
-            async for item in stream:
-                data = item.data() if hasattr(item, "data") else item
+            async for data in _engine_items(stream):
                 if "error" in data:  # the engine refused the request before its first token
                     e = RemoteError.from_dict(data["error"], "the engine failed without a message")
                     self.stats.errors[e.code] += 1
@@ -167,7 +178,7 @@ class MultimodalProcessor:
                     if slot:
                         self._media_slots.release()
                         slot = False
-                    await self.router.mark_prefill_complete(rid)
+                    await self._router_call(self.router.mark_prefill_complete, rid)
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
                     prompt_tokens = data.get("prompt_tokens", 0)
                 finish = data.get("finish_reason")
@@ -184,12 +195,24 @@ class MultimodalProcessor:
                     break
                 if context is not None and context.is_stopped():
                     break
+        except EngineUnavailable as e:  # the engine died mid-stream: a retryable 5xx, not the client's fault
+            self.stats.errors[e.code] += 1
+            log.warning("request %s: [%s] %s", rid, e.code, e.message)
+            raise client_error(e) from None
         finally:
             if first:
                 self.stats.media_requests_in_flight -= 1
             if slot:
                 self._media_slots.release()
-            await self.router.free(rid)
+            await self._router_call(self.router.free, rid)
+
+    async def _router_call(self, call, rid: str) -> None:
+        """The router's bookkeeping for a request; an engine that died took its half of it along
+        ("Request ... not found"), which must not fail this request or later ones."""
+        try:
+            await call(rid)
+        except Exception as e:  # Dynamo raises plain Exceptions here
+            log.debug("request %s: router bookkeeping: %s", rid, e)
 
     async def _dispatch_inline(self, rid: str, params: SamplingParams, texts: list[str], media) -> tuple:
         """Aggregated baseline: route on the text alone and let the engine fetch, encode and splice."""
@@ -233,7 +256,7 @@ class MultimodalProcessor:
         in the log) and release the router's bookkeeping for a request it had placed."""
         self.stats.errors[code] += 1
         if routed:
-            await self.router.free(rid)
+            await self._router_call(self.router.free, rid)
 
     def _chunk(self, rid: str, created: int, delta: dict, finish: str | None, prompt: int, completion: int) -> dict:
         chunk = {
@@ -262,3 +285,15 @@ class MultimodalProcessor:
             "media_requests_in_flight": s.media_requests_in_flight,
             "recent": list(s.recent),
         }
+
+
+async def _engine_items(stream):
+    """The engine's items as dicts. A stream that breaks off (the engine died: Dynamo raises a plain
+    ValueError, "Stream ended before generation completed") is EngineUnavailable, a 503."""
+    try:
+        async for item in stream:
+            yield item.data() if hasattr(item, "data") else item
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise EngineUnavailable(f"the engine's stream broke off: {e}") from None

@@ -11,7 +11,9 @@ side stream, so the next forward is not blocked by the copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -36,6 +38,9 @@ Item = bytes | bytearray | memoryview | Image.Image | VideoChunk
 # Patches per forward pass, the one batch cap (the worker's --batch-max-patches): 8192 keeps a
 # full-HD image (~10.8k patches) alone in its pass, so one big item never waits behind others.
 BATCH_MAX_PATCHES = 8192
+# Processor identities kept per encoder: requests may name any processor settings (each distinct
+# `video_fps` is a new key), so an unbounded table grows with traffic. LRU, thread-safe.
+IDENTITY_CACHE_SIZE = 64
 
 
 @dataclass
@@ -104,7 +109,7 @@ class Encoder:
         self.limits = limits or MediaLimits()
         self.batch_max_patches = batch_max_patches
         self.load_report = load_report
-        self._identity: dict[PreprocessConfig, bytes] = {}
+        self._identity = functools.lru_cache(maxsize=IDENTITY_CACHE_SIZE)(spec.identity)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # --- construction -----------------------------------------------------------------------
@@ -172,10 +177,7 @@ class Encoder:
         return self.spec.projector.out_dim
 
     def identity(self, processor: PreprocessConfig | None = None) -> bytes:
-        key = processor or self.spec.preprocess
-        if key not in self._identity:
-            self._identity[key] = self.spec.identity(key)
-        return self._identity[key]
+        return self._identity(processor or self.spec.preprocess)
 
     # --- what an item is ----------------------------------------------------------------------
 
@@ -212,7 +214,7 @@ class Encoder:
         """Video bytes -> chunks, each an `encode` item; their mm_hashes derive from the video's."""
         cfg = processor or self.spec.preprocess
         video_hash = video_hash or mm_hash(self.identity(cfg), "video", data)
-        return media.decode_video(bytes(data), cfg, self.limits, source_hash=video_hash)
+        return media.decode_video(bytes(data), cfg, self.limits, video_hash, self.spec.tower.patch_size)
 
     def prepare(self, item: Item, processor: PreprocessConfig | None = None) -> Prepared:
         """Decode, hash and preprocess one image or video chunk (CPU-pool work; no model state)."""
@@ -236,12 +238,21 @@ class Encoder:
         modality, h = identified or self.identify(data, cfg)
         if modality != "video":
             return [self._prepare_image(bytes(data), cfg, h)]
-        t0 = time.perf_counter()
-        chunks = self.decode_video(data, cfg, video_hash=h)
-        share = _ms(t0) / len(chunks)  # the video's decode time, split over its chunks
-        prepared = [self._prepare_chunk(c, cfg) for c in chunks]
+        # Chunk by chunk: each is preprocessed as soon as it is decoded, so what is held at once is
+        # one chunk's RGB frames plus the (smaller, or on-device) pixel_values prepared so far.
+        prepared, decode_ms = [], 0.0
+        chunks = media.iter_video(bytes(data), cfg, self.limits, h, self.spec.tower.patch_size)
+        with contextlib.closing(chunks):
+            while True:
+                t0 = time.perf_counter()
+                chunk = next(chunks, None)
+                decode_ms += _ms(t0)
+                if chunk is None:
+                    break
+                prepared.append(self._prepare_chunk(chunk, cfg))
+                del chunk
         for p in prepared:
-            p.timings_ms["decode"] += share
+            p.timings_ms["decode"] += decode_ms / len(prepared)  # the video's decode time, split over its chunks
         return prepared
 
     def _prepare_image(self, data: bytes, cfg: PreprocessConfig, h: str) -> Prepared:

@@ -7,24 +7,38 @@ decoded; EXIF orientation is applied; every mode becomes RGB deterministically:
   pixels' hidden RGB never leaks in);
 - 16/32-bit greyscale (I;16*, I) is scaled to 8 bits by rounding v * 255 / 65535; float (F) is
   clipped to 0..255; CMYK, YCbCr, LAB, HSV use Pillow's conversion (ICC profiles are ignored);
-- animated images (GIF, APNG, WebP) use their first frame.
+- animated images (GIF, APNG, WebP) and multi-page TIFFs use their first frame (other frames are
+  never scanned: counting 10^6 GIF frames costs seconds).
+JPEGs are checked against what their header claims before decoding (at least 1 bit of entropy
+data per 8x8 block), and a sequential JPEG is decoded without the marker that ends its scan, so
+data cut short is refused (`corrupt`) instead of silently filled with grey by libjpeg.
+Decoded pixels in flight are bounded process-wide (`DECODE_BUDGET`): decoding runs in a thread
+pool, and a per-image cap alone lets N requests hold N times it.
 Videos (PyAV): sampled at min(fps, native fps) with evenly spaced frame indices, cut into chunks
-of `chunk` frames; a short last chunk repeats its last frame so every chunk has t = chunk.
+of `chunk` frames; a short last chunk repeats its last frame so every chunk has t = chunk. The
+work a video asks for (sampled frames x patches per frame) is checked against
+`max_video_patches` before decoding; `iter_video` decodes chunk by chunk, so memory does not grow
+with the video's length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import re
+import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ..core.errors import MediaError
+from ..core.errors import MediaError, Overloaded
 from ..core.spec import MediaLimits, PreprocessConfig
+from .preprocess import padded_grid, resize_target
 
 # Pillow warns on damaged metadata (corrupt EXIF, ...) and on large images; we either raise a
 # MediaError or carry on, so these warnings are noise in service logs. Filtered once, process-wide:
@@ -73,6 +87,102 @@ def _check_size(data: bytes, limits: MediaLimits) -> None:
         raise MediaError("too_large", f"media is {len(data)} bytes; the limit is {limits.max_bytes}")
 
 
+class PixelBudget:
+    """Pixels being decoded at once, across threads. A request waits its turn up to `decode_wait_s`,
+    then is refused with 503 `overloaded` (retry later), so memory stays bounded under load."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.in_use = 0
+        self.high_water = 0  # the most pixels ever held at once (for tests and metrics)
+
+    @contextlib.contextmanager
+    def hold(self, pixels: int, limits: MediaLimits) -> Iterator[None]:
+        capacity = limits.max_decoding_pixels or 4 * limits.max_pixels
+        if pixels > capacity:
+            raise MediaError("too_many_pixels", f"decoding needs {pixels} pixels at once; the budget is {capacity}")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.in_use + pixels <= capacity, limits.decode_wait_s):
+                raise Overloaded(f"{self.in_use} pixels are being decoded (budget {capacity}); retry later")
+            self.in_use += pixels
+            self.high_water = max(self.high_water, self.in_use)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.in_use -= pixels
+                self._cond.notify_all()
+
+
+DECODE_BUDGET = PixelBudget()
+
+# --- JPEG structure (what libjpeg would otherwise paper over) -------------------------------
+
+# SOFn marker -> entropy bits each 8x8 block needs at least: Huffman codes are >= 1 bit and every
+# block codes at least its DC difference. Arithmetic coding (SOF9-11) has no such floor.
+_SOF_MIN_BITS = {0xC0: 1, 0xC1: 1, 0xC2: 1, 0xC3: 1, 0xC9: 0, 0xCA: 0, 0xCB: 0}
+_SCAN_END = re.compile(rb"\xff[^\x00\xff\xd0-\xd7]")  # a marker that is not stuffing, fill or RSTn
+_SCAN_END_NO_RST = re.compile(rb"\xff[^\x00\xff]")  # without a restart interval RSTn ends a scan too
+
+
+@dataclass
+class _JpegLayout:
+    sof: int
+    blocks: int  # 8x8 blocks over all components (no MCU padding: a lower bound)
+    scans: int
+    entropy_bytes: int
+    scan_end: int  # offset of the marker that ends the last scan
+
+
+def _jpeg_layout(data: bytes) -> _JpegLayout | None:
+    """Walk the marker segments; None where the structure is not understood (Pillow judges)."""
+    pos, sof, blocks, scans, entropy, dri, end = 2, None, 0, 0, 0, 0, 0
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker == 0xD9 or (scans and (0xD0 <= marker <= 0xD7 or marker == 0x01)):
+            break
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        seg = data[pos + 4 : pos + 2 + length]
+        if marker in _SOF_MIN_BITS and len(seg) >= 6 and sof is None:
+            height, width, n = int.from_bytes(seg[1:3], "big"), int.from_bytes(seg[3:5], "big"), seg[5]
+            comps = [(seg[7 + 3 * i] >> 4, seg[7 + 3 * i] & 15) for i in range(n) if 8 + 3 * i <= len(seg)]
+            hmax = max((h for h, _ in comps), default=1) or 1
+            vmax = max((v for _, v in comps), default=1) or 1
+            blocks = sum(math.ceil(math.ceil(width * h / hmax) / 8) * math.ceil(math.ceil(height * v / vmax) / 8)
+                         for h, v in comps)
+            sof = marker
+        elif marker == 0xDD and len(seg) >= 2:
+            dri = int.from_bytes(seg[:2], "big")
+        elif marker == 0xDA:
+            start = pos + 2 + length
+            m = (_SCAN_END if dri else _SCAN_END_NO_RST).search(data, start)
+            if m is None:
+                return None  # no end marker: Pillow's own truncation check applies
+            scans, entropy, end, pos = scans + 1, entropy + m.start() - start, m.start(), m.start()
+            continue
+        pos += 2 + length
+    return _JpegLayout(sof, blocks, scans, entropy, end) if sof is not None and scans else None
+
+
+def _vet_jpeg(data: bytes) -> bytes | None:
+    """Refuse a JPEG whose data cannot cover its declared size; for a one-scan sequential JPEG,
+    the bytes to decode: its scan without the end marker, plus zero padding for libjpeg's bit
+    reader, so a scan cut short runs dry (Pillow: "truncated") instead of being filled with grey."""
+    layout = _jpeg_layout(data)
+    if layout is None:
+        return None
+    need = layout.blocks * _SOF_MIN_BITS[layout.sof]
+    if layout.entropy_bytes * 8 < need:
+        raise MediaError("corrupt", f"JPEG header declares {layout.blocks} 8x8 blocks (at least {need} bits of "
+                                    f"image data) but holds {layout.entropy_bytes} bytes: truncated or lying")
+    if layout.sof in (0xC0, 0xC1) and layout.scans == 1:
+        return data[: layout.scan_end] + bytes(16)
+    return None
+
+
 def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Open (header only) and vet an image; pixels are not decoded yet."""
     _check_size(data, limits)
@@ -88,25 +198,30 @@ def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
     if img.format not in IMAGE_FORMATS:
         raise MediaError("unsupported_format", f"image format {img.format} is not accepted")
     check_dimensions(*img.size, limits)
+    if img.format in ("JPEG", "MPO"):
+        strict = _vet_jpeg(data)
+        if strict is not None:
+            img = Image.open(io.BytesIO(strict))
     return img
 
 
 def image_to_rgb(img: Image.Image, limits: MediaLimits) -> torch.Tensor:
     """Decode (first frame), orient and convert to [H, W, 3] uint8. See module doc for modes."""
     check_dimensions(*img.size, limits)
-    try:
-        if getattr(img, "n_frames", 1) > 1:
-            img.seek(0)
-        img.load()
-        img = ImageOps.exif_transpose(img)
-        rgb = _to_rgb(img)
-    except MediaError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise MediaError("too_many_pixels", str(e)) from None
-    except Exception as e:  # OSError, SyntaxError, TypeError, ... depending on the plugin
-        raise MediaError("corrupt", f"image data cannot be decoded (truncated or damaged?): {e}") from None
-    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+    with DECODE_BUDGET.hold(img.size[0] * img.size[1], limits):
+        try:
+            if img.tell() != 0:  # never `n_frames`: it walks every frame of the file
+                img.seek(0)
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            rgb = _to_rgb(img)
+        except MediaError:
+            raise
+        except Image.DecompressionBombError as e:
+            raise MediaError("too_many_pixels", str(e)) from None
+        except Exception as e:  # OSError, SyntaxError, TypeError, ... depending on the plugin
+            raise MediaError("corrupt", f"image data cannot be decoded (truncated or damaged?): {e}") from None
+        return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> torch.Tensor:
@@ -166,21 +281,67 @@ def sniff_modality(data: bytes) -> str:
     return "image"
 
 
-def sample_indices(n_frames: int, native_fps: float, target_fps: float) -> list[int]:
-    """Evenly spaced indices at min(target, native) fps over n_frames; at least one."""
+def _sample_count(n_frames: int, native_fps: float, target_fps: float) -> int:
+    """How many frames `sample_indices` would pick at most, without building the list."""
     if n_frames <= 0:
-        return []
+        return 0
     fps = min(target_fps, native_fps) if native_fps > 0 else target_fps
     duration = n_frames / native_fps if native_fps > 0 else n_frames / target_fps
-    n = max(1, min(n_frames, round(duration * fps)))
-    if n == 1:
-        return [0]
+    return max(1, min(n_frames, round(duration * fps)))
+
+
+def sample_indices(n_frames: int, native_fps: float, target_fps: float) -> list[int]:
+    """Evenly spaced indices at min(target, native) fps over n_frames; at least one."""
+    n = _sample_count(n_frames, native_fps, target_fps)
+    if n <= 1:
+        return [0] if n else []
     return sorted({round(i * (n_frames - 1) / (n - 1)) for i in range(n)})
 
 
-def decode_video(
-    data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None
-) -> list[VideoChunk]:
+def _check_video_work(sampled: int, width: int, height: int, cfg: PreprocessConfig, limits: MediaLimits,
+                      patch: int) -> None:
+    """Refuse a video whose sampled frames (padded to whole chunks) x patches per frame exceed
+    `max_video_patches`: that, not bytes or seconds, is what decoding and the forward cost."""
+    if width <= 0 or height <= 0 or sampled <= 0:
+        return
+    k = cfg.video_chunk_frames
+    frames = math.ceil(sampled / k) * k
+    gh, gw = padded_grid(*resize_target(width, height, cfg.in_patch_limit_each_frame, cfg, patch), patch)
+    if frames * gh * gw > limits.max_video_patches:
+        raise MediaError("too_large", f"video needs {frames} sampled frames ({width}x{height}) x {gh * gw} patches = "
+                                      f"{frames * gh * gw} patches; the limit is {limits.max_video_patches}")
+
+
+def _header_checks(container, stream, native_fps: float, cfg: PreprocessConfig, limits: MediaLimits,
+                   patch: int) -> None:
+    """What the container declares (duration, frame count, size), refused before any demuxing.
+    A header may lie the other way; the frame count from demuxing is checked again after."""
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width or height:
+        check_dimensions(width, height, limits, "video")
+    if stream.frames > limits.max_video_frames:
+        raise MediaError("too_large", f"video declares {stream.frames} frames; at most {limits.max_video_frames}")
+    if stream.duration and stream.time_base:
+        seconds = float(stream.duration * stream.time_base)
+    else:
+        seconds = container.duration / 1e6 if container.duration else 0.0
+    if seconds > limits.max_video_seconds:
+        raise MediaError("too_large", f"video declares {seconds:.1f} s; at most {limits.max_video_seconds:g} s")
+    if seconds > 0 and native_fps > 0:
+        n = min(round(seconds * native_fps), limits.max_video_frames)
+        _check_video_work(_sample_count(n, native_fps, cfg.video_fps), width, height, cfg, limits, patch)
+
+
+def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
+                 patch_size: int = 14) -> list[VideoChunk]:
+    """All chunks at once (holds every sampled frame: prefer `iter_video` for long videos)."""
+    with contextlib.closing(iter_video(data, cfg, limits, source_hash, patch_size)) as chunks:
+        return list(chunks)
+
+
+def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
+               patch_size: int = 14) -> Iterator[VideoChunk]:
+    """Decode, sample and yield one chunk at a time: at most one chunk's frames are held here."""
     import av  # imported lazily: image-only users never pay for it
 
     _check_size(data, limits)
@@ -194,9 +355,9 @@ def decode_video(
         stream = container.streams.video[0]
         if stream.codec_context is None:
             raise MediaError("unsupported_format", f"video codec {stream.codec_tag!r} is not supported")
-        check_dimensions(stream.codec_context.width or 1, stream.codec_context.height or 1, limits, "video")
         rate = stream.average_rate or stream.guessed_rate
         native_fps = float(rate) if rate else 0.0
+        _header_checks(container, stream, native_fps, cfg, limits, patch_size)
         # Pass 1: count frames by demuxing only (cheap, no decode), bounded by the limits.
         n_frames = 0
         for packet in container.demux(stream):
@@ -208,33 +369,49 @@ def decode_video(
             raise MediaError(
                 "too_large", f"video is {n_frames / native_fps:.1f} s long; at most {limits.max_video_seconds:g} s"
             )
-        wanted = set(sample_indices(n_frames, native_fps, cfg.video_fps))
-        # Pass 2: decode, converting only the sampled frames.
-        container.seek(0)
-        frames, stamps = [], []
-        for i, frame in enumerate(container.decode(stream)):
-            if i > max(wanted, default=-1):
-                break
-            if i in wanted:
-                check_dimensions(frame.width, frame.height, limits, "video frame")
-                frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
-                t = frame.time if frame.time is not None else (i / native_fps if native_fps else 0.0)
-                stamps.append(float(t))
-    except MediaError:
+        wanted = sample_indices(n_frames, native_fps, cfg.video_fps)
+        _check_video_work(len(wanted), stream.codec_context.width, stream.codec_context.height, cfg, limits,
+                          patch_size)
+        yield from _decode_chunks(container, stream, set(wanted), native_fps, cfg, limits, source_hash, patch_size)
+    except (MediaError, Overloaded):
         raise
     except Exception as e:  # FFmpegError, UnicodeDecodeError, ... from damaged containers
         raise MediaError("corrupt", f"video cannot be decoded: {e}") from None
     finally:
         container.close()
-    if not frames:
+
+
+def _decode_chunks(container, stream, wanted: set[int], native_fps: float, cfg: PreprocessConfig,
+                   limits: MediaLimits, source_hash: str | None, patch: int) -> Iterator[VideoChunk]:
+    """Pass 2: decode, convert only the sampled frames, and yield every `k` of them as a chunk."""
+    k, last = cfg.video_chunk_frames, max(wanted, default=-1)
+    container.seek(0)
+    part: list[torch.Tensor] = []
+    stamp0 = chunk_stamp = None
+    index = 0
+    with contextlib.ExitStack() as budget:
+        for i, frame in enumerate(container.decode(stream)):
+            if i > last:
+                break
+            if i not in wanted:
+                continue
+            check_dimensions(frame.width, frame.height, limits, "video frame")
+            if stamp0 is None:  # the real frame size (the header's may be absent or wrong)
+                _check_video_work(len(wanted), frame.width, frame.height, cfg, limits, patch)
+                budget.enter_context(DECODE_BUDGET.hold(frame.width * frame.height * k, limits))
+                size = (frame.height, frame.width)
+            elif (frame.height, frame.width) != size:
+                raise MediaError("corrupt", "video frames change size mid-stream")
+            t = float(frame.time if frame.time is not None else (i / native_fps if native_fps else 0.0))
+            stamp0 = t if stamp0 is None else stamp0
+            chunk_stamp = t if not part else chunk_stamp
+            part.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+            if len(part) == k:
+                yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
+                part, index = [], index + 1
+        if part:
+            part += [part[-1]] * (k - len(part))
+            yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
+            index += 1
+    if index == 0:
         raise MediaError("no_frames", "the video has no decodable frames")
-    if any(f.shape != frames[0].shape for f in frames):
-        raise MediaError("corrupt", "video frames change size mid-stream")
-    t0 = stamps[0]
-    chunks = []
-    k = cfg.video_chunk_frames
-    for c in range(math.ceil(len(frames) / k)):
-        part = frames[c * k : (c + 1) * k]
-        part += [part[-1]] * (k - len(part))
-        chunks.append(VideoChunk(torch.stack(part), stamps[c * k] - t0, c, source_hash))
-    return chunks

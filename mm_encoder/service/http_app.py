@@ -17,6 +17,7 @@ in `X-MM-Error-Code` / `X-MM-Error` (a HEAD answer has no body); 503s carry Retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -24,7 +25,7 @@ import msgpack
 from aiohttp import web
 
 from ..core import wire
-from ..core.errors import BadRequest, MMEncoderError, code_for_status
+from ..core.errors import BadRequest, MMEncoderError, Overloaded, code_for_status
 from ..core.requests import EncodeRequest
 from .pipeline import EncodeService
 
@@ -47,6 +48,38 @@ def _header_text(text: str, limit: int = 512) -> str:
     """A message as one printable-ASCII header line."""
     out = "".join(c if " " <= c <= "~" else "?" for c in text)
     return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+class _Receiving:
+    """Bytes of request bodies the worker holds at once, reserved from the announced size before a
+    body is read (aiohttp's client_max_size bounds one body, not many concurrent ones)."""
+
+    def __init__(self, limit: int, per_body: int):
+        self.limit, self.per_body = limit, per_body
+        self.held = 0
+
+    @contextlib.contextmanager
+    def reserve(self, request: web.Request):
+        n = request.content_length if request.content_length is not None else self.per_body
+        if request.method in ("GET", "HEAD", "OPTIONS") and not request.can_read_body:
+            n = 0
+        if n and self.held + n > self.limit:
+            raise Overloaded(f"the worker is receiving {self.held} bytes of request bodies; {n} more would pass "
+                             f"--max-receiving-bytes {self.limit}")
+        self.held += n
+        try:
+            yield
+        finally:
+            self.held -= n
+
+
+RECEIVING_KEY = web.AppKey("receiving", _Receiving)
+
+
+@web.middleware
+async def _admit_bodies(request: web.Request, handler) -> web.StreamResponse:
+    with request.app[RECEIVING_KEY].reserve(request):
+        return await handler(request)
 
 
 @web.middleware
@@ -73,7 +106,11 @@ async def _parse(request: web.Request) -> EncodeRequest:
     ctype = request.content_type
     body = await request.read()
     if ctype == "application/json":
-        return EncodeRequest.parse(body, json=True)
+        req = EncodeRequest.parse(body, json=True)
+        if req.data is not None:  # JSON has no bytes: base64 text would be decoded here, unbounded by the fetcher
+            raise BadRequest("`data` is for msgpack bodies and Dynamo RPC; a JSON body sends `url` (a data: URL "
+                             "for inline bytes)")
+        return req
     if ctype in MSGPACK_TYPES:
         try:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
@@ -143,8 +180,10 @@ async def models(request: web.Request) -> web.Response:
 
 
 def build_app(service: EncodeService) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=service.settings.max_body_bytes)
+    s = service.settings
+    app = web.Application(middlewares=[_errors, _admit_bodies], client_max_size=s.max_body_bytes)
     app[SERVICE_KEY] = service
+    app[RECEIVING_KEY] = _Receiving(s.max_receiving_bytes, s.max_body_bytes)
     app.router.add_post("/v1/encode", post_encode)
     app.router.add_get("/v1/encode", post_encode)  # and HEAD (aiohttp adds it; the body is dropped)
     app.router.add_post("/v1/encode/fetch", post_encode)  # an engine's fetch by handle (the tiers' lock-free path)
@@ -158,9 +197,10 @@ def build_app(service: EncodeService) -> web.Application:
 async def start_http(service: EncodeService, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner (for cleanup) and the bound port (for port 0)."""
     # handler_cancellation: a client that hangs up cancels its handler, so queued work is dropped.
+    # keepalive_timeout also closes a connection whose request headers never complete (slowloris).
     runner = web.AppRunner(
         build_app(service), handler_cancellation=True, access_log=None,
-        shutdown_timeout=service.settings.drain_timeout_s,
+        shutdown_timeout=service.settings.drain_timeout_s, keepalive_timeout=service.settings.idle_timeout_s,
     )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

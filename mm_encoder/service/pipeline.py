@@ -39,6 +39,11 @@ log = logging.getLogger("mm_encoder.service")
 _HASH_IN_THREAD_BYTES = 1 << 20  # blake3 runs ~6 GB/s: below 1 MiB a thread hop costs more than it saves
 
 
+def _check_modality(asked: str | None, found: str) -> None:
+    if asked is not None and asked != found:
+        raise MediaError("bad_input", f"modality is {asked!r} but the bytes are {found}; fix or omit it")
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
@@ -159,7 +164,9 @@ class EncodeService:
         if h is not None:
             body = self.bodies.get(h)
             if body is not None:
-                return EncodeResult(body, h, "alias")
+                hit = EncodeResult(body, h, "alias")
+                _check_modality(req.modality, hit.header.modality)  # answer as a miss would
+                return hit
         key = (req.scope, req.url, identity, req.modality)
         result, joined = await self._url_flights.run(key, lambda: self._from_url(req, cfg, identity))
         if joined:
@@ -188,8 +195,7 @@ class EncodeService:
         else:
             identified = self.encoder.identify(data, cfg)
         sniffed, h = identified
-        if modality is not None and modality != sniffed:
-            raise MediaError("bad_input", f"modality is {modality!r} but the bytes are {sniffed}; fix or omit it")
+        _check_modality(modality, sniffed)
         body = self.bodies.get(h)
         if body is not None:
             return EncodeResult(body, h, "mm_hash", timings)

@@ -72,6 +72,13 @@ class WorkerSettings(BaseSettings):
         description="pack queued items into one forward up to this many patches; bigger items go alone",
     )
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest request body accepted")
+    max_receiving_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="request bodies held at once (announced sizes; a chunked body counts as --max-body-bytes); "
+                    "beyond it: 503 overloaded before the body is read")
+    idle_timeout_s: float = Field(
+        15.0, gt=0, description="close a connection idle, or with a request's headers still incomplete, this long "
+                                "(slow clients); above the tiers' upstream keep-alive (10 s)")
     drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight work may finish")
 
     # --- caches ------------------------------------------------------------------------------
@@ -88,6 +95,13 @@ class WorkerSettings(BaseSettings):
     )
     fetch_allow_file_dirs: tuple[str, ...] = Field((), description="directories file:// URLs may read (JSON list)")
     max_pixels: int = Field(MediaLimits().max_pixels, ge=1, description="refused from the header, before decoding")
+    max_video_patches: int = Field(
+        MediaLimits().max_video_patches, ge=1,
+        description="a video's sampled frames x patches per frame, checked from its header before decoding")
+    max_decoding_pixels: int | None = Field(
+        None, ge=1, description="pixels decoded at once in this worker, all requests together (default: 4 x "
+                                "--max-pixels); a request waits --decode-wait-s for room, then gets 503")
+    decode_wait_s: float = Field(MediaLimits().decode_wait_s, gt=0)
 
     log_level: str = Field("INFO", description="DEBUG logs cache hits too")
 
@@ -109,4 +123,6 @@ class WorkerSettings(BaseSettings):
         )
 
     def media_limits(self) -> MediaLimits:
-        return MediaLimits(max_bytes=self.fetch_max_bytes, max_pixels=self.max_pixels)
+        return MediaLimits(max_bytes=self.fetch_max_bytes, max_pixels=self.max_pixels,
+                           max_video_patches=self.max_video_patches, max_decoding_pixels=self.max_decoding_pixels,
+                           decode_wait_s=self.decode_wait_s)

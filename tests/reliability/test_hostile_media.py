@@ -1,0 +1,289 @@
+"""Issue 13: hostile media that stayed inside the byte and duration limits yet cost memory, or
+data that is missing yet was accepted. Each test names the defect it pins down."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from media_factory import image_bytes, natural_image
+from PIL import Image
+
+from mm_encoder.core.errors import MediaError, Overloaded
+from mm_encoder.core.spec import MediaLimits, PreprocessConfig
+from mm_encoder.model import encoder as encoder_mod
+from mm_encoder.model import media
+
+LIMITS = MediaLimits()
+CFG = PreprocessConfig()
+
+
+def static_video(seconds: int, fps: int = 2, size: int = 256) -> bytes:
+    """A still frame for `seconds`: a few hundred bytes per second, whatever the frame size."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt, stream.time_base = "yuv420p", Fraction(1, fps)
+        stream.codec_context.gop_size = 10_000
+        frame = av.VideoFrame.from_ndarray(np.asarray(natural_image(size, size, seed=3)), format="rgb24")
+        for i in range(seconds * fps):
+            frame.pts = i
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def refused(fn, *args) -> MediaError:
+    with pytest.raises(MediaError) as info:
+        fn(*args)
+    return info.value
+
+
+@pytest.fixture
+def budget(monkeypatch) -> media.PixelBudget:
+    """A fresh process-wide decode budget, so its high-water mark is this test's alone."""
+    if not hasattr(media, "PixelBudget"):  # before issue 13: nothing bounded decoding
+        return SimpleNamespace(high_water=0, in_use=0)
+    fresh = media.PixelBudget()
+    monkeypatch.setattr(media, "DECODE_BUDGET", fresh)
+    return fresh
+
+
+# --- 1. video: memory independent of duration; work bounded before decoding ---------------------
+
+_PEAK_SCRIPT = r"""
+import gc, json, resource, sys
+sys.path[:0] = sys.argv[1:]
+from test_hostile_media import static_video
+from mm_encoder import Encoder
+from mm_encoder.core.spec import PreprocessConfig
+import torch
+torch.set_num_threads(1)
+enc = Encoder.from_pretrained("tiny")
+cfg = PreprocessConfig(in_patch_limit_each_frame=64)  # tiny pixel_values: what remains is frames
+out = {}
+for seconds in (10, 40):
+    data = static_video(seconds, size=1024)
+    gc.collect()
+    prepared = enc.prepare_media(data, cfg)
+    out[seconds] = {"rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "chunks": len(prepared),
+                    "held_kb": sum(p.pixel_values.nbytes for p in prepared) // 1024}
+    del prepared, data
+print(json.dumps(out))
+"""
+
+
+def test_1_video_peak_memory_does_not_grow_with_duration():
+    """A 1024x1024 still video, 10 s then 40 s at 2 fps (20 then 80 sampled frames of 3 MiB): the
+    old decoder held every sampled frame (+180 MiB for the longer one); chunk by chunk, the peak
+    grows only by the extra pixel_values kept (~1.4 MiB here)."""
+    here = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(here), str(here.parent)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    peaks = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+    assert peaks[10]["chunks"] == 5 and peaks[40]["chunks"] == 20
+    growth_kb = peaks[40]["rss_kb"] - peaks[10]["rss_kb"]
+    extra_held_kb = peaks[40]["held_kb"] - peaks[10]["held_kb"]
+    assert growth_kb < extra_held_kb + 24 * 1024, peaks  # 60 more frames held would be +180 MiB
+
+
+def test_1_video_work_refused_before_decoding_by_patch_budget(budget):
+    """40 s at 2 fps of 256x256 -> 80 sampled frames x 400 patches (20 x 20 after padding) = 32,000."""
+    data = static_video(40)
+    err = refused(media.decode_video, data, CFG, MediaLimits(max_video_patches=31_999))
+    assert err.code == "too_large" and err.http_status == 413
+    assert "80 sampled frames (256x256) x 400 patches = 32000 patches; the limit is 31999" in err.message
+    assert budget.high_water == 0  # refused before a frame was decoded
+    assert len(media.decode_video(data, CFG, MediaLimits(max_video_patches=32_000))) == 20
+    assert budget.high_water == 256 * 256 * 4 and budget.in_use == 0  # one chunk of frames at a time
+
+
+def test_1_video_limits_from_the_header():
+    data = static_video(40)
+    err = refused(media.decode_video, data, CFG, MediaLimits(max_video_frames=79))
+    assert (err.code, err.message) == ("too_large", "video declares 80 frames; at most 79")
+    err = refused(media.decode_video, data, CFG, MediaLimits(max_video_seconds=39))
+    assert (err.code, err.message) == ("too_large", "video declares 40.0 s; at most 39 s")
+
+
+def test_1_default_patch_limit_admits_a_normal_video():
+    assert LIMITS.max_video_patches == 1 << 21
+    # 4 min of 1280x720 at 2 fps: 480 frames x 4300 patches = 2,064,000
+    media._check_video_work(480, 1280, 720, CFG, LIMITS, 14)
+    with pytest.raises(MediaError, match="the limit is 2097152"):
+        media._check_video_work(500, 1280, 720, CFG, LIMITS, 14)
+
+
+def test_1_prepare_media_streams_chunks(tiny):
+    """The encoder consumes `iter_video` one chunk at a time (no list of every chunk's frames)."""
+    chunks = media.iter_video(static_video(4), CFG, LIMITS)
+    first = next(chunks)
+    assert first.frames.shape == (4, 256, 256, 3)
+    chunks.close()
+    prepared = tiny.prepare_media(static_video(4))
+    assert [p.grid for p in prepared] == [(4, 20, 20)] * 2
+    assert all(p.timings_ms["decode"] > 0 for p in prepared)
+
+
+# --- 2. JPEGs that lie about their size or lost their data -------------------------------------
+
+
+def lying_jpeg(width: int, height: int) -> bytes:
+    """A 64x64 JPEG whose SOF0 says width x height: libjpeg used to fill the rest with grey."""
+    data = bytearray(image_bytes(natural_image(64, 64), "JPEG", quality=80))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def test_2_lying_header_jpeg_is_corrupt_before_decoding(budget):
+    data = lying_jpeg(4000, 4000)
+    assert len(data) < 4096
+    err = refused(media.decode_image, data, LIMITS)
+    assert err.code == "corrupt" and "declares 375000 8x8 blocks" in err.message
+    assert budget.high_water == 0
+
+
+def test_2_concurrent_lying_jpegs_never_decode(budget):
+    data = lying_jpeg(8000, 8000)
+    with ThreadPoolExecutor(8) as pool:
+        errors = list(pool.map(lambda _: refused(media.decode_image, data, LIMITS), range(8)))
+    assert {e.code for e in errors} == {"corrupt"}
+    assert budget.high_water == 0
+
+
+@pytest.mark.parametrize("tail", [b"\xff\xd9", b"\xff\xfe\x00\x04ab\xff\xd9", b"\xff\xd0\xff\xd9"],
+                         ids=["eoi", "comment-eoi", "stray-rst-eoi"])
+@pytest.mark.parametrize("frac", [0.3, 0.9, 0.99])
+def test_2_truncated_jpeg_with_end_marker_is_corrupt(frac, tail):
+    good = image_bytes(natural_image(320, 240, seed=5), "JPEG", quality=90)
+    data = good[: int(len(good) * frac)] + tail
+    assert refused(media.decode_image, data, LIMITS).code == "corrupt"
+
+
+@pytest.mark.parametrize("img, kw", [
+    (natural_image(320, 240), {"quality": 90}),
+    (natural_image(33, 17), {"quality": 5}),
+    (natural_image(320, 240), {"quality": 75, "optimize": True, "subsampling": 0}),
+    (natural_image(320, 240), {"progressive": True}),
+    (natural_image(320, 240), {"restart_marker_blocks": 4}),
+    (natural_image(320, 240).convert("L"), {"comment": b"\xff\xd9 not an end"}),
+    (Image.new("RGB", (2000, 2000), (10, 200, 30)), {"optimize": True}),  # flat: ~2 bits per block
+    (Image.new("L", (2000, 2000), 128), {"optimize": True, "progressive": True}),
+], ids=["baseline", "tiny", "optimized-444", "progressive", "restarts", "grey-comment", "flat", "flat-prog"])
+def test_2_legit_jpegs_decode_exactly_as_pillow(img, kw):
+    data = image_bytes(img, "JPEG", **kw)
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert np.array_equal(media.decode_image(data, LIMITS).numpy(), expected)
+
+
+def test_2_decoding_pixels_bounded_across_threads(budget):
+    """8 threads, 1 MP each, budget 2.5 MP: at most two decode at once, the others wait."""
+    data = image_bytes(natural_image(1000, 1000), "PNG")
+    limits = MediaLimits(max_decoding_pixels=2_500_000)
+    with ThreadPoolExecutor(8) as pool:
+        shapes = list(pool.map(lambda _: media.decode_image(data, limits).shape, range(8)))
+    assert shapes == [(1000, 1000, 3)] * 8
+    assert 1_000_000 <= budget.high_water <= 2_500_000 and budget.in_use == 0
+
+
+def test_2_budget_wait_is_bounded_then_503(budget):
+    data = image_bytes(natural_image(100, 100), "PNG")
+    limits = MediaLimits(max_decoding_pixels=15_000, decode_wait_s=0.05)
+    held, release = threading.Event(), threading.Event()
+
+    def hog():
+        with budget.hold(10_000, limits):
+            held.set()
+            release.wait(5)
+
+    t = threading.Thread(target=hog)
+    t.start()
+    held.wait(5)
+    try:
+        with pytest.raises(Overloaded) as info:
+            media.decode_image(data, limits)
+        assert (info.value.code, info.value.http_status) == ("overloaded", 503)
+    finally:
+        release.set()
+        t.join()
+    assert media.decode_image(data, limits).shape == (100, 100, 3)
+    err = refused(media.decode_image, image_bytes(natural_image(200, 100), "PNG"), limits)
+    assert err.code == "too_many_pixels" and "the budget is 15000" in err.message
+    assert MediaLimits(max_pixels=1000).max_decoding_pixels is None  # default: 4 * max_pixels
+    assert refused(media.decode_image, image_bytes(natural_image(40, 30), "PNG"), MediaLimits(max_pixels=1000)).code \
+        == "too_many_pixels"
+
+
+# --- 4. the per-processor identity table ------------------------------------------------------
+
+
+def test_4_identity_table_is_bounded(tiny):
+    enc = tiny.configured(batch_max_patches=tiny.batch_max_patches + 1)  # a copy: the same table
+    for i in range(20_000):
+        cfg = PreprocessConfig(video_fps=1.0 + i / 1000)
+        identity = enc.identity(cfg)
+        if i % 5000 == 0:
+            assert identity == enc.spec.identity(cfg)
+    table = enc._identity
+    size = table.cache_info().currsize if hasattr(table, "cache_info") else len(table)
+    assert size == encoder_mod.IDENTITY_CACHE_SIZE == 64
+    assert enc.identity() == enc.spec.identity(enc.spec.preprocess)
+
+
+# --- other hostile classes ------------------------------------------------------------------
+
+
+def many_frame_gif(n: int) -> bytes:
+    head = b"GIF89a" + struct.pack("<HH", 1, 1) + bytes([0xF0, 0, 0]) + b"\0\0\0\xff\xff\xff"
+    frame = b"\x21\xf9\x04\x00\x00\x00\x00\x00\x2c" + struct.pack("<HHHH", 0, 0, 1, 1) + b"\x00\x02\x02\x44\x01\x00"
+    return head + frame * n + b"\x3b"
+
+
+def test_gif_with_two_million_frames_decodes_its_first_only_without_walking_the_rest():
+    data = many_frame_gif(2_000_000)  # 46 MB: counting its frames took ~3 s
+    t0 = time.perf_counter()
+    assert media.decode_image(data, LIMITS).shape == (1, 1, 3)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def _png(*chunks: tuple[bytes, bytes]) -> bytes:
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+    rest = b"".join(chunk(k, b) for k, b in chunks)
+    return b"\x89PNG\r\n\x1a\n" + ihdr + rest + chunk(b"IDAT", zlib.compress(b"\0\0\0\0")) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("kind", [b"iCCP", b"zTXt"])
+def test_png_metadata_zlib_bomb_is_corrupt(kind):
+    bomb = zlib.compress(bytes(32 << 20), 9)  # 32 MiB from ~32 KB, over Pillow's 1 MiB text cap
+    err = refused(media.decode_image, _png((kind, b"p\0\0" + bomb)), LIMITS)
+    assert err.code == "corrupt" and "MAX_TEXT_CHUNK" in err.message
+
+
+def test_encoder_paths_surface_the_new_refusals(tiny, budget):
+    assert refused(tiny.prepare_media, lying_jpeg(4000, 4000)).code == "corrupt"
+    small = tiny.configured(limits=MediaLimits(max_video_patches=1000))
+    err = refused(small.prepare_media, static_video(4))
+    assert err.code == "too_large" and "8 sampled frames" in err.message
+    assert budget.high_water == 0

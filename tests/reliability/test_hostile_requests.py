@@ -1,0 +1,90 @@
+"""Hostile requests against a real encode worker (aiohttp on loopback, the session's `tiny`
+encoder): what a stranger can send besides media. Each test names the defect it keeps fixed
+(issue 13's numbering)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import msgpack
+import pytest
+from media_factory import image_bytes, natural_image
+from worker_fixtures import post_json, run_origin, run_worker, url_for
+
+PNG = image_bytes(natural_image(112, 84, seed=41))
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_5_the_url_alias_answers_a_wrong_modality_as_a_miss_would(tiny, session):
+    async with run_origin() as origin, run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
+        origin.files["a.png"] = PNG
+        url = origin.url("a.png")
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": url, "modality": "video"})
+        assert status == 422 and json.loads(body)["error"]["code"] == "bad_input"  # uncached
+        status, headers, _ = await post_json(session, w, {"model": "tiny", "url": url})
+        assert status == 200 and headers["X-MM-Cache"] == "forward"
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": url, "modality": "video"})
+        assert status == 422 and json.loads(body)["error"]["code"] == "bad_input"  # cached: the same answer
+        status, headers, _ = await post_json(session, w, {"model": "tiny", "url": url, "modality": "image"})
+        assert status == 200 and headers["X-MM-Cache"] == "alias"
+
+
+async def test_10_json_bodies_refuse_data_and_msgpack_refuses_bytes_for_names(tiny, session):
+    async with run_worker(tiny) as w:
+        status, _, body = await post_json(session, w, {"model": "tiny", "data": "aGVsbG8="})
+        assert status == 400 and "`data` is for msgpack" in json.loads(body)["error"]["message"]
+        packed = msgpack.packb({"model": b"tiny", "data": PNG}, use_bin_type=True)
+        async with session.post(url_for(w), data=packed, headers={"Content-Type": "application/msgpack"}) as r:
+            err = json.loads(await r.read())["error"]
+        assert r.status == 400 and "model" in err["message"] and "string" in err["message"]
+        packed = msgpack.packb({"model": "tiny", "data": PNG}, use_bin_type=True)
+        async with session.post(url_for(w), data=packed, headers={"Content-Type": "application/msgpack"}) as r:
+            assert r.status == 200
+
+
+async def test_10_a_half_sent_request_is_closed_after_the_idle_timeout(tiny):
+    async with run_worker(tiny, idle_timeout_s=1.0) as w:
+        held = []
+        for _ in range(20):  # many slow clients, each with an incomplete header
+            reader, writer = await asyncio.open_connection("127.0.0.1", w.http_port)
+            writer.write(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            await writer.drain()
+            held.append((reader, writer))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for reader, writer in held:
+            assert await asyncio.wait_for(reader.read(100), 10) == b""  # the worker closed it
+            writer.close()
+        assert loop.time() - t0 < 5
+
+
+async def test_3_bodies_are_admitted_by_bytes_before_they_are_read(tiny, session):
+    """Two bodies of 1.5 MB against a 2 MB receiving budget: the second gets 503 `overloaded`
+    with Retry-After from its headers alone, while the first is still arriving."""
+    async with run_worker(tiny, max_receiving_bytes=2_000_000, max_body_bytes=1_600_000) as w:
+        _, writer = await asyncio.open_connection("127.0.0.1", w.http_port)
+        writer.write(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+                     b"Content-Length: 1500000\r\n\r\n" + b"\x80" * 1000)  # a slow body: 1,000 of 1.5 M bytes
+        await writer.drain()
+        big = b"\x80" * 1_500_000
+        for _ in range(50):  # until the first request's reservation is in place (its headers were parsed)
+            async with session.post(url_for(w), data=big, headers={"Content-Type": "application/msgpack"}) as r:
+                status, headers, body = r.status, r.headers, await r.read()
+            if status == 503:
+                break
+        assert status == 503 and json.loads(body)["error"]["code"] == "overloaded" and "Retry-After" in headers
+        writer.close()
+        await writer.wait_closed()
+        for _ in range(50):  # the first connection's reservation is released when it goes away
+            async with session.post(url_for(w), data=msgpack.packb({"model": "tiny", "data": PNG}),
+                                    headers={"Content-Type": "application/msgpack"}) as r:
+                if r.status == 200:
+                    break
+        assert r.status == 200
