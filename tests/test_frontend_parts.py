@@ -348,3 +348,17 @@ def _referrers(obj, depth: int = 3) -> list[str]:
         frontier = nxt[:5]
     return out
 
+
+
+async def test_requests_beyond_max_inflight_get_a_503_at_once(model_dir):
+    """At twice its capacity the frontend used to queue without bound, until 1,484 of 11,160
+    requests hung past their deadline (tests/reliability/soak.py); now the excess is refused."""
+    from dynamo.llm.exceptions import CannotConnect
+
+    proc = MultimodalProcessor(served_name="m", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
+                               encoder=None, router=None, engine_client=None, block_size=16, eos_token_ids=[1],
+                               limits=Limits(context_length=100, max_inflight_requests=2))
+    proc._inflight = 2  # two requests being served
+    with pytest.raises(CannotConnect, match="overloaded"):
+        await proc.generate({"messages": [{"role": "user", "content": "hi"}]}).__anext__()
+    assert proc.stats.errors == {"overloaded": 1} and proc._inflight == 2

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.dynamo import TOO_LARGE_HINT, client_error, is_too_large
-from ..core.errors import ContextOverflow, EngineUnavailable, MMEncoderError, RemoteError, RequestTooLarge
+from ..core.errors import (
+    ContextOverflow,
+    EngineUnavailable,
+    MMEncoderError,
+    Overloaded,
+    RemoteError,
+    RequestTooLarge,
+)
 from ..core.prompt import ChatTokenizer, Splicer
 from ..core.requests import EngineRequest, MediaInput
 from ..core.sampling import SamplingParams
@@ -53,6 +60,9 @@ class Limits:
     # encoding: this keeps engines from queueing more media prefills (each a body fetch and a long
     # prefill) than they can take before the RPC deadline. It bounds no memory here: handles are small.
     max_inflight_media: int = 8
+    # Requests in flight at once (any kind); beyond: 503. About what the engines take in a few
+    # seconds: a deeper queue only makes every request late.
+    max_inflight_requests: int = 128
 
 
 class MultimodalProcessor:
@@ -72,6 +82,7 @@ class MultimodalProcessor:
         self.inline_media = inline_media  # the aggregated baseline: engines fetch and encode media themselves
         self.stats = Stats()
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
+        self._inflight = 0
 
     def check_text_size(self, messages: list[dict[str, str]]) -> None:
         """Refuse, before tokenizing it, a prompt whose text cannot fit: every token is at most
@@ -91,6 +102,20 @@ class MultimodalProcessor:
         return min(params.max_tokens or self.limits.default_max_tokens, room)
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        """One chat request, if fewer than `max_inflight_requests` are in flight: beyond that a 503
+        at once, not a queue that grows until clients time out (measured: tests/reliability/soak.py)."""
+        if self._inflight >= self.limits.max_inflight_requests:
+            e = Overloaded(f"{self._inflight} requests are in flight (--max-inflight-requests); retry shortly")
+            self.stats.errors[e.code] += 1
+            raise client_error(e)
+        self._inflight += 1
+        try:
+            async for chunk in self._generate(request, context):
+                yield chunk
+        finally:
+            self._inflight -= 1
+
+    async def _generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         from dynamo.llm import HttpError
 
         rid = uuid.uuid4().hex

@@ -70,7 +70,7 @@ class ProcessorFactory:
             "eos": eos if isinstance(eos, list) else [eos] if eos is not None else [],
             "limits": Limits(context_length=int(config.get("max_position_embeddings", 4096)),
                              default_max_tokens=s.default_max_tokens, max_media=s.max_media,
-                             max_inflight_media=s.max_inflight_media),
+                             max_inflight_media=s.max_inflight_media, max_inflight_requests=s.max_inflight_requests),
         }
 
     async def processor(self, name: str | None = None) -> MultimodalProcessor:

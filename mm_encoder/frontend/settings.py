@@ -37,6 +37,8 @@ class FrontendSettings(BaseSettings):
         Limits.max_inflight_media, ge=1,
         description="requests with media between encoding and the engine's first item; others wait",
     )
+    max_inflight_requests: int = Field(
+        Limits.max_inflight_requests, ge=1, description="requests in flight at once; beyond it: 503 at once")
     default_max_tokens: int = Field(
         Limits.default_max_tokens, ge=1, description="completion budget when the request names none"
     )

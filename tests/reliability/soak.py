@@ -127,6 +127,7 @@ def main() -> None:
     p.add_argument("--load-s", type=float, default=60.0)
     p.add_argument("--fault-s", type=float, default=20.0)
     p.add_argument("--quick", action="store_true", help="20 s of overload, 12 s per fault")
+    p.add_argument("--no-faults", action="store_true", help="capacity and overload only")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
@@ -143,9 +144,10 @@ def main() -> None:
         print(f"capacity: {rate:.1f} req/s", flush=True)
         report["overload_2x"] = summary(asyncio.run(open_loop(port, 2 * rate, args.load_s, 100_000)))
         print("overload:", report["overload_2x"], flush=True)
-        state = json.loads((run_dir / "state.json").read_text())
-        for name, sig in (("encoder", signal.SIGKILL), ("shared-0", signal.SIGKILL), ("router", signal.SIGKILL),
-                          ("cluster", signal.SIGKILL), ("engine-0", signal.SIGKILL), ("frontend", signal.SIGTERM)):
+        faults = () if args.no_faults else (
+            ("encoder", signal.SIGKILL), ("shared-0", signal.SIGKILL), ("router", signal.SIGKILL),
+            ("cluster", signal.SIGKILL), ("engine-0", signal.SIGKILL), ("frontend", signal.SIGTERM))
+        for name, sig in faults:
             state = json.loads((run_dir / "state.json").read_text())
             pid = next(c["pid"] for c in state["components"] if c["name"] == name)
             results = asyncio.run(open_loop(port, rate, args.fault_s, 200_000 + random.randrange(10**6),
