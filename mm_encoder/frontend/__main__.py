@@ -40,6 +40,8 @@ async def serve(s: FrontendSettings) -> None:
     serving = asyncio.ensure_future(run_input(runtime, "http", engine, [FrontendRoute("GET", "/mm/stats", stats)]))
     print(f"mm-encoder frontend ready: http://{s.http_host}:{s.http_port} model_dir={s.model_dir}", flush=True)
     await asyncio.wait({serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if not await factory.drain(s.drain_timeout_s):  # requests in flight finish; Dynamo's shutdown would cut them
+        log.warning("drain: requests still in flight after %.0f s", s.drain_timeout_s)
     runtime.shutdown()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serving, 30)

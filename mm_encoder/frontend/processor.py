@@ -22,6 +22,7 @@ from typing import Any
 from ..core.dynamo import TOO_LARGE_HINT, client_error, is_too_large
 from ..core.errors import (
     ContextOverflow,
+    Draining,
     EngineUnavailable,
     MMEncoderError,
     Overloaded,
@@ -83,6 +84,7 @@ class MultimodalProcessor:
         self.stats = Stats()
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
         self._inflight = 0
+        self.draining = False  # set on SIGTERM: new requests get 503 while those in flight finish
 
     def check_text_size(self, messages: list[dict[str, str]]) -> None:
         """Refuse, before tokenizing it, a prompt whose text cannot fit: every token is at most
@@ -104,8 +106,9 @@ class MultimodalProcessor:
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         """One chat request, if fewer than `max_inflight_requests` are in flight: beyond that a 503
         at once, not a queue that grows until clients time out (measured: tests/reliability/soak.py)."""
-        if self._inflight >= self.limits.max_inflight_requests:
-            e = Overloaded(f"{self._inflight} requests are in flight (--max-inflight-requests); retry shortly")
+        if self.draining or self._inflight >= self.limits.max_inflight_requests:
+            e = Draining("this frontend is shutting down; retry on another replica") if self.draining else \
+                Overloaded(f"{self._inflight} requests are in flight (--max-inflight-requests); retry shortly")
             self.stats.errors[e.code] += 1
             raise client_error(e)
         self._inflight += 1
@@ -295,6 +298,10 @@ class MultimodalProcessor:
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
                               "total_tokens": prompt + completion}
         return chunk
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
 
     def snapshot(self) -> dict[str, Any]:
         s = self.stats

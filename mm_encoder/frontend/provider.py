@@ -89,6 +89,18 @@ class ProcessorFactory:
         proc = await self.processor(getattr(instance_id, "name", None))
         return PythonAsyncEngine(proc.generate, asyncio.get_running_loop())
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (503 draining) and wait, up to `timeout_s`, for those in flight."""
+        for p in self.processors.values():
+            p.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(p.inflight for p in self.processors.values()):
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.05)  # polling the processors' counters; they have no event to wait on
+        return True
+
     def snapshots(self) -> list[dict[str, Any]]:
         return [p.snapshot() for p in self.processors.values()]
 

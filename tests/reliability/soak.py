@@ -128,6 +128,8 @@ def main() -> None:
     p.add_argument("--fault-s", type=float, default=20.0)
     p.add_argument("--quick", action="store_true", help="20 s of overload, 12 s per fault")
     p.add_argument("--no-faults", action="store_true", help="capacity and overload only")
+    p.add_argument("--faults", default="encoder,shared-0,router,cluster,engine-0,frontend",
+                   help="the components to stop, in order")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
@@ -142,11 +144,11 @@ def main() -> None:
         rate = max(1.0, sum(1 for k, _, _ in warm if k == "ok") / 10.0)
         report["capacity"] = {"req_per_s": round(rate, 1), **summary(warm)}
         print(f"capacity: {rate:.1f} req/s", flush=True)
-        report["overload_2x"] = summary(asyncio.run(open_loop(port, 2 * rate, args.load_s, 100_000)))
-        print("overload:", report["overload_2x"], flush=True)
-        faults = () if args.no_faults else (
-            ("encoder", signal.SIGKILL), ("shared-0", signal.SIGKILL), ("router", signal.SIGKILL),
-            ("cluster", signal.SIGKILL), ("engine-0", signal.SIGKILL), ("frontend", signal.SIGTERM))
+        if args.load_s > 0:
+            report["overload_2x"] = summary(asyncio.run(open_loop(port, 2 * rate, args.load_s, 100_000)))
+            print("overload:", report["overload_2x"], flush=True)
+        faults = () if args.no_faults else [
+            (name, signal.SIGTERM if name == "frontend" else signal.SIGKILL) for name in args.faults.split(",")]
         for name, sig in faults:
             state = json.loads((run_dir / "state.json").read_text())
             pid = next(c["pid"] for c in state["components"] if c["name"] == name)
