@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json as stdlib_json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,9 +65,27 @@ class EncodeRequest(BaseModel):
     def parse(cls, body: object, *, json: bool = False) -> EncodeRequest:
         """Validate a decoded body (or raw JSON bytes); pydantic's errors become one 400 that lists them."""
         try:
-            return cls.model_validate_json(body) if json else cls.model_validate(body)
+            return cls.model_validate_json(_unique_json(body)) if json else cls.model_validate(body)
         except ValidationError as e:
             raise BadRequest(_describe(e)) from None
+
+
+def unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A decoded map that names a key twice is refused: readers disagree on which one counts (the
+    last here, the first in some proxies), which is how a request says one thing and does another."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise BadRequest(f"the body names {twice!r} more than once")
+    return out
+
+
+def _unique_json(body: Any) -> Any:
+    """The body unchanged, once its maps are checked for repeated keys (pydantic's parser keeps the last)."""
+    with contextlib.suppress(ValueError, RecursionError):  # pydantic reports malformed JSON itself, with a position
+        stdlib_json.loads(body, object_pairs_hook=unique_keys)
+    return body
 
 
 def _describe(e: ValidationError) -> str:

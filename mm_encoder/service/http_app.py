@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ..core import wire
 from ..core.errors import BadRequest, MMEncoderError, Overloaded, code_for_status
-from ..core.requests import EncodeRequest
+from ..core.requests import EncodeRequest, unique_keys
 from .pipeline import EncodeService
 
 log = logging.getLogger("mm_encoder.http")
@@ -113,9 +113,11 @@ async def _parse(request: web.Request) -> EncodeRequest:
         return req
     if ctype in MSGPACK_TYPES:
         try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+            obj = msgpack.unpackb(body, raw=False, strict_map_key=True, object_pairs_hook=unique_keys)
+        except BadRequest:
+            raise
         except Exception as e:  # msgpack raises several unrelated types for malformed input
-            raise BadRequest(f"the msgpack body does not decode: {e}") from None
+            raise BadRequest(f"the msgpack body does not decode: {type(e).__name__}: {e}") from None
         return EncodeRequest.parse(obj)
     raise BadRequest(f"Content-Type must be application/json or application/msgpack, not {ctype!r}")
 

@@ -88,3 +88,30 @@ async def test_3_bodies_are_admitted_by_bytes_before_they_are_read(tiny, session
                 if r.status == 200:
                     break
         assert r.status == 200
+
+
+@pytest.mark.parametrize("name, body, ctype, status, message", [
+    ("nested msgpack", b"\x91" * 200_000 + b"\xc0", "application/msgpack", 400, "does not decode"),
+    ("nested JSON", b"[" * 200_000 + b"]" * 200_000, "application/json", 400, "recursion limit"),
+    ("a 100,000-digit number", b'{"model": "tiny", "url": "data:,", "scope": ' + b"9" * 100_000 + b"}",
+     "application/json", 400, "number out of range"),
+    ("a key twice, JSON", b'{"model": "tiny", "model": "x", "url": "data:,"}', "application/json", 400,
+     "names 'model' more than once"),
+    ("a key twice, msgpack", b"\x83\xa5model\xa4tiny\xa5model\xa1x\xa3url\xa5data:", "application/msgpack", 400,
+     "names 'model' more than once"),
+    ("a msgpack ext type for bytes", msgpack.packb({"model": "tiny", "data": msgpack.ExtType(5, b"x")}),
+     "application/msgpack", 400, "data"),
+    ("an integer map key", msgpack.packb({1: 2}), "application/msgpack", 400, "not allowed for map key"),
+    ("a 2 MB URL", json.dumps({"model": "tiny", "url": "http://example.com/" + "a" * 2_000_000}).encode(),
+     "application/json", 400, "URL"),
+    ("an empty body", b"", "application/json", 400, "EOF"),
+    ("text/plain", b"abc", "text/plain", 400, "Content-Type must be"),
+    ("a negative processor setting", json.dumps({"model": "tiny", "url": "data:,",
+                                                 "processor": {"video_fps": -1}}).encode(),
+     "application/json", 400, "processor.video_fps"),
+])
+async def test_hostile_bodies_get_a_typed_4xx(tiny, session, name, body, ctype, status, message):
+    async with run_worker(tiny) as w:
+        async with session.post(url_for(w), data=body, headers={"Content-Type": ctype}) as r:
+            err = json.loads(await r.read())["error"]
+        assert r.status == status and message in err["message"], (name, err)
