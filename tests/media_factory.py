@@ -39,9 +39,11 @@ def image_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
 
 
 def video_bytes(
-    width: int = 160, height: int = 96, frames: int = 30, fps: int = 10, codec: str = "mpeg4", fmt: str = "mp4"
+    width: int = 160, height: int = 96, frames: int = 30, fps: int = 10, codec: str = "mpeg4", fmt: str = "mp4",
+    still: bool = False, seed: int = 7,
 ) -> bytes:
-    """A short clip whose frames differ visibly (a moving square over a gradient)."""
+    """A clip whose frames differ visibly (a moving square over a gradient), or with `still` one
+    frame repeated in a single GOP: a few hundred bytes per second, whatever the frame size."""
     import av
 
     buf = io.BytesIO()
@@ -49,11 +51,14 @@ def video_bytes(
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.time_base = Fraction(1, fps)
-        base = np.asarray(natural_image(width, height, seed=7))
+        if still:
+            stream.codec_context.gop_size = 10_000
+        base = np.asarray(natural_image(width, height, seed=seed))
         for i in range(frames):
             a = base.copy()
-            x0 = (i * 7) % max(1, width - 16)
-            a[8:24, x0 : x0 + 16] = (255, 32, 32)
+            if not still:
+                x0 = (i * 7) % max(1, width - 16)
+                a[8:24, x0 : x0 + 16] = (255, 32, 32)
             frame = av.VideoFrame.from_ndarray(a, format="rgb24")
             frame.pts = i
             for packet in stream.encode(frame):
