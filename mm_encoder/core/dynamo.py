@@ -70,12 +70,13 @@ def worker_error(e: MMEncoderError) -> Exception:
     return CannotConnect(text) if e.http_status == 503 else Unknown(text)
 
 
-async def call_encode(client, request: dict[str, Any]) -> EncodeReply:
+async def call_encode(client, request: dict[str, Any], *, header_only: bool = False) -> EncodeReply:
     """One encode request through a Dynamo client (round robin over the encode workers); the
-    worker's reply, or RemoteError with the worker's own code and status."""
+    worker's reply (with `header_only`, its header and no body), or RemoteError with the worker's
+    own code and status. Transport failures are Dynamo's exceptions, raised as they come."""
     reply = None
-    async for msg in await client.round_robin(request):
+    async for msg in await client.round_robin({**request, "header_only": True} if header_only else request):
         reply = msg.data() if hasattr(msg, "data") else msg
     if reply is None:
         raise RemoteError("the encode worker closed the stream without a response", "no_response", 502)
-    return EncodeReply.from_dict(reply)
+    return EncodeReply.from_dict(reply, header_only=header_only)

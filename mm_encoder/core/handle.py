@@ -29,9 +29,9 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import wire
-from .dynamo import TOO_LARGE_HINT, is_too_large
+from .dynamo import TOO_LARGE_HINT, call_encode, is_too_large
 from .errors import EncoderUnavailable, HandleError, RemoteError, RequestTooLarge, WireError
-from .requests import EncodeReply, ProcessorOverrides
+from .requests import ProcessorOverrides
 
 log = logging.getLogger("mm_encoder.handle")
 
@@ -195,19 +195,15 @@ class EncoderChain:
         client = self.rpc_client
         if client is None or not client.instance_ids():
             raise EncoderUnavailable("no encode worker is registered")
-        request = {**source.request(), "header_only": True} if header_only else source.request()
         try:
-            reply = None
-            async for msg in await client.round_robin(request):
-                reply = msg.data() if hasattr(msg, "data") else msg
+            reply = await call_encode(client, source.request(), header_only=header_only)
+        except RemoteError:
+            raise
         except Exception as e:  # Dynamo transport errors: the worker went away mid-call
             if is_too_large(e):
                 raise RequestTooLarge(f"the encode request is above the request plane's message limit; "
                                       f"{TOO_LARGE_HINT}") from None
             raise EncoderUnavailable(f"encode worker unreachable over RPC: {type(e).__name__}: {e}") from None
-        if reply is None:
-            raise RemoteError("the encode worker closed the stream without a response", "no_response", 502)
-        reply = EncodeReply.from_dict(reply, header_only=header_only)
         if header_only:
             return wire.WireHeader.from_meta(reply.header), "rpc"
         self.body_bytes += len(reply.body)
