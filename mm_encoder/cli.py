@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--model", default=DEFAULT_MODEL, help="registry name/alias or checkpoint dir")
         s.add_argument("--checkpoint", default=None, help="checkpoint directory (HF style)")
         s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-        s.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on CUDA, fp32 on CPU)")
+        s.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 where native, else fp32)")
         s.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("models", help="list registered models")
     for name, (_, help_) in COMPONENTS.items():

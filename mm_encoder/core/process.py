@@ -8,9 +8,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -63,6 +66,30 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def stop_listening(port: int) -> int:
+    """Stop this process's listening TCP sockets on `port` from accepting: new connections are
+    refused (the client knows nothing was sent) while connections already accepted are answered.
+    For servers whose listener this code does not own (Dynamo's HTTP server runs in Rust); found
+    through /proc/net/tcp{,6} and /proc/self/fd. Returns how many sockets were stopped."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # TCP_LISTEN on `port`
+                    inodes.add(f[9])
+    stopped = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                # shutdown acts on the socket, not the descriptor: through a duplicate, the owner's
+                # accept() fails from now on and Linux answers new SYNs with a reset
+                with socket.socket(fileno=os.dup(int(fd.name))) as sock:
+                    sock.shutdown(socket.SHUT_RD)
+                stopped += 1
+    return stopped
 
 
 def run(main: Coroutine[Any, Any, Any], log_level: str = "INFO") -> int:

@@ -10,13 +10,14 @@ import logging
 import sys
 
 from ..core.dynamo import make_runtime
-from ..core.process import parse_settings, run, stop_on_signals
+from ..core.process import parse_settings, run, stop_listening, stop_on_signals
 from ..core.prompt import check_model_dir
 from .metrics import exposition
 from .provider import ProcessorFactory
 from .settings import FrontendSettings
 
 log = logging.getLogger("mm_encoder.frontend")
+LINGER_S = 0.5  # after the listener stops: time for requests sent on open connections to reach us
 
 
 async def serve(s: FrontendSettings) -> None:
@@ -40,12 +41,27 @@ async def serve(s: FrontendSettings) -> None:
     serving = asyncio.ensure_future(run_input(runtime, "http", engine, [FrontendRoute("GET", "/mm/stats", stats)]))
     print(f"mm-encoder frontend ready: http://{s.http_host}:{s.http_port} model_dir={s.model_dir}", flush=True)
     await asyncio.wait({serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    if not await factory.drain(s.drain_timeout_s):  # requests in flight finish; Dynamo's shutdown would cut them
-        log.warning("drain: requests still in flight after %.0f s", s.drain_timeout_s)
+    await drain(factory, s)
     runtime.shutdown()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serving, 30)
     await factory.close()
+
+
+async def drain(factory: ProcessorFactory, s: FrontendSettings) -> None:
+    """Shut down without cutting a request off: new requests get 503 while those in flight finish;
+    then the listener stops accepting (new connections are refused, so a client knows nothing was
+    sent), and requests on connections accepted just before are answered (503) before Dynamo's
+    shutdown closes the connections. Dynamo's HTTP server has no step of its own between these."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + s.drain_timeout_s
+    if not await factory.drain(s.drain_timeout_s):  # requests in flight finish; Dynamo's shutdown would cut them
+        log.warning("drain: requests still in flight after %.0f s", s.drain_timeout_s)
+        return
+    if not stop_listening(s.http_port):
+        log.warning("drain: no listener found on port %d to stop", s.http_port)
+    await asyncio.sleep(LINGER_S)  # a grace period for requests already on the wire, not a synchronisation
+    await factory.drain(max(0.0, deadline - loop.time()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ class WorkerSettings(BaseSettings):
     model: str = Field(DEFAULT_MODEL, description="registry name or alias, or a checkpoint directory")
     checkpoint: str | None = Field(None, description="checkpoint directory (default: deterministic random weights)")
     device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    dtype: str | None = Field(None, description="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    dtype: str | None = Field(None, description="bf16, fp16 or fp32 (default: bf16 where native, else fp32)")
 
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (default: torch's); fewer leaves cores for decode and pack"

@@ -76,8 +76,8 @@ async def one(session: aiohttp.ClientSession, port: int, payload: bytes, out: li
         out.append(("unreachable", 0, time.monotonic() - t0))
     except asyncio.TimeoutError:
         out.append(("hung", 0, time.monotonic() - t0))
-    except aiohttp.ClientError:
-        out.append(("lost", 0, time.monotonic() - t0))
+    except aiohttp.ClientError as e:
+        out.append(("lost", type(e).__name__, time.monotonic() - t0))  # the status column names the error
 
 
 async def closed_loop(port: int, clients: int, seconds: float, start: int) -> list:

@@ -1,0 +1,35 @@
+"""core.process.stop_listening: how the frontend stops accepting before Dynamo's HTTP server
+closes (issue 13: no request is cut off at a frontend restart). A real listener on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mm_encoder.core.process import stop_listening
+
+
+async def test_stop_listening_refuses_new_connections_and_keeps_accepted_ones():
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(64):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"before")
+        assert await reader.readexactly(6) == b"before"  # accepted by the server
+
+        assert stop_listening(port) == 1
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"after")  # the connection accepted before is still served
+        assert await reader.readexactly(5) == b"after"
+        writer.close()
+        assert stop_listening(port + 1 if port < 65535 else port - 1) == 0  # no listener of ours there
+    finally:
+        server.close()
