@@ -132,11 +132,13 @@ class _JpegLayout:
     scans: int
     entropy_bytes: int
     scan_end: int  # offset of the marker that ends the last scan
+    unfinished: list[int]  # progressive: components whose 64 coefficients are not all coded to the last bit
 
 
 def _jpeg_layout(data: bytes) -> _JpegLayout | None:
     """Walk the marker segments; None where the structure is not understood (Pillow judges)."""
     pos, sof, blocks, scans, entropy, dri, end = 2, None, 0, 0, 0, 0, 0
+    done: dict[int, set[int]] = {}  # component id -> coefficients whose final (Al = 0) scan was seen
     while pos + 4 <= len(data) and data[pos] == 0xFF:
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte before a marker
@@ -154,9 +156,16 @@ def _jpeg_layout(data: bytes) -> _JpegLayout | None:
             blocks = sum(math.ceil(math.ceil(width * h / hmax) / 8) * math.ceil(math.ceil(height * v / vmax) / 8)
                          for h, v in comps)
             sof = marker
+            done = {seg[6 + 3 * i]: set() for i in range(n) if 7 + 3 * i <= len(seg)}
         elif marker == 0xDD and len(seg) >= 2:
             dri = int.from_bytes(seg[:2], "big")
         elif marker == 0xDA:
+            ns = seg[0] if seg else 0
+            if len(seg) >= 4 + 2 * ns:  # components, then Ss, Se, Ah/Al
+                ss, se, al = seg[1 + 2 * ns], seg[2 + 2 * ns], seg[3 + 2 * ns] & 15
+                for i in range(ns):
+                    if al == 0 and seg[1 + 2 * i] in done:
+                        done[seg[1 + 2 * i]].update(range(ss, min(se, 63) + 1))
             start = pos + 2 + length
             m = (_SCAN_END if dri else _SCAN_END_NO_RST).search(data, start)
             if m is None:
@@ -164,7 +173,9 @@ def _jpeg_layout(data: bytes) -> _JpegLayout | None:
             scans, entropy, end, pos = scans + 1, entropy + m.start() - start, m.start(), m.start()
             continue
         pos += 2 + length
-    return _JpegLayout(sof, blocks, scans, entropy, end) if sof is not None and scans else None
+    if sof is None or not scans:
+        return None
+    return _JpegLayout(sof, blocks, scans, entropy, end, [c for c, k in done.items() if len(k) < 64])
 
 
 def _vet_jpeg(data: bytes) -> bytes | None:
@@ -180,6 +191,11 @@ def _vet_jpeg(data: bytes) -> bytes | None:
                                     f"image data) but holds {layout.entropy_bytes} bytes: truncated or lying")
     if layout.sof in (0xC0, 0xC1) and layout.scans == 1:
         return data[: layout.scan_end] + bytes(16)
+    if layout.sof in (0xC2, 0xCA) and layout.unfinished:
+        # libjpeg decodes the scans it has and leaves the rest zero: a progressive file cut short
+        # (an end marker appended) would pass as a blurred image
+        raise MediaError("corrupt", f"progressive JPEG ends before its scans code every coefficient of "
+                                    f"component(s) {layout.unfinished}: truncated")
     return None
 
 

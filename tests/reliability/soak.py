@@ -12,6 +12,7 @@ Outcomes per phase:
 - ok: a complete 200 with usage;
 - refused: a clean 4xx/5xx with a JSON error body, 503 and 429 among them;
 - unreachable: the frontend was not listening (connection refused, during its own restart);
+- unclean: an answer that is neither a 200 with usage nor an error with a JSON body;
 - lost: the connection dropped without an answer;
 - hung: no answer before the deadline.
 `lost` and `hung` must be 0, except `lost` for requests that were inside the frontend when it
@@ -44,6 +45,7 @@ from nginx_fixtures import free_port  # noqa: E402
 from serve_fixtures import Served  # noqa: E402
 
 DEADLINE_S = 60.0
+KINDS = ("ok", "refused", "unclean", "unreachable", "lost", "hung")
 HOT = [image_bytes(natural_image(112, 84, seed=s)) for s in range(8)]  # repeated: cache hits after the first
 
 
@@ -70,7 +72,7 @@ async def one(session: aiohttp.ClientSession, port: int, payload: bytes, out: li
             elif r.status >= 400 and isinstance(doc, dict):
                 kind = "refused"
             else:
-                kind = "lost"  # an answer that is not a complete one
+                kind = "unclean"  # an answer, but not a complete 200 or a JSON error
             out.append((kind, r.status, time.monotonic() - t0))
     except aiohttp.ClientConnectorError:
         out.append(("unreachable", 0, time.monotonic() - t0))
@@ -116,10 +118,39 @@ async def open_loop(port: int, rate: float, seconds: float, start: int, fault=No
 def summary(results: list) -> dict:
     kinds = Counter(k for k, _, _ in results)
     ok = sorted(t for k, _, t in results if k == "ok")
-    return {"sent": len(results), **{k: kinds.get(k, 0) for k in ("ok", "refused", "unreachable", "lost", "hung")},
+    return {"sent": len(results), **{k: kinds.get(k, 0) for k in KINDS},
             "statuses": dict(Counter(s for _, s, _ in results)),
             "p50_ms": round(statistics.median(ok) * 1e3, 1) if ok else None,
             "p99_ms": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))] * 1e3, 1) if ok else None}
+
+
+def section(result: dict, plots: Path) -> str:
+    """BENCHMARKS.md's part for the soak (bench/report.py), from its JSON alone."""
+    cap = result.get("capacity", {})
+    lines = [
+        "## The soak (`make soak` = `python tests/reliability/soak.py`)",
+        "",
+        "`mm-encoder serve graphs/epd.yaml --restart`, 2 cores shared by every process, chat requests of one",
+        "image each (half repeated, half new), each with a 60 s deadline. Capacity is measured first (4",
+        f"clients, closed loop, 10 s): {cap.get('req_per_s', '-')} req/s. Overload: an open loop at twice that",
+        "rate. Faults: one component stopped a third of the way into the phase at the measured rate",
+        "(SIGKILL; SIGTERM for the frontend, a restart); `--restart` brings it back. Latencies are one",
+        "run's percentiles of the requests that got a 200.",
+        "",
+        "| phase | sent | ok | refused (clean 4xx/5xx) | unclean | unreachable | lost | hung | ok p50 / p99 ms |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for name, r in result.items():
+        if not isinstance(r, dict) or "sent" not in r or name == "capacity":
+            continue
+        codes = ", ".join(f"{n} x {c}" for c, n in sorted(r.get("statuses", {}).items())
+                          if str(c) not in ("200", "0") and not str(c).isalpha()) or "0"
+        lines.append(f"| {name.replace('_', ' ')} | {r['sent']:,} | {r['ok']:,} | {r['refused']:,} ({codes}) | "
+                     f"{r.get('unclean', 0)} | {r['unreachable']} | {r['lost']} | {r['hung']} | "
+                     f"{r['p50_ms']} / {r['p99_ms']} |")
+    left = result.get("left_after_stop")
+    lines += ["", f"Processes left after `serve` stopped, over every session it started: {left}.", ""]
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -167,6 +167,24 @@ def test_2_truncated_jpeg_with_end_marker_is_corrupt(frac, tail):
     assert refused(media.decode_image, data, LIMITS).code == "corrupt"
 
 
+def progressive_scan_starts(data: bytes) -> list[int]:
+    """Offsets of the SOS markers of a progressive JPEG written by Pillow (no stuffed 0xFFDA)."""
+    return [i for i in range(len(data) - 1) if data[i] == 0xFF and data[i + 1] == 0xDA]
+
+
+@pytest.mark.parametrize("cut", ["30%", *(f"before-scan-{k}" for k in range(2, 11))])
+def test_2_progressive_jpeg_cut_short_is_corrupt(cut):
+    """Beyond issue 13: libjpeg decodes the scans a progressive file has and zero-fills the rest,
+    so one cut short with an end marker appended passed as a blurred image. Now refused while any
+    scan that completes a coefficient is missing. Not detected: a cut inside the last scan, whose
+    data only libjpeg's entropy decoder could find short (it warns, Pillow does not say)."""
+    good = image_bytes(natural_image(320, 240, seed=5), "JPEG", quality=90, progressive=True)
+    starts = progressive_scan_starts(good)
+    assert len(starts) == 10  # libjpeg's progressive script for YCbCr
+    end = int(len(good) * 0.3) if cut == "30%" else starts[int(cut.rsplit("-", 1)[1]) - 1]
+    assert refused(media.decode_image, good[:end] + b"\xff\xd9", LIMITS).code == "corrupt"
+
+
 @pytest.mark.parametrize("img, kw", [
     (natural_image(320, 240), {"quality": 90}),
     (natural_image(33, 17), {"quality": 5}),
