@@ -88,6 +88,14 @@ class RequestTooLarge(MMEncoderError):
     http_status = 413
 
 
+class UnsupportedEncoding(MMEncoderError):
+    """A compressed request body: its decoded size is unknown until it has been decoded (a 200 KB
+    gzip body can hold 200 MB), so it would bypass the bytes admitted before reading."""
+
+    code = "unsupported_encoding"
+    http_status = 415
+
+
 class MediaError(_Coded):
     """Bad media from the user. Never cached, never fatal to the process."""
 

@@ -25,7 +25,7 @@ import msgpack
 from aiohttp import web
 
 from ..core import wire
-from ..core.errors import BadRequest, MMEncoderError, Overloaded, code_for_status
+from ..core.errors import BadRequest, MMEncoderError, Overloaded, UnsupportedEncoding, code_for_status
 from ..core.requests import EncodeRequest, unique_keys
 from .pipeline import EncodeService
 
@@ -78,6 +78,10 @@ RECEIVING_KEY = web.AppKey("receiving", _Receiving)
 
 @web.middleware
 async def _admit_bodies(request: web.Request, handler) -> web.StreamResponse:
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # aiohttp would inflate it while reading
+        raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not accepted for request bodies; send them "
+                                  "uncompressed (media bytes are compressed already)")
     with request.app[RECEIVING_KEY].reserve(request):
         return await handler(request)
 
@@ -200,8 +204,9 @@ async def start_http(service: EncodeService, host: str, port: int) -> tuple[web.
     """Start serving; returns the runner (for cleanup) and the bound port (for port 0)."""
     # handler_cancellation: a client that hangs up cancels its handler, so queued work is dropped.
     # keepalive_timeout also closes a connection whose request headers never complete (slowloris).
+    # auto_decompress off: a compressed body is refused by name (_admit_bodies), never inflated.
     runner = web.AppRunner(
-        build_app(service), handler_cancellation=True, access_log=None,
+        build_app(service), handler_cancellation=True, access_log=None, auto_decompress=False,
         shutdown_timeout=service.settings.drain_timeout_s, keepalive_timeout=service.settings.idle_timeout_s,
     )
     await runner.setup()

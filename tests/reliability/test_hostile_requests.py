@@ -5,6 +5,7 @@ encoder): what a stranger can send besides media. Each test names the defect it 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import aiohttp
@@ -88,6 +89,19 @@ async def test_3_bodies_are_admitted_by_bytes_before_they_are_read(tiny, session
                 if r.status == 200:
                     break
         assert r.status == 200
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP "])
+async def test_compressed_bodies_are_refused_before_they_are_inflated(tiny, session, encoding):
+    """Beyond issue 13: aiohttp inflates a gzip/deflate request body as it reads it, so a 200 KB
+    body holding 200 MB of zeros passed the bytes admitted from its Content-Length."""
+    bomb = gzip.compress(bytes(200 * 1024 * 1024), 9)
+    assert len(bomb) < 300_000
+    async with run_worker(tiny) as w:
+        async with session.post(url_for(w), data=bomb, headers={"Content-Type": "application/msgpack",
+                                                                "Content-Encoding": encoding}) as r:
+            err = json.loads(await r.read())["error"]
+        assert (r.status, err["code"]) == (415, "unsupported_encoding")
 
 
 @pytest.mark.parametrize("name, body, ctype, status, message", [
