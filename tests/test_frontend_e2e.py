@@ -365,6 +365,21 @@ def test_a_10_mb_prompt_is_refused_at_once_and_blocks_no_one(graph):
     assert status == 200 and small_s < 5 and big_s < 5
 
 
+def test_a_compressed_body_is_not_inflated_by_the_frontend(graph):
+    """Beyond issue 13: a gzip body that inflates to 300 MB. Dynamo's HTTP server does not inflate
+    request bodies, so it is a clean 400 (not JSON) and costs nothing."""
+    import gzip
+
+    bomb = gzip.compress(b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "' + b"a" * 300_000_000
+                         + b'"}]}', 6)
+    req = urllib.request.Request(graph.url("/v1/chat/completions"), data=bomb, headers={
+        "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and "deserialize the JSON body" in json.loads(e.value.read())["message"]
+    assert chat(graph, "still fine?")[0] == 200
+
+
 def test_an_engine_killed_mid_stream_gives_a_5xx_and_later_requests_work(graph):
     """Issue 13, 8: the client used to get "Invalid request" (400), and a follow-up a 500."""
     import http.client
