@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from mm_encoder.core.process import stop_listening
+from mm_encoder.core.process import open_connections, stop_listening
 
 
 async def test_stop_listening_refuses_new_connections_and_keeps_accepted_ones():
@@ -24,12 +24,20 @@ async def test_stop_listening_refuses_new_connections_and_keeps_accepted_ones():
         writer.write(b"before")
         assert await reader.readexactly(6) == b"before"  # accepted by the server
 
+        assert open_connections(port) == 1  # the server's end of it
         assert stop_listening(port) == 1
         with pytest.raises(ConnectionRefusedError):
             await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"after")  # the connection accepted before is still served
         assert await reader.readexactly(5) == b"after"
         writer.close()
+        await writer.wait_closed()
+        await asyncio.wait_for(_until(lambda: open_connections(port) == 0), 10)
         assert stop_listening(port + 1 if port < 65535 else port - 1) == 0  # no listener of ours there
     finally:
         server.close()
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)  # polling /proc: the kernel's table has no event

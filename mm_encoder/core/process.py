@@ -68,18 +68,25 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def stop_listening(port: int) -> int:
-    """Stop this process's listening TCP sockets on `port` from accepting: new connections are
-    refused (the client knows nothing was sent) while connections already accepted are answered.
-    For servers whose listener this code does not own (Dynamo's HTTP server runs in Rust); found
-    through /proc/net/tcp{,6} and /proc/self/fd. Returns how many sockets were stopped."""
+def _tcp_inodes(port: int, state: str) -> set[str]:
+    """Inodes of the TCP sockets in this network namespace with local `port` in `state`
+    (/proc/net/tcp{,6}: "0A" listening, "01" established)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
                 f = line.split()
-                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # TCP_LISTEN on `port`
+                if f[3] == state and int(f[1].rsplit(":", 1)[1], 16) == port:
                     inodes.add(f[9])
+    return inodes
+
+
+def stop_listening(port: int) -> int:
+    """Stop this process's listening TCP sockets on `port` from accepting: new connections are
+    refused (the client knows nothing was sent) while connections already accepted are answered.
+    For servers whose listener this code does not own (Dynamo's HTTP server runs in Rust); found
+    through /proc/net/tcp{,6} and /proc/self/fd. Returns how many sockets were stopped."""
+    inodes = _tcp_inodes(port, "0A")
     stopped = 0
     for fd in Path("/proc/self/fd").iterdir():
         with contextlib.suppress(OSError):
@@ -90,6 +97,11 @@ def stop_listening(port: int) -> int:
                     sock.shutdown(socket.SHUT_RD)
                 stopped += 1
     return stopped
+
+
+def open_connections(port: int) -> int:
+    """Established TCP connections on local `port` (clients' keep-alive connections included)."""
+    return len(_tcp_inodes(port, "01"))
 
 
 def run(main: Coroutine[Any, Any, Any], log_level: str = "INFO") -> int:

@@ -8,16 +8,17 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 
 from ..core.dynamo import make_runtime
-from ..core.process import parse_settings, run, stop_listening, stop_on_signals
+from ..core.process import open_connections, parse_settings, run, stop_listening, stop_on_signals
 from ..core.prompt import check_model_dir
 from .metrics import exposition
 from .provider import ProcessorFactory
 from .settings import FrontendSettings
 
 log = logging.getLogger("mm_encoder.frontend")
-LINGER_S = 0.5  # after the listener stops: time for requests sent on open connections to reach us
+QUIET_S = 1.0  # a drain closes clients' connections once none has carried a request for this long
 
 
 async def serve(s: FrontendSettings) -> None:
@@ -49,18 +50,26 @@ async def serve(s: FrontendSettings) -> None:
 
 
 async def drain(factory: ProcessorFactory, s: FrontendSettings) -> None:
-    """Shut down without cutting a request off: new requests get 503 while those in flight finish;
-    then the listener stops accepting (new connections are refused, so a client knows nothing was
-    sent), and requests on connections accepted just before are answered (503) before Dynamo's
-    shutdown closes the connections. Dynamo's HTTP server has no step of its own between these."""
+    """Shut down without cutting a request off, within `--drain-timeout-s`:
+    1. new requests get 503 `draining` while those in flight finish;
+    2. the listener stops accepting: new connections are refused, so a client knows nothing was sent;
+    3. while clients keep sending on their open connections, they still get the 503; once every
+       connection is closed, or none has carried a request for `QUIET_S`, Dynamo closes the rest.
+    Why 3: closing a keep-alive connection races a request the client is sending on it (it would
+    see a reset), and Dynamo's HTTP server cannot say `Connection: close` on the 503 instead."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + s.drain_timeout_s
-    if not await factory.drain(s.drain_timeout_s):  # requests in flight finish; Dynamo's shutdown would cut them
+    if not await factory.drain(s.drain_timeout_s):
         log.warning("drain: requests still in flight after %.0f s", s.drain_timeout_s)
         return
     if not stop_listening(s.http_port):
         log.warning("drain: no listener found on port %d to stop", s.http_port)
-    await asyncio.sleep(LINGER_S)  # a grace period for requests already on the wire, not a synchronisation
+    while (open_connections(s.http_port) and time.monotonic() - factory.last_request() < QUIET_S
+           and loop.time() < deadline):
+        await asyncio.sleep(0.1)  # polling the kernel's connection table; there is no event for it
+    left = open_connections(s.http_port)
+    if left:
+        log.info("drain: closing %d idle client connections", left)
     await factory.drain(max(0.0, deadline - loop.time()))
 
 

@@ -85,6 +85,7 @@ class MultimodalProcessor:
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
         self._inflight = 0
         self.draining = False  # set on SIGTERM: new requests get 503 while those in flight finish
+        self.last_request = 0.0  # time.monotonic() of the latest request: when a drain may close connections
 
     def check_text_size(self, messages: list[dict[str, str]]) -> None:
         """Refuse, before tokenizing it, a prompt whose text cannot fit: every token is at most
@@ -106,6 +107,7 @@ class MultimodalProcessor:
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         """One chat request, if fewer than `max_inflight_requests` are in flight: beyond that a 503
         at once, not a queue that grows until clients time out (measured: tests/reliability/soak.py)."""
+        self.last_request = time.monotonic()
         if self.draining or self._inflight >= self.limits.max_inflight_requests:
             e = Draining("this frontend is shutting down; retry on another replica") if self.draining else \
                 Overloaded(f"{self._inflight} requests are in flight (--max-inflight-requests); retry shortly")

@@ -101,6 +101,10 @@ class ProcessorFactory:
             await asyncio.sleep(0.05)  # polling the processors' counters; they have no event to wait on
         return True
 
+    def last_request(self) -> float:
+        """time.monotonic() of the latest request any processor saw (0 if none)."""
+        return max((p.last_request for p in self.processors.values()), default=0.0)
+
     def snapshots(self) -> list[dict[str, Any]]:
         return [p.snapshot() for p in self.processors.values()]
 
