@@ -42,8 +42,9 @@ class FrontendSettings(BaseSettings):
     default_max_tokens: int = Field(
         Limits.default_max_tokens, ge=1, description="completion budget when the request names none"
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long requests in flight may finish "
-                                                            "(new ones get 503 meanwhile)")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long the drain may last: requests in "
+                                   "flight finish, new ones get 503, then clients' open connections are "
+                                   "closed once idle for 1 s")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
     log_level: str = Field("INFO")
