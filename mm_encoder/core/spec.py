@@ -1,8 +1,10 @@
 """Model specifications: a model is (tower, projector, preprocessing, prompt).
 
 Specs are plain data validated by pydantic; `configs/` holds one small YAML file per model and per
-shared tower. `spec_from_hf_config` reads the same facts from a Hugging Face style `config.json`
-(the real Kimi-K2.5 `vision_config` keys, or Kimi-VL's unprefixed ones).
+shared tower. A checkpoint overrides them with its own files: `spec_from_hf_config` reads the tower
+and projector from `config.json` (a table of `vision_config` keys per model_type: Kimi-K2.5's `vt_*`,
+Kimi-VL's unprefixed ones, GLM-4.xV's merger keys), and `preprocess_from_hf` the preprocessing from
+`preprocessor_config.json`. What does not map is refused by name, never defaulted.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import CheckpointError
 
 Grid = tuple[int, int, int]  # (t, h, w): frames and patches per side, before the 2x2 merge
 
@@ -77,16 +81,39 @@ class ProjectorConfig(_Frozen):
         return self
 
 
-class PreprocessConfig(_Frozen):
-    """What decides the pixels the model sees; part of mm_hash (see model/hashing.py)."""
+PreprocessPolicy = Literal["kimi-k2.5", "kimi-vl"]
 
+
+class PreprocessConfig(_Frozen):
+    """What decides the pixels the model sees; part of mm_hash (see model/hashing.py).
+
+    `policy` is the model's own resize rule (model/preprocess.py has both):
+    - "kimi-k2.5": scale down to at most `in_patch_limit` patches (`in_patch_limit_each_frame` for a
+      video frame) and `patch_limit_on_one_side` per side; zero-pad to a multiple of patch*merge.
+    - "kimi-vl" (KimiVLImageProcessor): scale down to at most `in_patch_limit` patches (its
+      `in_token_limit`, counted before the 2x2 merge) with no side cap; zero-pad (`pad_input`) or
+      center-crop to whole patches; a side of `patch_limit_on_one_side` patches or more is refused.
+      A video frame is an image under the same rule, so both limits are the same number.
+    """
+
+    policy: PreprocessPolicy = "kimi-k2.5"
     in_patch_limit: int = 16384
     patch_limit_on_one_side: int = 512
     in_patch_limit_each_frame: int = 4096
+    pad_input: bool = True
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     video_fps: float = 2.0
     video_chunk_frames: int = 4
+
+    @model_validator(mode="after")
+    def _check(self) -> PreprocessConfig:
+        if self.policy == "kimi-k2.5" and not self.pad_input:
+            raise ValueError("the kimi-k2.5 policy always pads (pad_input must be true)")
+        if self.policy == "kimi-vl" and self.in_patch_limit_each_frame != self.in_patch_limit:
+            raise ValueError("kimi-vl treats a video frame as an image: in_patch_limit_each_frame must equal "
+                             "in_patch_limit")
+        return self
 
 
 class MediaLimits(_Frozen):
@@ -156,52 +183,208 @@ class ModelSpec(_Frozen):
 # model_type -> registry name that supplies what config.json does not say (preprocessing, prompt).
 HF_MODEL_TYPES = {"kimi_k25": "kimi-k2.5-vision", "kimi_vl": "kimi-vl-a3b"}
 
+# vision_config keys that change neither shapes nor outputs: bookkeeping, storage dtype (we pick our
+# own), attention backend, initialisation.
+_INFO_KEYS = frozenset({
+    "model_type", "torch_dtype", "dtype", "_attn_implementation", "_attn_implementation_autoset",
+    "_name_or_path", "auto_map", "architectures", "transformers_version", "initializer_range",
+})
 
-def _pick(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if key in cfg:
-            return cfg[key]
-    return default
+_MOONVIT_VT = {  # Kimi-K2.5's `vt_*` spelling of the MoonViT tower
+    "vt_hidden_size": ("tower", "hidden_size"),
+    "vt_intermediate_size": ("tower", "intermediate_size"),
+    "vt_num_attention_heads": ("tower", "num_heads"),
+    "vt_num_hidden_layers": ("tower", "num_layers"),
+}
+_MOONVIT_COMMON = {
+    "patch_size": ("tower", "patch_size"),
+    "init_pos_emb_height": ("tower", "pos_emb_height"),
+    "init_pos_emb_width": ("tower", "pos_emb_width"),
+    "init_pos_emb_time": ("tower", "pos_emb_time"),
+    "merge_kernel_size": ("tower", "merge_kernel"),
+}
+# What we implement, where a config may only state it: key -> the one value accepted.
+_MOONVIT_FIXED = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
+                  "num_channels": 3}
+
+# Per model_type: vision_config key -> ("tower" | "projector", field). Every other key that is not
+# informational or fixed is refused by name: a key we do not read is a fact we would get wrong.
+HF_VISION_KEYS: dict[str, dict[str, tuple[str, str]]] = {
+    "kimi_k25": {
+        **_MOONVIT_VT, **_MOONVIT_COMMON,
+        "mm_projector_type": ("projector", "type"),
+        "projector_ln_eps": ("projector", "ln_eps"),
+        "text_hidden_size": ("projector", "out_dim"),
+        "mm_hidden_size": ("check", "hidden_size"),  # the projector's input width: must be the tower's
+    },
+    "kimi_vl": {  # unprefixed MoonViT keys; the projector (LayerNorm eps 1e-5, GELU) is not configurable
+        "hidden_size": ("tower", "hidden_size"),
+        "intermediate_size": ("tower", "intermediate_size"),
+        "num_attention_heads": ("tower", "num_heads"),
+        "num_hidden_layers": ("tower", "num_layers"),
+        **_MOONVIT_COMMON,
+    },
+    # GLM-4.xV: its `hidden_size`/`depth`/`num_heads` describe GLM's own ViT, not MoonViT, so they are
+    # refused; `intermediate_size` is the merger's SwiGLU width and `out_hidden_size` its output.
+    # A MoonViT tower under a GLM merger states the tower with the `vt_*` keys.
+    "glm4v": {
+        **_MOONVIT_VT, **_MOONVIT_COMMON,
+        "out_hidden_size": ("projector", "out_dim"),
+        "intermediate_size": ("projector", "context_dim"),
+    },
+}
+HF_VISION_KEYS["glm4v_moe"] = HF_VISION_KEYS["glm4v"]
+_FIXED_BY_TYPE = {"kimi_k25": {"projector_hidden_act": "gelu"}, "glm4v": {"hidden_act": "silu"},
+                  "glm4v_moe": {"hidden_act": "silu"}}
+# Projectors a model_type fixes: Kimi-VL's is the patchmerger, a GLM merger is our `glm`.
+_PROJECTOR_BY_TYPE = {"kimi_vl": "patchmerger", "glm4v": "glm", "glm4v_moe": "glm"}
 
 
-def tower_from_hf(vision: dict[str, Any]) -> TowerConfig:
-    """Kimi-K2.5 uses `vt_*` keys; Kimi-VL uses unprefixed ones. Both are accepted."""
-    merge = _pick(vision, "merge_kernel_size", default=(2, 2))
-    if vision.get("merge_type", "sd2_tpool") != "sd2_tpool":
-        raise ValueError(f"unsupported merge_type {vision['merge_type']!r}")
-    return TowerConfig(
-        hidden_size=_pick(vision, "vt_hidden_size", "hidden_size", default=1152),
-        intermediate_size=_pick(vision, "vt_intermediate_size", "intermediate_size", default=4304),
-        num_heads=_pick(vision, "vt_num_attention_heads", "num_attention_heads", default=16),
-        num_layers=_pick(vision, "vt_num_hidden_layers", "num_hidden_layers", default=27),
-        patch_size=_pick(vision, "patch_size", default=14),
-        pos_emb_height=_pick(vision, "init_pos_emb_height", default=64),
-        pos_emb_width=_pick(vision, "init_pos_emb_width", default=64),
-        pos_emb_time=_pick(vision, "init_pos_emb_time", default=4),
-        merge_kernel=tuple(merge),
-    )
+def _vision_updates(vision: dict[str, Any], model_type: str) -> dict[str, dict[str, Any]]:
+    """vision_config -> {"tower": ..., "projector": ..., "check": ...} field updates; unmapped keys
+    and unsupported values are one error that names each of them."""
+    table = HF_VISION_KEYS[model_type]
+    fixed = {**_MOONVIT_FIXED, **_FIXED_BY_TYPE.get(model_type, {})}
+    updates: dict[str, dict[str, Any]] = {"tower": {}, "projector": {}, "check": {}}
+    unknown, wrong = [], []
+    for key, value in vision.items():
+        if key in table:
+            part, fld = table[key]
+            updates[part][fld] = tuple(value) if fld == "merge_kernel" else value
+        elif key in fixed:
+            if value != fixed[key]:
+                wrong.append(f"{key}={value!r} (only {fixed[key]!r} is implemented)")
+        elif key not in _INFO_KEYS:
+            unknown.append(key)
+    if unknown or wrong:
+        problems = ([f"keys {', '.join(sorted(unknown))} do not map onto this model"] if unknown else []) + wrong
+        raise CheckpointError(f"vision_config of model_type {model_type!r}: " + "; ".join(problems))
+    return updates
+
+
+def tower_from_hf(vision: dict[str, Any], base: TowerConfig | None = None, model_type: str = "kimi_k25") -> TowerConfig:
+    """The tower a vision_config states; keys it does not state keep `base`'s values."""
+    update = _vision_updates(vision, model_type)["tower"]
+    return TowerConfig.model_validate({**(base or TowerConfig()).model_dump(), **update})
 
 
 def spec_from_hf_config(config: dict[str, Any], base: ModelSpec, revision: str) -> ModelSpec:
-    """Overlay the tower/projector facts of a checkpoint's config.json on a registry spec."""
-    vision = config.get("vision_config") or {}
+    """Overlay the tower/projector facts of a checkpoint's config.json on a registry spec.
+
+    Each model_type has its table of vision_config keys (HF_VISION_KEYS); a key it does not map is
+    an error naming it, never a silent default. Keys the config leaves out keep the registry's values.
+    """
+    model_type = config.get("model_type")
+    if model_type not in HF_VISION_KEYS:
+        raise CheckpointError(f"config.json model_type {model_type!r} is not understood; "
+                              f"known: {sorted(HF_VISION_KEYS)}")
     text = config.get("text_config") or {}
-    tower = tower_from_hf(vision)
-    out_dim = _pick(vision, "text_hidden_size", default=None) or text.get("hidden_size") or base.projector.out_dim
-    projector = base.projector.model_copy(
-        update={
-            "type": _pick(vision, "mm_projector_type", default=base.projector.type),
-            "out_dim": int(out_dim),
-            "ln_eps": float(_pick(vision, "projector_ln_eps", default=base.projector.ln_eps)),
-        }
-    )
-    ProjectorConfig.model_validate(projector.model_dump())
+    updates = _vision_updates(config.get("vision_config") or {}, model_type)
+    proj = {**base.projector.model_dump(), **updates["projector"]}
+    if model_type in _PROJECTOR_BY_TYPE:
+        proj["type"] = _PROJECTOR_BY_TYPE[model_type]
+    if "out_dim" not in updates["projector"] and text.get("hidden_size"):
+        proj["out_dim"] = text["hidden_size"]
+    try:
+        tower = TowerConfig.model_validate({**base.tower.model_dump(), **updates["tower"]})
+        projector = ProjectorConfig.model_validate(proj)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise CheckpointError(f"vision_config of model_type {model_type!r}: {e}") from None
+    for fld, value in updates["check"].items():
+        if value != getattr(tower, fld):
+            raise CheckpointError(f"vision_config: the projector takes width {value}, the tower's {fld} is "
+                                  f"{getattr(tower, fld)}")
     prompt = base.prompt
     if "media_placeholder_token_id" in config:
         prompt = prompt.model_copy(update={"placeholder_id": config["media_placeholder_token_id"]})
-    return base.model_copy(
-        update={"tower": tower, "projector": projector, "prompt": prompt, "revision": revision}
-    )
+    return base.model_copy(update={"tower": tower, "projector": projector, "prompt": prompt, "revision": revision})
+
+
+# --- Hugging Face preprocessor_config.json -----------------------------------------------------
+
+# Keys with no effect on the pixels: loader bookkeeping, and KimiVLImageProcessor's
+# `num_pooled_tokens`, which it stores but no step reads.
+_PROCESSOR_INFO_KEYS = frozenset({"auto_map", "image_processor_type", "processor_class", "num_pooled_tokens"})
+# KimiVLImageProcessor's constructor defaults: what a key left out means.
+_KIMI_VL_DEFAULTS: dict[str, Any] = {
+    "in_token_limit": 4096, "patch_size": 14, "merge_kernel_size": [2, 2], "pad_input": False,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+# Kimi-K2.5's `media_proc_cfg`: key -> our field; and the keys whose only implemented value is fixed.
+_K25_FIELDS = {"in_patch_limit": "in_patch_limit", "patch_limit_on_one_side": "patch_limit_on_one_side",
+               "in_patch_limit_each_frame": "in_patch_limit_each_frame", "image_mean": "image_mean",
+               "image_std": "image_std", "sample_fps": "video_fps"}
+_K25_FIXED = {"fixed_output_tokens": None, "in_patch_limit_video": None, "max_num_frames_each_video": None,
+              "timestamp_mode": "hh:mm:ss.fff"}
+_K25_INFO = frozenset({"config_type"})
+
+
+def processor_type(doc: dict[str, Any]) -> str | None:
+    """`image_processor_type`, else the class that `auto_map.AutoImageProcessor` names."""
+    named = doc.get("image_processor_type")
+    auto_map = doc.get("auto_map")
+    auto = auto_map.get("AutoImageProcessor") if isinstance(auto_map, dict) else None
+    if named is None and isinstance(auto, str):
+        named = auto.rsplit(".", 1)[-1]
+    if named is None and "media_proc_cfg" in doc:
+        named = "KimiK25VisionProcessor"  # the K2.5 layout: everything under media_proc_cfg
+    return named
+
+
+def _check_geometry(patch: Any, merge: Any, tower: TowerConfig, where: str) -> None:
+    merge = list(merge) if isinstance(merge, (list, tuple)) else [merge, merge]
+    if patch != tower.patch_size or merge != list(tower.merge_kernel):
+        raise CheckpointError(f"{where}: patch_size {patch} / merge_kernel_size {merge} differ from the tower's "
+                              f"{tower.patch_size} / {list(tower.merge_kernel)}")
+
+
+def _kimi_vl_processor(doc: dict[str, Any], base: PreprocessConfig, tower: TowerConfig) -> dict[str, Any]:
+    unknown = sorted(set(doc) - set(_KIMI_VL_DEFAULTS) - _PROCESSOR_INFO_KEYS)
+    if unknown:
+        raise CheckpointError(f"preprocessor_config.json (KimiVLImageProcessor): keys {', '.join(unknown)} "
+                              "are not implemented")
+    cfg = {**_KIMI_VL_DEFAULTS, **doc}
+    _check_geometry(cfg["patch_size"], cfg["merge_kernel_size"], tower, "preprocessor_config.json")
+    limit = cfg["in_token_limit"]
+    return {"policy": "kimi-vl", "in_patch_limit": limit, "in_patch_limit_each_frame": limit,
+            "pad_input": cfg["pad_input"], "image_mean": cfg["image_mean"], "image_std": cfg["image_std"],
+            "patch_limit_on_one_side": tower.rope_max_positions}
+
+
+def _kimi_k25_processor(doc: dict[str, Any], base: PreprocessConfig, tower: TowerConfig) -> dict[str, Any]:
+    if base.policy != "kimi-k2.5":  # keys left out mean K2.5's defaults, not another policy's values
+        base = PreprocessConfig(video_fps=base.video_fps, video_chunk_frames=base.video_chunk_frames)
+    unknown = sorted(set(doc) - {"media_proc_cfg"} - _PROCESSOR_INFO_KEYS)
+    media = doc.get("media_proc_cfg") or {}
+    fixed = {"patch_size": tower.patch_size, "merge_kernel_size": tower.merge_kernel[0],
+             "temporal_merge_kernel_size": base.video_chunk_frames, **_K25_FIXED}
+    unknown += sorted(set(media) - set(_K25_FIELDS) - set(fixed) - _K25_INFO)
+    wrong = [f"{k}={media[k]!r} (only {v!r} is implemented)" for k, v in fixed.items() if k in media and media[k] != v]
+    problems = ([f"keys {', '.join(unknown)} are not implemented"] if unknown else []) + wrong
+    if problems:
+        raise CheckpointError("preprocessor_config.json (Kimi-K2.5 media_proc_cfg): " + "; ".join(problems))
+    update = {ours: media[theirs] for theirs, ours in _K25_FIELDS.items() if media.get(theirs) is not None}
+    if media.get("in_patch_limit_each_frame", 0) is None:  # upstream: no per-frame limit means the image one
+        update["in_patch_limit_each_frame"] = update.get("in_patch_limit", base.in_patch_limit)
+    return {**base.model_dump(), "policy": "kimi-k2.5", "pad_input": True, **update}
+
+
+PROCESSORS = {"KimiVLImageProcessor": _kimi_vl_processor, "KimiK25VisionProcessor": _kimi_k25_processor}
+
+
+def preprocess_from_hf(doc: dict[str, Any], base: PreprocessConfig, tower: TowerConfig) -> PreprocessConfig:
+    """A checkpoint's preprocessor_config.json is the authority on its preprocessing: the policy,
+    its limits, mean and std. An unknown processor, or a key that would change the pixels and that
+    we do not implement, is refused by name."""
+    kind = processor_type(doc)
+    if kind not in PROCESSORS:
+        raise CheckpointError(f"preprocessor_config.json: image processor {kind!r} is not implemented; "
+                              f"known: {sorted(PROCESSORS)}")
+    update = PROCESSORS[kind](doc, base, tower)
+    try:
+        return PreprocessConfig.model_validate({**base.model_dump(), **update})
+    except ValueError as e:
+        raise CheckpointError(f"preprocessor_config.json ({kind}): {e}") from None
 
 
 def file_revision(*blobs: bytes) -> str:

@@ -3,7 +3,8 @@
 A real Kimi-K2.5 checkpoint is 554 GB in 64 shards, with the tower and projector in the last two.
 The loader reads `model.safetensors.index.json`, keeps only names under the tower/projector
 prefixes, and opens only the shards that hold them. Every mismatch (missing, unexpected,
-mis-shaped, absent shard) is collected and reported in one `CheckpointError`.
+mis-shaped, absent shard) is collected and reported in one `CheckpointError`, each tensor named as
+the checkpoint names it (or would: a missing tensor gets the checkpoint's own naming scheme).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from ..core.registry import get_spec
-from ..core.spec import HF_MODEL_TYPES, Grid, ModelSpec, file_revision, spec_from_hf_config
+from ..core.spec import HF_MODEL_TYPES, Grid, ModelSpec, file_revision, preprocess_from_hf, spec_from_hf_config
 from .projectors import Projector, build_projector
 from .tower import BatchPlan, MoonViT
 
@@ -27,8 +28,7 @@ log = logging.getLogger("mm_encoder.checkpoint")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Projector prefixes seen in the wild; all map onto our `mm_projector.` module.
-PROJECTOR_PREFIXES = ("mm_projector.", "multi_modal_projector.")
+PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
 class VisionModel(nn.Module):
@@ -79,18 +79,83 @@ class LoadReport:
     bytes: int = 0
 
 
-def _our_name(name: str, spec: ModelSpec, renames: dict[str, str]) -> str | None:
-    """Checkpoint name -> our state_dict name, or None for tensors that are not ours (the LLM)."""
-    if name.startswith(spec.weights.tower):
-        return "vision_tower." + name[len(spec.weights.tower) :]
-    for prefix in {spec.weights.projector, *PROJECTOR_PREFIXES}:
-        if name.startswith(prefix):
+# Where checkpoints keep vision tensors (MoonViT, Kimi projectors, GLM-4.xV's `model.visual.*`): a
+# tensor under one of these that we do not load is reported by name, never dropped.
+VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "model.visual.", "visual.")
+
+
+@dataclass
+class _Naming:
+    """How one checkpoint spells our state_dict names, in both directions."""
+
+    tower: str
+    projectors: dict[str, dict[str, str]]  # checkpoint prefix -> suffix renames (theirs -> ours)
+    stacked: dict[str, tuple[str, ...]]
+    projector: str  # the prefix used to name tensors the checkpoint lacks
+
+    @classmethod
+    def of(cls, model: VisionModel, names: list[str]) -> _Naming:
+        spec, proj = model.spec, model.mm_projector
+        prefixes = {spec.weights.projector: {}, **proj.checkpoint_names}
+        prefixes = dict(sorted(prefixes.items(), key=lambda kv: -len(kv[0])))  # longest prefix first
+        used = [p for p in prefixes if any(n.startswith(p) for n in names)]
+        return cls(spec.weights.tower, prefixes, dict(proj.stacked), used[0] if used else spec.weights.projector)
+
+    def ours(self, name: str) -> list[str] | None:
+        """Checkpoint name -> our names (several for a stacked tensor), or None when not ours."""
+        if name.startswith(self.tower):
+            return ["vision_tower." + name[len(self.tower) :]]
+        for prefix, renames in self.projectors.items():
+            if not name.startswith(prefix):
+                continue
             rest = name[len(prefix) :]
+            for stacked, parts in self.stacked.items():
+                if rest.startswith(stacked):
+                    return ["mm_projector." + part + rest[len(stacked) :] for part in parts]
             for theirs, ours in renames.items():
                 if rest.startswith(theirs):
                     rest = ours + rest[len(theirs) :]
-            return "mm_projector." + rest
-    return None
+                    break
+            return ["mm_projector." + rest]
+        return None
+
+    def theirs(self, ours: str) -> str:
+        """Our name -> the name this checkpoint would give it (for tensors it lacks)."""
+        head, rest = ours.split(".", 1)
+        if head == "vision_tower":
+            return self.tower + rest
+        for theirs, mine in self.projectors[self.projector].items():
+            if rest.startswith(mine):
+                return self.projector + theirs + rest[len(mine) :]
+        return self.projector + rest
+
+
+def _plan(names: dict[str, str], naming: _Naming, problems: list[str]) -> dict[str, list[tuple[str, list[str]]]]:
+    """Shard -> [(checkpoint name, our names)]; vision tensors that map to nothing are problems."""
+    by_shard: dict[str, list[tuple[str, list[str]]]] = {}
+    for name, shard in names.items():
+        ours = naming.ours(name)
+        if ours is not None:
+            by_shard.setdefault(shard, []).append((name, ours))
+        elif name.startswith(VISION_PREFIXES):
+            problems.append(f"unexpected tensor {name}")
+    return by_shard
+
+
+def _read(f, name: str, ours: list[str], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+          problems: list[str]) -> dict[str, torch.Tensor]:
+    """One checkpoint tensor -> our tensors (split when stacked); a mismatch names the checkpoint's tensor."""
+    if any(o not in expected for o in ours):
+        problems.append(f"unexpected tensor {name}")
+        return {}
+    shapes = [expected[o] for o in ours]
+    want = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(ours) > 1 else shapes[0]
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != want:
+        problems.append(f"tensor {name} has shape {list(shape)}, expected {list(want)}")
+        return {}
+    t = f.get_tensor(name).to(dtype)
+    return dict(zip(ours, t.split([s[0] for s in shapes]), strict=True)) if len(ours) > 1 else {ours[0]: t}
 
 
 def checkpoint_files(ckpt: Path) -> dict[str, str]:
@@ -110,42 +175,35 @@ def checkpoint_files(ckpt: Path) -> dict[str, str]:
 def load_checkpoint(model: VisionModel, ckpt: Path, device: torch.device, dtype: torch.dtype) -> LoadReport:
     spec = model.spec
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    by_shard: dict[str, list[tuple[str, str]]] = {}
-    for name, shard in checkpoint_files(ckpt).items():
-        ours = _our_name(name, spec, model.mm_projector.checkpoint_renames)
-        if ours is not None:
-            by_shard.setdefault(shard, []).append((name, ours))
-
+    names = checkpoint_files(ckpt)
+    naming = _Naming.of(model, list(names))
     problems: list[str] = []
+    by_shard = _plan(names, naming, problems)
     tensors: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # our name -> the checkpoint tensor it came from
     accounted: set[str] = set()  # expected names already reported or loaded
     report = LoadReport()
-    for shard, names in sorted(by_shard.items()):
+    for shard, entries in sorted(by_shard.items()):
         path = ckpt / shard
         if not path.is_file():
-            problems.append(f"shard {shard} (holds {len(names)} vision tensors) is missing")
-            accounted.update(ours for _, ours in names)
+            problems.append(f"shard {shard} (holds {len(entries)} vision tensors) is missing")
+            accounted.update(o for _, ours in entries for o in ours)
             continue
         report.shards_opened.append(shard)
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for name, ours in names:
-                    if ours not in expected:
-                        problems.append(f"unexpected tensor {name}")
-                        continue
-                    accounted.add(ours)
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != expected[ours]:
-                        problems.append(f"tensor {name} has shape {list(shape)}, expected {list(expected[ours])}")
-                        continue
-                    t = f.get_tensor(name).to(dtype)
-                    tensors[ours] = t
-                    report.bytes += t.numel() * t.element_size()
+                for name, ours in entries:
+                    accounted.update(o for o in ours if o in expected)
+                    for o, t in _read(f, name, ours, expected, dtype, problems).items():
+                        if o in source:
+                            problems.append(f"tensors {source[o]} and {name} are the same weight ({o})")
+                        source[o] = name
+                        tensors[o] = t
+                        report.bytes += t.numel() * t.element_size()
         except Exception as e:  # safetensors raises several types for a bad file
             problems.append(f"shard {shard} cannot be read: {e}")
-            accounted.update(ours for _, ours in names)
-    missing = sorted(set(expected) - accounted)
-    problems += [f"missing tensor {_checkpoint_name(m, spec)}" for m in missing]
+            accounted.update(o for _, ours in entries for o in ours)
+    problems += [f"missing tensor {naming.theirs(m)}" for m in sorted(set(expected) - accounted)]
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} does not match model {spec.name}:\n  " + "\n  ".join(problems))
     model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True, assign=True)
@@ -155,23 +213,21 @@ def load_checkpoint(model: VisionModel, ckpt: Path, device: torch.device, dtype:
     return report
 
 
-def _checkpoint_name(ours: str, spec: ModelSpec) -> str:
-    head, rest = ours.split(".", 1)
-    return (spec.weights.tower if head == "vision_tower" else spec.weights.projector) + rest
-
-
 # --- which spec a checkpoint directory defines -------------------------------------------
 
 
 def spec_for_checkpoint(ckpt: Path, named: ModelSpec | None) -> ModelSpec:
-    """Registry spec overlaid with the checkpoint's config.json; checks they agree when both given."""
+    """Registry spec overlaid with the checkpoint's config.json (tower, projector) and its
+    preprocessor_config.json (the preprocessing policy, limits, mean/std); checks that the vision
+    config agrees with `named` when both are given."""
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     config_path = ckpt / "config.json"
     if not config_path.is_file():
         if named is None:
             raise CheckpointError(f"{ckpt}: no config.json, so the model is unknown; pass a model name too")
-        return named.model_copy(update={"revision": file_revision(_index_bytes(ckpt))})
+        spec = named.model_copy(update={"revision": file_revision(_index_bytes(ckpt))})
+        return _with_processor(spec, ckpt)
     raw = config_path.read_bytes()
     config = json.loads(raw)
     base = named
@@ -182,13 +238,33 @@ def spec_for_checkpoint(ckpt: Path, named: ModelSpec | None) -> ModelSpec:
                 f"{config_path}: model_type {model_type!r} is not known ({sorted(HF_MODEL_TYPES)}); pass a model name"
             )
         base = get_spec(HF_MODEL_TYPES[model_type])
-    spec = spec_from_hf_config(config, base, file_revision(raw, _index_bytes(ckpt)))
+    try:
+        spec = spec_from_hf_config(config, base, file_revision(raw, _index_bytes(ckpt)))
+    except CheckpointError as e:
+        raise CheckpointError(f"{config_path}: {e.message}") from None
     if named is not None and (spec.tower, spec.projector) != (named.tower, named.projector):
         raise CheckpointError(
             f"{config_path}: its vision config does not match model {named.name}: "
             f"tower {spec.tower} / projector {spec.projector} vs {named.tower} / {named.projector}"
         )
-    return spec
+    return _with_processor(spec, ckpt)
+
+
+def _with_processor(spec: ModelSpec, ckpt: Path) -> ModelSpec:
+    """The checkpoint's own preprocessing, when it ships a preprocessor_config.json."""
+    path = ckpt / PREPROCESSOR_FILE
+    if not path.is_file():
+        return spec
+    try:
+        doc = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    try:
+        return spec.model_copy(update={"preprocess": preprocess_from_hf(doc, spec.preprocess, spec.tower)})
+    except CheckpointError as e:
+        raise CheckpointError(f"{ckpt}: {e.message}") from None
 
 
 def _index_bytes(ckpt: Path) -> bytes:

@@ -30,7 +30,7 @@ from . import media
 from .checkpoint import LoadReport, VisionModel, build_empty, init_random, load_checkpoint, spec_for_checkpoint
 from .hashing import content_hash, mm_hash
 from .media import VideoChunk
-from .preprocess import preprocess_frames
+from .preprocess import num_tokens, preprocess_frames
 
 log = logging.getLogger("mm_encoder")
 
@@ -274,7 +274,9 @@ class Encoder:
 
     def _prepare_image(self, data: bytes, cfg: PreprocessConfig, h: str) -> Prepared:
         t0 = time.perf_counter()
-        rgb = media.image_to_rgb(media.open_image(data, self.limits), self.limits)
+        img = media.open_image(data, self.limits)
+        num_tokens(*img.size, cfg, self.spec.tower.patch_size)  # a size the policy refuses, before decoding
+        rgb = media.image_to_rgb(img, self.limits)
         return self._prepared(rgb, cfg, h, "image", None, _ms(t0))
 
     def _prepare_pil(self, img: Image.Image, cfg: PreprocessConfig) -> Prepared:

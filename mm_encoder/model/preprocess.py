@@ -1,8 +1,16 @@
-"""Kimi-K2.5 preprocessing in torch (so it runs on the GPU when there is one).
+"""Each model's preprocessing in torch (so it runs on the GPU when there is one).
 
-resize (policy below, bicubic with antialias: within 1 grey level of PIL BICUBIC) -> round to
-uint8 levels -> zero-pad bottom/right to a multiple of patch*merge (black, so -1 once normalised)
--> patchify row-major into [t*h*w, 3, P, P] -> normalise (mean/std).
+resize (bicubic with antialias, close to PIL BICUBIC: see `resize_uint8`) -> round to uint8 levels
+-> zero-pad bottom/right to a multiple of patch*merge (black, so -1 once normalised), or center-crop
+to whole patches -> patchify row-major into [t*h*w, 3, P, P] -> normalise (mean/std).
+
+The resize rule is the spec's `PreprocessConfig.policy`, one function per model family:
+- "kimi-k2.5": s = min(1, sqrt(limit / patches), side/W, side/H) with patches = max(1, W//P) *
+  max(1, H//P) and side = patch_limit_on_one_side * P; always padded.
+- "kimi-vl" (KimiVLImageProcessor): only when (W//P) * (H//P) > limit, s = sqrt(limit / that); no
+  side cap, but a side of patch_limit_on_one_side patches or more is refused ("Exceed pos emb").
+  Video frames are images under the same rule (the processor has no video path of its own).
+Either way the new size is int(W*s) x int(H*s).
 """
 
 from __future__ import annotations
@@ -12,23 +20,61 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..core.errors import MediaError
 from ..core.spec import Grid, PreprocessConfig, tokens_for_grid
 
 
-def resize_target(width: int, height: int, patch_limit: int, cfg: PreprocessConfig, patch: int) -> tuple[int, int]:
-    """New (width, height): s = min(1, sqrt(limit / patches), side_limit/W, side_limit/H)."""
+def _kimi_k25_target(width: int, height: int, patch_limit: int, cfg: PreprocessConfig, patch: int) -> tuple[int, int]:
     side = cfg.patch_limit_on_one_side * patch
     patches = max(1, width // patch) * max(1, height // patch)
     s = min(1.0, math.sqrt(patch_limit / patches), side / width, side / height)
     return max(1, int(width * s)), max(1, int(height * s))
 
 
-def resize_uint8(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Bicubic + antialias resize of uint8 [t, 3, H, W] that matches PIL BICUBIC within 1 level.
+def _kimi_vl_target(width: int, height: int, patch_limit: int, patch: int) -> tuple[int, int]:
+    patches = (width // patch) * (height // patch)
+    if patches <= patch_limit:
+        return width, height
+    s = math.sqrt(patch_limit / patches)
+    return max(1, int(width * s)), max(1, int(height * s))
 
-    Two separable float passes, horizontal first, each rounded and clamped to 0..255 as PIL does
-    between its passes. Measured on photo-like images: one float pass is off by up to ~10 levels
-    on sharp edges, and PyTorch's uint8 kernel (4x faster on CPU) by up to 2; this is within 1.
+
+def resize_target(width: int, height: int, patch_limit: int, cfg: PreprocessConfig, patch: int) -> tuple[int, int]:
+    """New (width, height) under the spec's policy. Under kimi-vl a size the model cannot take is
+    refused here (MediaError), so callers that know the size from a header refuse before decoding."""
+    if cfg.policy == "kimi-vl":
+        size = _kimi_vl_target(width, height, patch_limit, patch)
+        _check_kimi_vl(width, height, *patch_grid(*size, cfg, patch), cfg)
+        return size
+    return _kimi_k25_target(width, height, patch_limit, cfg, patch)
+
+
+def _check_kimi_vl(width: int, height: int, gh: int, gw: int, cfg: PreprocessConfig) -> None:
+    """KimiVLImageProcessor's own refusals, as typed 4xx errors instead of its ValueError."""
+    if gh == 0 or gw == 0:
+        raise MediaError("empty", f"a {width}x{height} image has no whole patch after center-cropping")
+    if max(gh, gw) >= cfg.patch_limit_on_one_side:
+        raise MediaError("bad_aspect_ratio", f"a {width}x{height} image is {gw}x{gh} patches after Kimi-VL "
+                         f"preprocessing; a side must be under {cfg.patch_limit_on_one_side} (its position embedding)")
+    if gh % 2 or gw % 2:  # center-crop (pad_input false) leaves whole patches, not whole 2x2 merge units
+        raise MediaError("bad_input", f"a {width}x{height} image crops to {gw}x{gh} patches, which the 2x2 "
+                         "merger cannot pool (pad_input is false)")
+
+
+# Measured bound of `resize_uint8` against Pillow 13's BICUBIC on uint8 images (tests/test_fidelity.py).
+PIL_MAX_DIFF = 2
+
+
+def resize_uint8(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Bicubic + antialias resize of uint8 [t, 3, H, W], close to PIL BICUBIC: at most 2 grey levels
+    apart, and more than 1 on under 1 value in 10^5.
+
+    Measured over tests/test_fidelity.py's table of down- and up-scales (8000x300 to both Kimi
+    targets, 4K, 16376-tall, 10x up, ...): 1 level on most sizes; 2 on 15 of 7.7M values for
+    1200x3000 -> 1015x2539 and 1 of 1.9M for 97x61 -> 1000x629. Two separable float passes,
+    horizontal first, each rounded and clamped to 0..255 as PIL does between its passes; PIL itself
+    sums in fixed point, hence the odd level. One float pass is off by up to ~10 levels on sharp
+    edges, and PyTorch's uint8 kernel (4x faster on CPU) by more.
     """
     y = x.float()
     for size in ((y.shape[2], width), (height, width)):
@@ -43,12 +89,34 @@ def padded_grid(width: int, height: int, patch: int, merge: int = 2) -> tuple[in
     return math.ceil(height / unit) * merge, math.ceil(width / unit) * merge
 
 
+def patch_grid(width: int, height: int, cfg: PreprocessConfig, patch: int) -> tuple[int, int]:
+    """Patches (h, w) of an already resized image: padded, or (kimi-vl without pad_input)
+    center-cropped down to whole patches."""
+    if cfg.pad_input:
+        return padded_grid(width, height, patch)
+    return height // patch, width // patch
+
+
+def _limit(cfg: PreprocessConfig, video: bool) -> int:
+    return cfg.in_patch_limit_each_frame if video else cfg.in_patch_limit
+
+
 def num_tokens(width: int, height: int, cfg: PreprocessConfig, patch: int, video: bool = False) -> int:
-    """LLM tokens for an image (or one video chunk) of this size, without decoding it."""
-    limit = cfg.in_patch_limit_each_frame if video else cfg.in_patch_limit
-    w, h = resize_target(width, height, limit, cfg, patch)
-    gh, gw = padded_grid(w, h, patch)
+    """LLM tokens for an image (or one video chunk) of this size, without decoding it; raises the
+    MediaError that preprocessing would."""
+    w, h = resize_target(width, height, _limit(cfg, video), cfg, patch)
+    gh, gw = patch_grid(w, h, cfg, patch)
     return tokens_for_grid((1, gh, gw))
+
+
+def _pad_or_crop(x: torch.Tensor, gh: int, gw: int, patch: int, pad: bool) -> torch.Tensor:
+    """uint8 [t, 3, H, W] -> [t, 3, gh*P, gw*P]: black bottom/right pad, or a center crop placed as
+    torchvision's center_crop places it (offset round((size - crop) / 2))."""
+    height, width = x.shape[2:]
+    if pad:
+        return F.pad(x, (0, gw * patch - width, 0, gh * patch - height), value=0)
+    top, left = round((height - gh * patch) / 2), round((width - gw * patch) / 2)
+    return x[:, :, top : top + gh * patch, left : left + gw * patch]
 
 
 def preprocess_frames(
@@ -60,17 +128,18 @@ def preprocess_frames(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, Grid]:
-    """uint8 [H, W, 3] (image) or [t, H, W, 3] (video chunk) -> (pixel_values, (t, h, w))."""
+    """uint8 [H, W, 3] (image) or [t, H, W, 3] (video chunk) -> (pixel_values, (t, h, w)).
+
+    A video chunk's frames each go through the image rule with the per-frame limit."""
     if frames.dim() == 3:
         frames = frames[None]
     t, height, width, _ = frames.shape
-    limit = cfg.in_patch_limit_each_frame if video else cfg.in_patch_limit
-    new_w, new_h = resize_target(width, height, limit, cfg, patch)
+    new_w, new_h = resize_target(width, height, _limit(cfg, video), cfg, patch)
     x = frames.to(device=device, non_blocking=True).permute(0, 3, 1, 2)  # uint8 [t, 3, H, W] view
     if (new_w, new_h) != (width, height):
         x = resize_uint8(x, new_h, new_w)
-    gh, gw = padded_grid(new_w, new_h, patch)
-    x = F.pad(x, (0, gw * patch - new_w, 0, gh * patch - new_h), value=0)  # black, before normalising
+    gh, gw = patch_grid(new_w, new_h, cfg, patch)
+    x = _pad_or_crop(x, gh, gw, patch, cfg.pad_input)  # black pad, before normalising
     # Patchify while still uint8 (4x less memory traffic): [t, 3, gh*P, gw*P] -> [t*gh*gw, 3, P, P]
     x = x.reshape(t, 3, gh, patch, gw, patch).permute(0, 2, 4, 1, 3, 5).reshape(t * gh * gw, 3, patch, patch)
     mean = torch.tensor(cfg.image_mean, device=x.device).view(1, 3, 1, 1) * 255

@@ -1,7 +1,10 @@
 """Projectors from merged tower features [M, 4, D] to LLM embeddings [M, out_dim], by type.
 
-Register a new one with `@register("name")`; `checkpoint_renames` maps other checkpoints'
-names for the same tensors onto ours (Kimi-VL's `multi_modal_projector.linear_1`, ...).
+Register a new one with `@register("name")`. `checkpoint_names` says how real checkpoints spell
+our tensors: per checkpoint prefix, the suffix renames (theirs -> ours), e.g. Kimi-VL's
+`multi_modal_projector.linear_1.` for our `proj.0.`; `stacked` names tensors that hold several of
+ours concatenated along dim 0 (vLLM's `gate_up_proj`). The loader (model/checkpoint.py) maps both
+ways, so its errors name tensors as the checkpoint does.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ def register(name: str) -> Callable[[type[Projector]], type[Projector]]:
 
 
 class Projector(nn.Module):
-    # suffix renames applied to checkpoint names under the projector prefix (theirs -> ours)
-    checkpoint_renames: ClassVar[dict[str, str]] = {}
+    # checkpoint prefix -> suffix renames under it (theirs -> ours); `mm_projector.` with none is ours
+    checkpoint_names: ClassVar[dict[str, dict[str, str]]] = {"mm_projector.": {}}
+    # a stacked suffix -> our suffixes, in the order their rows are concatenated
+    stacked: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, tower: TowerConfig, cfg: ProjectorConfig):
         super().__init__()
@@ -61,7 +66,10 @@ def build_projector(tower: TowerConfig, cfg: ProjectorConfig) -> Projector:
 class PatchMerger(Projector):
     """LayerNorm per sub-patch -> Linear(4D, 4D) -> GELU(erf) -> Linear(4D, out)."""
 
-    checkpoint_renames: ClassVar[dict[str, str]] = {"linear_1.": "proj.0.", "linear_2.": "proj.2."}
+    checkpoint_names: ClassVar[dict[str, dict[str, str]]] = {
+        "mm_projector.": {},
+        "multi_modal_projector.": {"linear_1.": "proj.0.", "linear_2.": "proj.2."},  # Kimi-VL
+    }
 
     def __init__(self, tower: TowerConfig, cfg: ProjectorConfig):
         super().__init__(tower, cfg)
@@ -75,7 +83,11 @@ class PatchMerger(Projector):
 
 @register("patchmergerv2")
 class PatchMergerV2(Projector):
-    """No pre-norm, bias-free Linear(4D, 4D) -> GELU -> Linear(4D, out), then RMSNorm(out)."""
+    """No pre-norm, bias-free Linear(4D, 4D) -> GELU -> Linear(4D, out), then RMSNorm(out).
+
+    Real checkpoints (and vLLM's Kimi-K2.5 loader) name the norm `post_norm`; `norm` is accepted too."""
+
+    checkpoint_names: ClassVar[dict[str, dict[str, str]]] = {"mm_projector.": {"post_norm.": "norm."}}
 
     def __init__(self, tower: TowerConfig, cfg: ProjectorConfig):
         super().__init__(tower, cfg)
@@ -89,7 +101,15 @@ class PatchMergerV2(Projector):
 
 @register("glm")
 class GlmProjector(Projector):
-    """GLM-style merger on the 2x2-merged features: Linear(4D, out) -> LayerNorm -> GELU -> SwiGLU."""
+    """GLM-style merger on the 2x2-merged features: Linear(4D, out) -> LayerNorm -> GELU -> SwiGLU.
+
+    Our names are GLM-4.xV's (`model.visual.merger.{proj,post_projection_norm,gate_proj,up_proj,
+    down_proj}`); vLLM stacks gate and up as `gate_up_proj` (gate rows first)."""
+
+    checkpoint_names: ClassVar[dict[str, dict[str, str]]] = {
+        "mm_projector.": {}, "model.visual.merger.": {}, "visual.merger.": {},
+    }
+    stacked: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj.": ("gate_proj.", "up_proj.")}
 
     def __init__(self, tower: TowerConfig, cfg: ProjectorConfig):
         super().__init__(tower, cfg)
