@@ -14,7 +14,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm_encoder.deploy import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv system-deps up demo worker test test-quick soak lint bench clean
+.PHONY: venv system-deps up demo worker test test-quick soak lint bench bench-quick bench-deps clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -68,14 +68,23 @@ soak: $(STAMP) system-deps
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP) system-deps
-	$(BIN)/python bench/encoder.py
-	$(BIN)/python bench/wire.py
-	$(BIN)/python bench/worker.py
-	@command -v wrk >/dev/null || { echo "bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; }
-	$(BIN)/python bench/cache.py
-	$(BIN)/python bench/frontend.py
-	$(BIN)/python bench/graphs.py
+# BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py and the soak),
+# keeps their JSON in docs/bench/data/ and their plots in docs/bench/. A failed module is named in
+# its section and fails the target. `bench-quick`: a smoke run of minutes (--quick).
+bench: $(STAMP) system-deps bench-deps
+	$(BIN)/python bench/report.py
+
+bench-quick: $(STAMP) system-deps bench-deps
+	$(BIN)/python bench/report.py --quick
+
+# bench/cache.py drives the tiers with wrk (Debian's package).
+bench-deps:
+	@command -v wrk >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk >/dev/null 2>&1 || \
+	      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; } || \
+	      { echo "error: apt-get could not install wrk"; exit 1; }; \
+	  else echo "error: bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; fi; }
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,107 +1,718 @@
-"""Encoder benchmark (not a test): preprocess/forward time and tokens per image size and model.
+"""Encoder benchmark (not a test): where one image's time goes, the old path against today's, bf16
+against fp32 on the CPU, and the forward's FLOP/s against a plain matmul's.
 
-    python bench/encoder.py [--repeats 3] [--json out.json] [--quick]
+    python bench/encoder.py [--quick] [--repeats N] [--json PATH]
 
-Reports medians over --repeats runs, all configurations measured in one process, and the
-fast/reference forward-time ratio on the same weights and inputs (tests/reference.py).
-Full-width tower: MoonViT at 1152 wide with 0 and 2 layers (per-layer cost = (t2 - t0) / 2;
-27 layers on 2 CPU cores take minutes per full-HD image), and all 27 layers on 448x448.
+Everything is measured in one process; figures compared with each other are measured in the same
+run, alternating repeat by repeat; each is stats.summary (median, min, max, n) over the repeats.
+Deterministic quantities (tokens, bytes, cosines, FLOP counts) are plain numbers.
+
+1. Breakdown of one image (full HD, 4K) through today's worker path, stage by stage: fetch (the
+   package's Fetcher, http on loopback from a threaded http.server), hash (mm_hash), decode,
+   resize + patchify (preprocess), forward, pack (wire v1 as the worker packs), respond (the HTTP
+   head + body written to a loopback TCP socket until the reading peer has all of it). Models: `tiny`
+   and the full-width MoonViT (1152 wide) with 0 and 2 layers; 27 layers extrapolated per layer.
+2. Before vs after, same weights: PIL BICUBIC resize + the eager reference forward
+   (tests/reference.py) + a json+base64 body, against torch resize + the fast model + msgpack/zstd.
+3. fp32 vs bf16 forward, same weights: time, speed-up, per-token cosine; achieved FLOP/s of the
+   forward (counted analytically) against torch.matmul's on 4096x4096 in the same run.
+Parity per registered model is bench/parity.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import http.server
+import io
 import json
-import statistics
+import socket
+import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import stats  # noqa: E402
 from conftest import random_model, ref_cfg  # noqa: E402
 from media_factory import image_bytes, natural_image  # noqa: E402
 from reference import reference_forward  # noqa: E402
 
 from mm_encoder import Encoder, get_spec  # noqa: E402
+from mm_encoder.core import wire  # noqa: E402
+from mm_encoder.core.spec import ModelSpec  # noqa: E402
+from mm_encoder.fetch import Fetcher, FetchPolicy  # noqa: E402
+from mm_encoder.model.checkpoint import build_empty  # noqa: E402
+from mm_encoder.model.encoder import default_dtype  # noqa: E402
+from mm_encoder.model.preprocess import preprocess_frames, resize_target  # noqa: E402
+from mm_encoder.service.settings import WorkerSettings  # noqa: E402
 
-SIZES = {"448x448": (448, 448), "full-HD": (1920, 1080), "4K": (3840, 2160)}
+SIZES = {"448x448": (448, 448), "full HD": (1920, 1080), "4K": (3840, 2160)}
+STAGES = ("fetch", "hash", "decode", "preprocess", "forward", "pack", "respond")
+STAGE_LABELS = {"fetch": "fetch", "hash": "mm_hash", "decode": "decode", "preprocess": "resize + patchify",
+                "forward": "forward", "pack": "pack", "respond": "respond"}
+WIDE = "kimi-k2.5-vision"  # the full-width MoonViT (1152 wide, 27 layers) + patchmerger -> 7168
+REFERENCE_STACK = {"before_ms": 1040, "after_ms": 510, "what": "per 4K image on its GPU"}
+MATMUL_N = 4096
+# A measurement whose warm-up pass took under CHEAP_MS is warmed twice and repeated at least
+# CHEAP_REPEATS times: on a shared machine one slow repeat would otherwise be half the figure.
+CHEAP_MS, CHEAP_REPEATS = 500, 5
+# What each mode measures: sizes per table and repeats. Full: ~5 min on 2 cores; quick: ~1 min.
+MODES = {
+    "full": {"repeats": 3, "wide_repeats": 2, "tiny_sizes": ["full HD", "4K"],
+             "wide_sizes": ["448x448", "full HD", "4K"], "ba_sizes": ["448x448", "full HD", "4K"],
+             "dtype_tiny": ["448x448", "full HD", "4K"],
+             "dtype_wide": ["448x448", "full HD"], "matmul_n": MATMUL_N, "wide_full_448": True},
+    "quick": {"repeats": 2, "wide_repeats": 2, "tiny_sizes": ["full HD", "4K"], "wide_sizes": ["448x448"],
+              "ba_sizes": ["448x448", "full HD"], "dtype_tiny": ["448x448", "full HD"], "dtype_wide": ["448x448"],
+              "matmul_n": MATMUL_N},
+    # For tests/test_bench_report.py: every table and plot, tiny only, seconds.
+    "smoke": {"repeats": 1, "wide_repeats": 1, "tiny_sizes": ["448x448"], "wide_sizes": [],
+              "ba_sizes": ["448x448"], "dtype_tiny": ["448x448"], "dtype_wide": [], "matmul_n": 512},
+}
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+def _file(size: str) -> str:
+    return size.replace(" ", "-") + ".jpg"
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+
+def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    return spec.model_copy(update={"tower": spec.tower.model_copy(update={"num_layers": layers})})
+
+
+def encoders(spec: ModelSpec) -> tuple[Encoder, Encoder]:
+    """(fp32, bf16) encoders on the same random weights; the bf16 one is built as the package builds
+    a bf16 model (every state-dict tensor cast)."""
+    m32 = random_model(spec)
+    m16 = build_empty(spec)
+    m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m32.state_dict().items()}, strict=True, assign=True)
+    cpu = torch.device("cpu")
+    return (Encoder(spec, m32, device=cpu, dtype=torch.float32),
+            Encoder(spec, m16.eval(), device=cpu, dtype=torch.bfloat16))
+
+
+def forward_flops(spec: ModelSpec, grids: list[tuple[int, int, int]]) -> int:
+    """Multiply-adds x 2 of the tower + projector: patch embed, per layer qkv, QK^T and AV over each
+    item's own tokens, wo, MLP; the merger (a mean) is free; the projector on the merged tokens."""
+    t, p = spec.tower, spec.projector
+    d, mlp, pp, md = t.hidden_size, t.intermediate_size, 3 * t.patch_size**2, t.merged_dim
+    total = 0
+    for frames, h, w in grids:
+        n = frames * h * w
+        layer = 2 * n * d * 3 * d + 2 * 2 * n * n * d + 2 * n * d * d + 2 * 2 * n * d * mlp
+        total += 2 * n * pp * d + t.num_layers * layer
+        m = h * w // 4
+        if p.type == "glm":
+            total += 2 * m * md * p.out_dim + 3 * 2 * m * p.out_dim * p.context_dim
+        else:  # patchmerger, patchmergerv2
+            total += 2 * m * md * md + 2 * m * md * p.out_dim
+    return total
+
+
+def cosines(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    c = F.cosine_similarity(a.double(), b.double(), dim=-1)
+    return float(c.mean()), float(c.min())
+
+
+# --- loopback I/O: an origin to fetch from, a peer to respond to ------------------------------------
+
+
+class Origin:
+    """A threaded http.server on 127.0.0.1 serving fixed JPEG bytes (HTTP/1.1 keep-alive)."""
+
+    def __init__(self, files: dict[str, bytes]):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                body = files.get(self.path.lstrip("/"))
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/jpeg")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{name}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _recv_exact(sock: socket.socket, n: int, buf: bytearray) -> bool:
+    view = memoryview(buf)
+    while n:
+        k = sock.recv_into(view, min(n, len(buf)))
+        if not k:
+            return False
+        n -= k
+    return True
+
+
+class Sink:
+    """A loopback TCP peer that reads every byte it is sent and then acknowledges with one byte.
+    `send` is what respond measures: an HTTP response head + the body through the kernel, until the
+    peer has read the last byte (plus a 1-byte ack)."""
+
+    def __init__(self):
+        srv = socket.create_server(("127.0.0.1", 0))
+        self.tx = socket.create_connection(srv.getsockname())
+        self.tx.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._rx, _ = srv.accept()
+        srv.close()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        buf = bytearray(1 << 20)
+        with contextlib.suppress(OSError):
+            while _recv_exact(self._rx, 8, buf):
+                if not _recv_exact(self._rx, struct.unpack("!Q", bytes(buf[:8]))[0], buf):
+                    return
+                self._rx.sendall(b"\x01")
+
+    def send(self, body: bytes) -> float:
+        head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-mm-embeddings\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
         t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        self.tx.sendall(struct.pack("!Q", len(head) + len(body)) + head)
+        self.tx.sendall(body)
+        self.tx.recv(1)
+        return _ms(t0)
+
+    def close(self) -> None:
+        self.tx.close()
+        self._rx.close()
 
 
-def make_encoder(name: str, layers: int | None = None) -> Encoder:
-    spec = get_spec(name)
-    if layers is not None:
-        spec = spec.model_copy(update={"tower": spec.tower.model_copy(update={"num_layers": layers})})
-    return Encoder(spec, random_model(spec), device=torch.device("cpu"), dtype=torch.float32)
+class Loopback:
+    def __init__(self, files: dict[str, bytes]):
+        self.origin = Origin(files)
+        self.sink = Sink()
+        self.loop = asyncio.new_event_loop()
+        self.fetcher = Fetcher(FetchPolicy(allow_hosts=("127.0.0.1",)))
+
+    def fetch(self, name: str) -> tuple[bytes, float]:
+        t0 = time.perf_counter()
+        got = self.loop.run_until_complete(self.fetcher.fetch(self.origin.url(name)))
+        return got.data, _ms(t0)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.fetcher.close())
+        self.loop.close()
+        self.sink.close()
+        self.origin.close()
+
+
+# --- the paths ------------------------------------------------------------------------------------
+
+_WIRE = {k: WorkerSettings.model_fields[k].default for k in ("wire_dtype", "wire_byte_planes", "zstd_level")}
+
+
+def pack_today(enc: Encoder, h: str, out: torch.Tensor, grid) -> bytes:
+    """The worker's pack (service/batcher.py): wire v1, its default dtype, byte planes and zstd level."""
+    return wire.encode(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
+                       dtype=_WIRE["wire_dtype"], byte_planes=_WIRE["wire_byte_planes"], level=_WIRE["zstd_level"])
 
 
 @torch.inference_mode()
-def measure(enc: Encoder, data: bytes, repeats: int, with_reference: bool = False) -> dict:
-    pixels, grid = enc.preprocess(data)
-    enc.model(pixels, [grid])  # warm-up
-    row = {
-        "tokens": grid[1] * grid[2] // 4,
-        "grid": list(grid),
-        "preprocess_ms": median_ms(lambda: enc.preprocess(data), repeats),
-        "forward_ms": median_ms(lambda: enc.model(pixels, [grid]), repeats),
-    }
-    if with_reference:
-        sd = enc.model.state_dict()
-        cfg = ref_cfg(enc.spec)
-        row["reference_ms"] = median_ms(lambda: reference_forward(sd, cfg, pixels, [grid]), repeats)
-        row["ref_over_fast"] = row["reference_ms"] / row["forward_ms"]
-    return row
+def today_pass(enc: Encoder, data: bytes) -> tuple[dict[str, float], bytes, torch.Tensor, object]:
+    """hash -> decode -> preprocess (torch resize) -> fast forward -> pack: the worker's steps."""
+    t0 = time.perf_counter()
+    identified = enc.identify(data)
+    times = {"hash": _ms(t0)}
+    prepared = enc.prepare_media(data, identified=identified)
+    times["decode"] = prepared[0].timings_ms["decode"]
+    times["preprocess"] = prepared[0].timings_ms["preprocess"]
+    outputs, times["forward"] = enc.forward(prepared)
+    t0 = time.perf_counter()
+    body = pack_today(enc, identified[1], outputs[0], prepared[0].grid)
+    times["pack"] = _ms(t0)
+    return times, body, outputs[0], prepared[0].grid
+
+
+@torch.inference_mode()
+def before_pass(enc: Encoder, sd: dict, cfg: dict, data: bytes) -> tuple[dict[str, float], bytes]:
+    """The old path on one thread: PIL decode + PIL BICUBIC resize on the CPU, pad/patchify, the eager
+    fp32 reference forward, then a json+base64 body (same wire dtype as today)."""
+    pc, patch = enc.spec.preprocess, enc.spec.tower.patch_size
+    t0 = time.perf_counter()
+    _, h = enc.identify(data)
+    times = {"hash": _ms(t0)}
+    t0 = time.perf_counter()
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    times["decode"] = _ms(t0)
+    t0 = time.perf_counter()
+    width, height = img.size
+    new = resize_target(width, height, pc.in_patch_limit, pc, patch)
+    if new != (width, height):
+        img = img.resize(new, Image.BICUBIC)
+    rgb = torch.from_numpy(np.asarray(img).copy())
+    pixels, grid = preprocess_frames(rgb, pc, patch)  # already at its size: pad, patchify, normalise
+    times["preprocess"] = _ms(t0)
+    t0 = time.perf_counter()
+    out = reference_forward(sd, cfg, pixels, [grid])[0]
+    times["forward"] = _ms(t0)
+    t0 = time.perf_counter()
+    body = wire.encode_json(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
+                            dtype=_WIRE["wire_dtype"])
+    times["pack"] = _ms(t0)
+    return times, body
+
+
+# --- the tables -----------------------------------------------------------------------------------
+
+
+def _collect(samples: list[dict[str, float]]) -> dict[str, dict]:
+    keys = [k for k in STAGES if k in samples[0]]
+    out = {k: stats.summary(s[k] for s in samples) for k in keys}
+    out["total"] = stats.summary(sum(s[k] for k in keys) for s in samples)
+    return out
+
+
+def breakdown(io_: Loopback, label: str, encs: list[Encoder], size: str, repeats: int, warm: bool) -> list[dict]:
+    """One row per encoder in `encs`, measured alternately repeat by repeat on the same image."""
+    name = _file(size)
+    samples: list[list[dict]] = [[] for _ in encs]
+    bodies: list[bytes] = [b""] * len(encs)
+    if warm:
+        t0 = time.perf_counter()
+        for enc in encs:
+            today_pass(enc, io_.fetch(name)[0])
+        if _ms(t0) < CHEAP_MS:  # cheap: warm once more and take more repeats (noise is a bigger share)
+            for enc in encs:
+                today_pass(enc, io_.fetch(name)[0])
+            repeats = max(repeats, CHEAP_REPEATS)
+    for _ in range(repeats):
+        for i, enc in enumerate(encs):
+            data, fetch_ms = io_.fetch(name)
+            times, body, _, grid = today_pass(enc, data)
+            times["fetch"] = fetch_ms
+            times["respond"] = io_.sink.send(body)
+            samples[i].append(times)
+            bodies[i] = body
+    rows = []
+    for enc, s, body in zip(encs, samples, bodies, strict=True):
+        rows.append({"model": enc.spec.name, "label": label, "layers": enc.spec.tower.num_layers, "size": size,
+                     "pixels": "x".join(map(str, SIZES[size])), "patches": grid[1] * grid[2],
+                     "tokens": grid[1] * grid[2] // 4, "dtype": str(enc.dtype).removeprefix("torch."),
+                     "body_bytes": len(body), "stages": _collect(s), "samples": s})
+    return rows
+
+
+def extrapolate(r0: dict, r2: dict, layers: int) -> dict:
+    """A `layers`-deep row from the 0- and 2-layer rows measured alternately: per repeat,
+    forward = f0 + layers * (f2 - f0) / 2; the other stages are the 2-layer row's."""
+    per_layer = [(b["forward"] - a["forward"]) / 2 for a, b in zip(r0["samples"], r2["samples"], strict=True)]
+    samples = [{**b, "forward": a["forward"] + layers * pl}
+               for a, b, pl in zip(r0["samples"], r2["samples"], per_layer, strict=True)]
+    return {**r2, "layers": layers, "extrapolated": True, "per_layer_ms": stats.summary(per_layer),
+            "stages": _collect(samples), "samples": samples}
+
+
+def before_after(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str, repeats: int) -> dict:
+    sd = {k: v for k, v in e32.model.state_dict().items()}
+    cfg = ref_cfg(e32.spec)
+    before, after32, after16 = [], [], []
+    bodies = {}
+    t0 = time.perf_counter()
+    today_pass(e32, data)
+    today_pass(e16, data)
+    if _ms(t0) < CHEAP_MS:
+        before_pass(e32, sd, cfg, data)
+        today_pass(e32, data)
+        today_pass(e16, data)
+        repeats = max(repeats, CHEAP_REPEATS)
+    for _ in range(repeats):
+        t, bodies["before"] = before_pass(e32, sd, cfg, data)
+        before.append(t)
+        t, bodies["after_fp32"], _, grid = today_pass(e32, data)
+        after32.append(t)
+        t, bodies["after_bf16"], _, _ = today_pass(e16, data)
+        after16.append(t)
+    b, a32, a16 = _collect(before), _collect(after32), _collect(after16)
+    return {"label": label, "model": e32.spec.name, "layers": e32.spec.tower.num_layers, "size": size,
+            "tokens": grid[1] * grid[2] // 4, "before": b, "after_fp32": a32, "after_bf16": a16,
+            "speedup_fp32": stats.ratio(b["total"], a32["total"]),
+            "speedup_bf16": stats.ratio(b["total"], a16["total"]),
+            "body_bytes": {k: len(v) for k, v in bodies.items()}}
+
+
+@torch.inference_mode()
+def dtype_row(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str, repeats: int, warm: bool,
+              matmul: dict) -> dict:
+    p32, p16 = e32.prepare(data), e16.prepare(data)
+    if warm:
+        t0 = time.perf_counter()
+        e32.forward([p32])
+        e16.forward([p16])
+        if _ms(t0) < CHEAP_MS:
+            e32.forward([p32])
+            e16.forward([p16])
+            repeats = max(repeats, CHEAP_REPEATS)
+    t32, t16 = [], []
+    for _ in range(repeats):
+        o32, ms = e32.forward([p32])
+        t32.append(ms)
+        o16, ms = e16.forward([p16])
+        t16.append(ms)
+    s32, s16 = stats.summary(t32), stats.summary(t16)
+    flops = forward_flops(e32.spec, [p32.grid])
+    mean, low = cosines(o16[0], o32[0])
+    rate32 = stats.summary(flops / t / 1e6 for t in t32)  # GFLOP/s
+    rate16 = stats.summary(flops / t / 1e6 for t in t16)
+    return {"label": label, "model": e32.spec.name, "layers": e32.spec.tower.num_layers, "size": size,
+            "patches": p32.num_patches, "tokens": p32.num_tokens, "fp32_ms": s32, "bf16_ms": s16,
+            "speedup": stats.ratio(s32, s16), "cos_mean": mean, "cos_min": low, "gflop": flops / 1e9,
+            "fp32_gflops": rate32, "bf16_gflops": rate16,
+            "fp32_of_matmul": rate32["median"] / matmul["float32"]["median"],
+            "bf16_of_matmul": rate16["median"] / matmul["bfloat16"]["median"]}
+
+
+def matmul_rates(n: int, repeats: int) -> dict:
+    """torch.matmul of two n x n matrices: GFLOP/s (2 n^3 per product) in fp32 and bf16."""
+    out = {"n": n}
+    gen = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a, b = a32.to(dt), b32.to(dt)
+        torch.matmul(a, b)
+        rates = []
+        for _ in range(max(repeats, 2)):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            rates.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
+        out[name] = stats.summary(rates)
+    return out
+
+
+def run(mode: str, repeats: int | None) -> dict:
+    m = MODES[mode]
+    reps = repeats or m["repeats"]
+    wide_reps = repeats or m["wide_repeats"]
+    torch.manual_seed(0)
+    images = {k: image_bytes(natural_image(w, h, seed=1), "JPEG", quality=90) for k, (w, h) in SIZES.items()}
+    io_ = Loopback({_file(k): v for k, v in images.items()})
+    cpu = torch.device("cpu")
+    today = default_dtype(cpu)
+    result = {"mode": mode, "machine": stats.machine(), "default_dtype": str(today).removeprefix("torch."),
+              "wire": _WIRE, "reference_stack": REFERENCE_STACK, "repeats": reps, "wide_repeats": wide_reps}
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t_start = time.perf_counter()
+    try:
+        log(f"matmul {m['matmul_n']}^3 ...")
+        result["matmul"] = matmul = matmul_rates(m["matmul_n"], reps)
+        log(f"  fp32 {stats.fmt(matmul['float32'], 0)} GFLOP/s, bf16 {stats.fmt(matmul['bfloat16'], 0)} GFLOP/s")
+        t32, t16 = encoders(get_spec("tiny"))
+        tiny_today = t16 if today == torch.bfloat16 else t32
+        wide = {}
+        if m["wide_sizes"] or m["dtype_wide"]:
+            wide[0] = encoders(with_layers(get_spec(WIDE), 0))
+            wide[2] = encoders(with_layers(get_spec(WIDE), 2))
+            pick = 1 if today == torch.bfloat16 else 0
+            for pair in wide.values():  # warm the kernels on a small image once
+                today_pass(pair[pick], images["448x448"])
+
+        rows = []
+        for size in m["tiny_sizes"]:
+            rows += breakdown(io_, "tiny", [tiny_today], size, reps, warm=True)
+            log(f"breakdown tiny {size}: total {stats.fmt(rows[-1]['stages']['total'])} ms")
+        for size in m["wide_sizes"]:
+            pick = 1 if today == torch.bfloat16 else 0
+            r0, r2 = breakdown(io_, "MoonViT-1152", [wide[0][pick], wide[2][pick]], size, wide_reps, warm=False)
+            rows += [r0, r2, extrapolate(r0, r2, get_spec(WIDE).tower.num_layers)]
+            log(f"breakdown moonvit {size}: per layer {stats.fmt(rows[-1]['per_layer_ms'])} ms")
+        if m.get("wide_full_448"):  # the real depth once, where it is affordable: checks the extrapolation
+            full = Encoder(get_spec(WIDE), random_model(get_spec(WIDE), dtype=today), device=cpu, dtype=today)
+            rows += breakdown(io_, "MoonViT-1152", [full], "448x448", wide_reps, warm=True)
+            del full
+            log(f"breakdown moonvit 27 layers 448x448: forward {stats.fmt(rows[-1]['stages']['forward'])} ms")
+        result["breakdown"] = rows
+
+        ba = []
+        for size in m["ba_sizes"]:
+            ba.append(before_after("tiny", t32, t16, images[size], size, reps))
+            log(f"before/after tiny {size}: {ba[-1]['speedup_fp32']:.2f}x fp32, {ba[-1]['speedup_bf16']:.2f}x bf16")
+        if 2 in wide:
+            ba.append(before_after("MoonViT-1152, 2 layers", *wide[2], images["448x448"], "448x448", reps))
+            log(f"before/after moonvit 2L 448: {ba[-1]['speedup_fp32']:.2f}x fp32")
+        result["before_after"] = ba
+
+        dt = []
+        for size in m["dtype_tiny"]:
+            dt.append(dtype_row("tiny", t32, t16, images[size], size, reps, True, matmul))
+            log(f"dtype tiny {size}: bf16 {dt[-1]['speedup']:.2f}x, cos {dt[-1]['cos_mean']:.6f}")
+        for size in m["dtype_wide"]:
+            small = size == "448x448"
+            dt.append(dtype_row("MoonViT-1152, 2 layers", *wide[2], images[size], size,
+                                reps if small else wide_reps, small, matmul))
+            log(f"dtype moonvit 2L {size}: bf16 {dt[-1]['speedup']:.2f}x, cos {dt[-1]['cos_mean']:.6f}")
+        result["dtype"] = dt
+    finally:
+        io_.close()
+    result["seconds"] = time.perf_counter() - t_start
+    return result
+
+
+# --- BENCHMARKS.md ------------------------------------------------------------------------------
+
+
+def _f(s, digits: int = 1) -> str:
+    return stats.fmt(s, digits)
+
+
+NOISY = " †"
+NOISY_NOTE = ("† a figure this ratio compares has max over twice its min: the machine was busy during those "
+              "repeats; rerun when it is quiet before reading much into it.")
+
+
+def _noisy(*figures: dict) -> str:
+    return NOISY if any(f["max"] > 2 * f["min"] for f in figures) else ""
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+
+def _med(s: dict) -> str:
+    med = s["median"]
+    return stats.fmt(med, 2 if med < 10 else 1 if med < 1000 else 0)
+
+
+def _auto(s: dict) -> str:
+    """ms with digits that suit the size."""
+    med = s["median"]
+    return stats.fmt(s, 2 if med < 10 else 1 if med < 1000 else 0)
+
+
+def _row_name(r: dict) -> str:
+    if r["label"] == "tiny":
+        return "tiny"
+    if r.get("extrapolated"):
+        return f"MoonViT-1152, {r['layers']} layers (extrapolated)"
+    return f"MoonViT-1152, {r['layers']} layers"
+
+
+def section(result: dict, plots: Path) -> str:
+    mode = result.get("mode", "full")
+    today = result.get("default_dtype", "bfloat16")
+    w = result.get("wire", _WIRE)
+    lines = [
+        "## Encoder (`python bench/encoder.py`)",
+        "",
+        f"Random weights (std 0.02), JPEG inputs (q90) from tests/media_factory.py, one image at a time; "
+        f"{result['repeats']} repeat(s) ({result['wide_repeats']} for the full-width tower; at least "
+        f"{CHEAP_REPEATS}, after two warm-up passes, where a pass takes under {CHEAP_MS} ms), alternating "
+        f"between the rows compared. Today's path runs in the CPU default dtype ({today}: "
+        "mm_encoder/model/encoder.py `default_dtype`).",
+        "",
+        "### Where the time goes per image",
+        "",
+        "Stages of the worker's path, in ms: fetch = the package's `Fetcher` over http on loopback (a threaded "
+        "http.server, keep-alive: a lower bound, a remote origin adds its round trips); mm_hash = `identify`; "
+        "decode = JPEG -> RGB; resize + patchify = `preprocess` (torch bicubic, pad, patchify, normalise); forward "
+        f"= tower + projector; pack = wire v1 as the worker packs ({w['wire_dtype']}, byte planes "
+        f"{'on' if w['wire_byte_planes'] else 'off'}, zstd {w['zstd_level']}); respond = the HTTP head + body "
+        "written to a loopback TCP socket until the reading peer has the last byte. The full-width tower "
+        "(MoonViT 1152 wide + patchmerger -> 7168) is measured with 0 and 2 layers; 27 layers = "
+        "t(0) + 27 x (t(2) - t(0)) / 2, repeat by repeat (27 real layers take minutes per full-HD image "
+        "on this CPU); where a row says 27 layers without \"extrapolated\", all 27 ran.",
+        "",
+        "| model | image | tokens | " + " | ".join(STAGE_LABELS[s] for s in STAGES)
+        + " | total | forward share | body MB |",
+        "|---|---|---:|" + "---:|" * (len(STAGES) + 3),
+    ]
+    for r in result["breakdown"]:
+        st = r["stages"]
+        share = st["forward"]["median"] / st["total"]["median"]
+        lines.append(f"| {_row_name(r)} | {r['size']} | {r['tokens']:,} | "
+                     + " | ".join(_auto(st[s]) for s in STAGES)
+                     + f" | {_auto(st['total'])} | {share:.1%} | {r['body_bytes'] / 1e6:.2f} |")
+    per_layer = [r for r in result["breakdown"] if r.get("extrapolated")]
+    if per_layer:
+        lines += ["", "Per-layer cost of the full-width tower, (t(2) - t(0)) / 2: " + ", ".join(
+            f"{r['size']} ({r['tokens'] * 4:,} patches) {_auto(r['per_layer_ms'])} ms" for r in per_layer) + "."]
+    shares = [(r, r["stages"]["forward"]["median"] / r["stages"]["total"]["median"]) for r in result["breakdown"]]
+    lines += ["", "- On the CPU the forward dominates: " + "; ".join(
+        f"{_row_name(r)} {r['size']} {s:.1%}" for r, s in shares if r["label"] == "tiny" or r["layers"] > 2)
+        + " of the image's time. Everything but the forward is the same work whatever the tower's depth."]
+    png = _plot_breakdown(result, plots)
+    if png:
+        lines += ["", f"![where the time goes per image]({png})"]
+
+    ref = result.get("reference_stack", REFERENCE_STACK)
+    lines += [
+        "",
+        "### Before vs after, same weights",
+        "",
+        "Before: PIL decode, Pillow BICUBIC resize on the CPU, pad/patchify, the eager fp32 reference forward "
+        "(tests/reference.py `reference_forward`: conv patch embed, complex RoPE, explicit softmax attention, "
+        "a Python loop per item), a json+base64 body, all on one thread. After: today's path (torch resize in "
+        f"preprocess.py, the fast model, msgpack + raw + zstd as the worker packs), in fp32 and in {today}. "
+        "Both include mm_hash, decode, resize, forward and pack of one image (no fetch, no respond). ms.",
+        "",
+        "| model | image | tokens | before | after fp32 | before / after fp32 | after bf16 | before / after bf16 "
+        "| forward before / after fp32 | body MB before / after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["before_after"]:
+        b, a32, a16 = r["before"], r["after_fp32"], r["after_bf16"]
+        bb = r["body_bytes"]
+        lines.append(f"| {r['label']} | {r['size']} | {r['tokens']:,} | {_auto(b['total'])} | {_auto(a32['total'])} | "
+                     f"**{r['speedup_fp32']:.2f}x**{_noisy(b['total'], a32['total'])} | {_auto(a16['total'])} | "
+                     f"**{r['speedup_bf16']:.2f}x**{_noisy(b['total'], a16['total'])} | "
+                     f"{stats.ratio(b['forward'], a32['forward']):.2f}x{_noisy(b['forward'], a32['forward'])} | "
+                     f"{bb['before'] / 1e6:.2f} / {bb['after_fp32'] / 1e6:.2f} |")
+    lines += [f"| reference stack (GPU) | 4K | | {ref['before_ms']} | {ref['after_ms']} | "
+              f"{ref['before_ms'] / ref['after_ms']:.1f}x | | | | |", ""]
+    if any(NOISY in line for line in lines):
+        lines += [NOISY_NOTE, ""]
+    for r in result["before_after"]:
+        b, a = r["before"], r["after_fp32"]
+        parts = ", ".join(f"{STAGE_LABELS[s]} {_med(b[s])} -> {_med(a[s])}" for s in STAGES if s in b)
+        lines.append(f"- {r['label']} {r['size']}, medians before -> after fp32: {parts} ms.")
+    png = _plot_before_after(result, plots)
+    if png:
+        lines += ["", f"![before vs after]({png})"]
+
+    mm = result["matmul"]
+    lines += [
+        "",
+        "### bf16 vs fp32 on the CPU, and how close the forward is to the machine's limit",
+        "",
+        "The same weights in fp32 and cast to bf16 (as the package builds a bf16 model), the same image, forward "
+        "only, alternating. Cosine: per token, bf16 output vs fp32 output. FLOP/s: the forward's FLOPs "
+        "counted analytically (2 per multiply-add: patch embed, per layer qkv, QK^T and AV over the item's "
+        "tokens, wo, MLP; the projector) over its time, against `torch.matmul` of two "
+        f"{mm['n']}x{mm['n']} matrices in the same run: fp32 {_f(mm['float32'], 0)} GFLOP/s, "
+        f"bf16 {_f(mm['bfloat16'], 0)} GFLOP/s ({stats.ratio(mm['bfloat16'], mm['float32']):.2f}x).",
+        "",
+        "| model | image | patches | GFLOP | fp32 ms | bf16 ms | bf16 speed-up | cos mean | cos min "
+        "| fp32 GFLOP/s (of matmul) | bf16 GFLOP/s (of matmul) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["dtype"]:
+        lines.append(f"| {r['label']} | {r['size']} | {r['patches']:,} | {r['gflop']:,.1f} | {_auto(r['fp32_ms'])} | "
+                     f"{_auto(r['bf16_ms'])} | **{r['speedup']:.2f}x**{_noisy(r['fp32_ms'], r['bf16_ms'])} | "
+                     f"{r['cos_mean']:.6f} | {r['cos_min']:.6f} | "
+                     f"{_f(r['fp32_gflops'], 0)} ({r['fp32_of_matmul']:.0%}) | "
+                     f"{_f(r['bf16_gflops'], 0)} ({r['bf16_of_matmul']:.0%}) |")
+    lines.append("")
+    if any(_noisy(r["fp32_ms"], r["bf16_ms"]) for r in result["dtype"]):
+        lines += [NOISY_NOTE, ""]
+    for label in dict.fromkeys(r["label"] for r in result["dtype"]):
+        rows = [r for r in result["dtype"] if r["label"] == label]
+        lines.append(f"- {label}: " + "; ".join(
+            f"{r['size']} bf16 {r['speedup']:.2f}x{_noisy(r['fp32_ms'], r['bf16_ms'])} the speed of fp32 at per-token "
+            f"cosine {r['cos_mean']:.6f} (min {r['cos_min']:.6f}); the forward runs at {r['fp32_of_matmul']:.0%} of "
+            f"fp32 matmul's FLOP/s in fp32 and {r['bf16_of_matmul']:.0%} of bf16 matmul's in bf16" for r in rows) + ".")
+    clean = [r for r in result["dtype"] if not _noisy(r["fp32_ms"], r["bf16_ms"])]
+    wide = [r["speedup"] for r in clean if r["label"] != "tiny"]
+    tiny = [r["speedup"] for r in clean if r["label"] == "tiny"]
+    if wide and min(wide) > 1.3:
+        lines.append(f"- bf16 pays on the 1152-wide tower ({_span(wide)}): its qkv, MLP and "
+                     "projector are large matmuls, which native bf16 (AVX-512 BF16 / AMX) runs several times faster "
+                     "than fp32 (the matmul figures above).")
+    if tiny and max(tiny) < 1.3:
+        lines.append(f"- On tiny (32 wide) bf16 gains little or loses ({_span(tiny)}): its forward "
+                     "is attention at head dim 16 and per-op work, not large matmuls. The CPU default (bf16) pays on "
+                     "the real towers, not on tiny.")
+    if mode != "full":
+        lines += ["", f"_This section is from a `--{mode}` run: fewer sizes and repeats than `make bench`._"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_breakdown(result: dict, plots: Path) -> str | None:
+    plt = stats.pyplot()
+    if plt is None:
+        return None
+    rows = [r for r in result["breakdown"] if r["label"] == "tiny" or r["layers"] > 2]
+    if not rows:
+        return None
+    names = [f"{_row_name(r)}\n{r['size']}" for r in rows]
+    colors = ["#8c8c8c", "#b07aa1", "#59a14f", "#edc948", "#4e79a7", "#f28e2b", "#e15759"]
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.7 * len(rows)))
+    left = [0.0] * len(rows)
+    for stage, color in zip(STAGES, colors, strict=True):
+        share = [r["stages"][stage]["median"] / r["stages"]["total"]["median"] * 100 for r in rows]
+        ax.barh(range(len(rows)), share, left=left, color=color, label=STAGE_LABELS[stage])
+        left = [a + b for a, b in zip(left, share, strict=True)]
+    for i, r in enumerate(rows):
+        ax.text(101, i, f"{r['stages']['total']['median']:,.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 115)
+    ax.set_xlabel("share of the image's time, % (median total at the right)")
+    ax.set_title("Where the time goes per image (CPU)")
+    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.3 if len(rows) < 4 else -0.18))
+    return stats.save_png(fig, plots, "encoder-breakdown.png")
+
+
+def _plot_before_after(result: dict, plots: Path) -> str | None:
+    plt = stats.pyplot()
+    if plt is None or not result["before_after"]:
+        return None
+    rows = result["before_after"]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for k, (key, label, color) in enumerate((("before", "before", "#e15759"), ("after_fp32", "after fp32", "#4e79a7"),
+                                             ("after_bf16", "after bf16", "#59a14f"))):
+        med = [r[key]["total"]["median"] for r in rows]
+        err = [[m - r[key]["total"]["min"] for m, r in zip(med, rows, strict=True)],
+               [r[key]["total"]["max"] - m for m, r in zip(med, rows, strict=True)]]
+        ax.bar(x + (k - 1) * 0.27, med, 0.27, yerr=err, color=color, label=label)
+    ax.set_xticks(x, [f"{r['label']}\n{r['size']}" for r in rows], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per image (log)")
+    ax.set_title("Encoder end to end, before vs after (same weights, CPU)")
+    ax.legend(fontsize=8)
+    return stats.save_png(fig, plots, "encoder-before-after.png")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="448x448 and full-HD only, 1 repeat on full width")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about a minute)")
+    p.add_argument("--smoke", action="store_true", help="tiny only, 448x448, 1 repeat (seconds; for tests)")
+    p.add_argument("--repeats", type=int, help="override the mode's repeats")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    torch.manual_seed(0)
-    images = {k: image_bytes(natural_image(w, h, seed=1), "JPEG", quality=90) for k, (w, h) in SIZES.items()}
-    if args.quick:
-        images.pop("4K")
-    rows = []
-
-    def run(model: str, enc: Encoder, size: str, repeats: int, ref: bool = False) -> dict:
-        row = {"model": model, "size": size, **measure(enc, images[size], repeats, ref)}
-        rows.append(row)
-        extra = f"  ref/fast {row['ref_over_fast']:.2f}x" if ref else ""
-        print(f"{model:24s} {size:8s} tokens={row['tokens']:5d} preprocess={row['preprocess_ms']:8.1f} ms "
-              f"forward={row['forward_ms']:9.1f} ms{extra}", flush=True)
-        return row
-
-    tiny = make_encoder("tiny")
-    for size in images:
-        run("tiny", tiny, size, args.repeats, ref=size != "4K")
-    wide_repeats = 1 if args.quick else args.repeats
-    wide0, wide2 = make_encoder("kimi-k2.5-vision", 0), make_encoder("kimi-k2.5-vision", 2)
-    per_layer = {}
-    for size in images:
-        r0 = run("moonvit-1152 0 layers", wide0, size, wide_repeats)
-        r2 = run("moonvit-1152 2 layers", wide2, size, wide_repeats, ref=size == "448x448")
-        per_layer[size] = (r2["forward_ms"] - r0["forward_ms"]) / 2
-        print(f"{'':24s} {size:8s} per-layer cost {per_layer[size]:9.1f} ms", flush=True)
-    del wide0, wide2
-    full = make_encoder("kimi-k2.5-vision")
-    run("moonvit-1152 27 layers", full, "448x448", wide_repeats)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    result = run(mode, args.repeats)
+    print(f"done in {result['seconds']:.0f} s", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "per_layer_ms": per_layer,
-                                         "threads": torch.get_num_threads()}, indent=2))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

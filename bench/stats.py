@@ -59,3 +59,30 @@ def machine() -> dict:
     except ImportError:
         out["torch"] = None
     return out
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use so a
+    benchmark run needs no matplotlib; None when it is not installed (sections then skip plots)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_png(fig, plots, name: str) -> str:
+    """Write `fig` as plots/<name> and close it; returns the link BENCHMARKS.md uses (docs/bench/<name>)."""
+    from pathlib import Path
+
+    plots = Path(plots)
+    plots.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(plots / name, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f"docs/bench/{name}"
