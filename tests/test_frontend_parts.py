@@ -169,6 +169,18 @@ def test_wire_peek_reads_the_header_without_the_tensor():
             wire.peek(bad)
 
 
+@pytest.mark.parametrize("chunks", [1, 300, 1200])
+def test_wire_peek_reads_a_header_longer_than_its_read_size(chunks):
+    """Found by bench/hostile_memory.py: a 600 s video's header (300 chunks: grids and timestamps
+    over 4 KB) was cut by peek's 4 KB reads, and a value split across two reads lost its key."""
+    body = wire.encode(mm_hash=H1, model="tiny", modality="video", embeds=torch.randn(4 * chunks, 8),
+                       grid_thws=[[4, 4, 4]] * chunks, timestamps=[f"00:{i // 60:02d}:{i % 60:02d}.000"
+                                                                   for i in range(chunks)])
+    h, m = wire.peek(body), wire.decode(body)
+    assert (h.grid_thws, h.timestamps, h.shape) == (m.grid_thws, m.timestamps, m.shape)
+    assert len(h.timestamps) == chunks
+
+
 # --- the reference engine ---------------------------------------------------------------------------
 
 

@@ -267,6 +267,9 @@ def decode_json(body: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> WireMessage
     return _message(obj)
 
 
+_NO_KEY = object()
+
+
 def peek(body: bytes, *, max_header: int = 1 << 20) -> WireHeader:
     """The header fields of a v1 body without inflating the embeddings: encoders write `embeds`
     last, so only the first KBs of the frame are decompressed. The header is validated like
@@ -279,6 +282,7 @@ def peek(body: bytes, *, max_header: int = 1 << 20) -> WireHeader:
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(bytes(body), read_across_frames=False)
         n_keys: int | None = None
+        key: Any = _NO_KEY  # a key whose value is not complete yet survives to the next chunk
         read = 0
         while read < max_header and "embeds" not in fields:
             chunk = reader.read(4096)
@@ -290,11 +294,13 @@ def peek(body: bytes, *, max_header: int = 1 << 20) -> WireHeader:
                 if n_keys is None:
                     n_keys = unpacker.read_map_header()
                 while len(fields) < n_keys:
-                    key = unpacker.unpack()
+                    if key is _NO_KEY:
+                        key = unpacker.unpack()
                     if key == "embeds":  # the tensor: stop before it
                         fields["embeds"] = None
                         break
-                    fields[key] = unpacker.unpack()
+                    fields[key] = unpacker.unpack()  # OutOfData here: the unpacker rewinds to this value
+                    key = _NO_KEY
             except msgpack.OutOfData:
                 continue
     except (zstandard.ZstdError, ValueError, TypeError) as e:
