@@ -156,11 +156,14 @@ def section(result: dict, plots: Path) -> str:
             f"Measured over idle: {per_patch['video_patch_cap']:,.0f} bytes per patch with 4,096-patch frames and "
             f"{per_patch['video_longest']:,.0f} with 256-patch frames (per-frame overhead; the prepared patches "
             f"alone are {PATCH_BYTES // 2:,} bytes in bf16, {PATCH_BYTES:,} in fp32).",
-            f"- The bound for one video: idle + `--max-video-patches` x {worst:,.0f} bytes: at the default 2^21, "
-            f"{(1 << 21) * worst / 2**30:.1f} GB; `--max-pending` bounds how many are prepared at once, and a "
-            "deployment that serves long videos on a small host lowers `--max-video-patches` (2^20 patches is "
-            "262,144 LLM tokens, about a 256K context). A 600 s video of 4,096-patch frames (4.9 M patches) is "
-            "refused from its header, before decoding (413 `too_large`).",
+            "- The bound, across all requests: patches prepared and waiting for their forward are held against "
+            "`--max-prepared-patches` (default `--max-video-patches`, 2^21: the largest video fits alone; others "
+            "wait `--decode-wait-s`, then 503 `overloaded`), so the worker's peak stays under idle + "
+            f"`--max-prepared-patches` x {worst:,.0f} bytes (the worst per-patch cost above) + the caches "
+            f"(`--cache-bytes`): {(1 << 21) * worst / 2**30:.1f} GB + 1 GiB at the defaults. Without that budget "
+            "`--max-pending` (64 requests) let 64 long videos wait prepared at once. A host that serves long videos "
+            "with less memory lowers both (2^20 patches is 262,144 LLM tokens, about a 256K context). A 600 s video "
+            "of 4,096-patch frames (4.9 M patches) is refused from its header, before decoding (413 `too_large`).",
         ]
     lines.append("")
     return "\n".join(lines)

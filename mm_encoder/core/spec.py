@@ -132,6 +132,14 @@ class MediaLimits(_Frozen):
     # waits for room before a 503 `overloaded`.
     max_decoding_pixels: int | None = None
     decode_wait_s: float = 30.0
+    # Patches prepared for the forward and held at once in the process, all requests together (None:
+    # max_video_patches, so the largest video fits alone): what a queue of long videos would otherwise
+    # multiply. A request waits decode_wait_s for room, then gets a 503 `overloaded`.
+    max_prepared_patches: int | None = None
+
+    @property
+    def prepared_capacity(self) -> int:
+        return self.max_prepared_patches or self.max_video_patches
 
 
 class PromptConfig(_Frozen):

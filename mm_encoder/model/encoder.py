@@ -16,6 +16,7 @@ import copy
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,6 +302,12 @@ class Encoder:
                   decode_ms: float) -> Prepared:
         t0 = time.perf_counter()
         pixel_values, grid = self._preprocess_rgb(rgb, cfg, video=modality == "video")
+        n = pixel_values.shape[0]
+        # Held until the tensor is freed (after its forward, or when a failed request drops it), so no
+        # owner has to remember to give it back. Taken after preprocessing: one item per CPU worker
+        # may overshoot while it waits.
+        media.PREPARED_BUDGET.acquire(n, self.limits.prepared_capacity, self.limits.decode_wait_s)
+        weakref.finalize(pixel_values, media.PREPARED_BUDGET.release, n)
         return Prepared(pixel_values, grid, h, modality, timestamp, {"decode": decode_ms, "preprocess": _ms(t0)})
 
     # --- encoding ---------------------------------------------------------------------------

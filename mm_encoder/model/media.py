@@ -13,7 +13,8 @@ JPEGs are checked against what their header claims before decoding (at least 1 b
 data per 8x8 block), and a sequential JPEG is decoded without the marker that ends its scan, so
 data cut short is refused (`corrupt`) instead of silently filled with grey by libjpeg.
 Decoded pixels in flight are bounded process-wide (`DECODE_BUDGET`): decoding runs in a thread
-pool, and a per-image cap alone lets N requests hold N times it.
+pool, and a per-image cap alone lets N requests hold N times it. Prepared patches waiting for their
+forward are bounded the same way (`PREPARED_BUDGET`, `max_prepared_patches`).
 Videos (PyAV): sampled at min(fps, native fps) with evenly spaced frame indices, cut into chunks
 of `chunk` frames; a short last chunk repeats its last frame so every chunk has t = chunk. The
 work a video asks for (sampled frames x patches per frame) is checked against
@@ -87,34 +88,46 @@ def _check_size(data: bytes, limits: MediaLimits) -> None:
         raise MediaError("too_large", f"media is {len(data)} bytes; the limit is {limits.max_bytes}")
 
 
-class PixelBudget:
-    """Pixels being decoded at once, across threads. A request waits its turn up to `decode_wait_s`,
-    then is refused with 503 `overloaded` (retry later), so memory stays bounded under load."""
+class Budget:
+    """Units (pixels being decoded, patches prepared) held at once across threads. A request waits
+    its turn up to `decode_wait_s`, then is refused with 503 `overloaded` (retry later), so memory
+    stays bounded under load; one that could never fit is refused at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str) -> None:
+        self.unit = unit
         self._cond = threading.Condition()
         self.in_use = 0
-        self.high_water = 0  # the most pixels ever held at once (for tests and metrics)
+        self.high_water = 0  # the most ever held at once (for tests and metrics)
+
+    def acquire(self, n: int, capacity: int, wait_s: float, code: str = "too_large") -> None:
+        if n > capacity:
+            raise MediaError(code, f"this needs {n} {self.unit} at once; the budget is {capacity}")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.in_use + n <= capacity, wait_s):
+                raise Overloaded(f"{self.in_use} {self.unit} are held (budget {capacity}); retry later")
+            self.in_use += n
+            self.high_water = max(self.high_water, self.in_use)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.in_use -= n
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def hold(self, pixels: int, limits: MediaLimits) -> Iterator[None]:
-        capacity = limits.max_decoding_pixels or 4 * limits.max_pixels
-        if pixels > capacity:
-            raise MediaError("too_many_pixels", f"decoding needs {pixels} pixels at once; the budget is {capacity}")
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.in_use + pixels <= capacity, limits.decode_wait_s):
-                raise Overloaded(f"{self.in_use} pixels are being decoded (budget {capacity}); retry later")
-            self.in_use += pixels
-            self.high_water = max(self.high_water, self.in_use)
+        """Pixels decoded inside the block (the decode budget's use)."""
+        self.acquire(pixels, limits.max_decoding_pixels or 4 * limits.max_pixels, limits.decode_wait_s,
+                     "too_many_pixels")
         try:
             yield
         finally:
-            with self._cond:
-                self.in_use -= pixels
-                self._cond.notify_all()
+            self.release(pixels)
 
 
-DECODE_BUDGET = PixelBudget()
+DECODE_BUDGET = Budget("pixels being decoded")
+# Patches of prepared pixel_values alive in the process (model/encoder.py holds them until the
+# tensors are freed, after their forward).
+PREPARED_BUDGET = Budget("prepared patches")
 
 # --- JPEG structure (what libjpeg would otherwise paper over) -------------------------------
 

@@ -102,6 +102,10 @@ class WorkerSettings(BaseSettings):
         None, ge=1, description="pixels decoded at once in this worker, all requests together (default: 4 x "
                                 "--max-pixels); a request waits --decode-wait-s for room, then gets 503")
     decode_wait_s: float = Field(MediaLimits().decode_wait_s, gt=0)
+    max_prepared_patches: int | None = Field(
+        None, ge=1, description="patches prepared for the forward and held at once, all requests together "
+                                "(default: --max-video-patches); a request waits --decode-wait-s for room, "
+                                "then gets 503")
 
     log_level: str = Field("INFO", description="DEBUG logs cache hits too")
 
@@ -125,4 +129,4 @@ class WorkerSettings(BaseSettings):
     def media_limits(self) -> MediaLimits:
         return MediaLimits(max_bytes=self.fetch_max_bytes, max_pixels=self.max_pixels,
                            max_video_patches=self.max_video_patches, max_decoding_pixels=self.max_decoding_pixels,
-                           decode_wait_s=self.decode_wait_s)
+                           decode_wait_s=self.decode_wait_s, max_prepared_patches=self.max_prepared_patches)

@@ -143,9 +143,10 @@ def section(result: dict, plots: Path) -> str:
     for name, r in result.items():
         if not isinstance(r, dict) or "sent" not in r or name == "capacity":
             continue
-        codes = ", ".join(f"{n} x {c}" for c, n in sorted(r.get("statuses", {}).items())
-                          if str(c) not in ("200", "0") and not str(c).isalpha()) or "0"
-        lines.append(f"| {name.replace('_', ' ')} | {r['sent']:,} | {r['ok']:,} | {r['refused']:,} ({codes}) | "
+        codes = ", ".join(f"{n:,} x {c}" for c, n in sorted(r.get("statuses", {}).items())
+                          if str(c) not in ("200", "0") and not str(c).isalpha())
+        refused = f"{r['refused']:,} ({codes})" if codes else f"{r['refused']:,}"
+        lines.append(f"| {name.replace('_', ' ')} | {r['sent']:,} | {r['ok']:,} | {refused} | "
                      f"{r.get('unclean', 0)} | {r['unreachable']} | {r['lost']} | {r['hung']} | "
                      f"{r['p50_ms']} / {r['p99_ms']} |")
     left = result.get("left_after_stop")

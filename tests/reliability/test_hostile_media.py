@@ -42,11 +42,11 @@ def refused(fn, *args) -> MediaError:
 
 
 @pytest.fixture
-def budget(monkeypatch) -> media.PixelBudget:
+def budget(monkeypatch) -> media.Budget:
     """A fresh process-wide decode budget, so its high-water mark is this test's alone."""
-    if not hasattr(media, "PixelBudget"):  # before issue 13: nothing bounded decoding
+    if not hasattr(media, "DECODE_BUDGET"):  # before issue 13: nothing bounded decoding
         return SimpleNamespace(high_water=0, in_use=0)
-    fresh = media.PixelBudget()
+    fresh = media.Budget("pixels being decoded")
     monkeypatch.setattr(media, "DECODE_BUDGET", fresh)
     return fresh
 
@@ -293,3 +293,34 @@ def test_encoder_paths_surface_the_new_refusals(tiny, budget):
     err = refused(small.prepare_media, static_video(4))
     assert err.code == "too_large" and "8 sampled frames" in err.message
     assert budget.high_water == 0
+
+
+# --- prepared patches held process-wide (beyond issue 13: a queue of long videos) ---------------
+
+
+def test_prepared_patches_are_bounded_across_requests_and_released_with_their_tensors(monkeypatch):
+    """Found with bench/hostile_memory.py: a 600 s video holds ~1.7 GB of prepared patches until its
+    forward, and `--max-pending` (64 requests) alone would let 64 of them wait at once."""
+    import gc
+
+    from mm_encoder import Encoder
+
+    fresh = media.Budget("prepared patches")
+    monkeypatch.setattr(media, "PREPARED_BUDGET", fresh)
+    enc = Encoder.from_pretrained("tiny", limits=MediaLimits(max_prepared_patches=100, decode_wait_s=0.05))
+    png = image_bytes(natural_image(112, 84, seed=3), "PNG")  # 6 x 8 = 48 patches
+    first, second = enc.prepare_media(png), enc.prepare_media(png)
+    assert fresh.in_use == 96
+    with pytest.raises(Overloaded):  # 144 > 100: waited --decode-wait-s, then 503
+        enc.prepare_media(png)
+    assert fresh.in_use == 96  # the refused one's tensor was freed with it
+    del first
+    gc.collect()
+    third = enc.prepare_media(png)
+    assert fresh.in_use == 96 and fresh.high_water == 96
+    big = image_bytes(natural_image(280, 280, seed=3), "PNG")  # 400 patches: can never fit
+    err = refused(enc.prepare_media, big)
+    assert (err.code, err.http_status) == ("too_large", 413)
+    del second, third
+    gc.collect()
+    assert fresh.in_use == 0
