@@ -373,14 +373,9 @@ def section(result: dict, plots: Path) -> str:
 
 
 def _plot(result: dict, plots: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = stats.pyplot()
+    if plt is None:
         return None
-    plots.mkdir(parents=True, exist_ok=True)
     lv = result["levels"]
     names = list(lv)
     med = [lv[n]["p50_c1_ms"]["median"] for n in names]
@@ -395,10 +390,7 @@ def _plot(result: dict, plots: Path) -> str | None:
     ax.set_xlabel("p50 latency at 1 connection, ms (log)")
     ax.set_title(f"p50 of a hit per level ({result['body_mb']:.2f} MB body) and of a full encode", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plots / "cache-levels.png", dpi=110)
-    plt.close(fig)
-    return "docs/bench/cache-levels.png"
+    return stats.save_png(fig, plots, "cache-levels.png")
 
 
 def main() -> None:
@@ -410,10 +402,7 @@ def main() -> None:
     if shutil.which("wrk") is None:
         sys.exit("bench/cache.py needs wrk: apt-get install -y wrk")
     result = run(args)
-    if args.json:  # first, so a failing section() loses no measurement
-        args.json.write_text(json.dumps(result, indent=2))
-    with tempfile.TemporaryDirectory() as plots:  # the markdown on stdout; plots: see section()
-        print(section(result, Path(plots)))
+    stats.emit(result, args.json, section)
 
 
 if __name__ == "__main__":

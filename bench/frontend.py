@@ -352,10 +352,7 @@ def main() -> None:
     out = {"machine": stats.machine(), "config": {"streams": args.streams, "tokens": args.tokens,
                                                   "repeats": args.repeats}, **out}
     print(json.dumps(out, indent=2))
-    if args.json:  # first, so a failing section() loses no measurement
-        args.json.write_text(json.dumps(out, indent=2))
-    with tempfile.TemporaryDirectory() as plots:  # the markdown on stdout; plots: see section()
-        print(section(out, Path(plots)))
+    stats.emit(out, args.json, section)
 
 
 if __name__ == "__main__":

@@ -302,14 +302,9 @@ def section(result: dict, plots: Path) -> str:
 
 
 def _plot(result: dict, plots: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = stats.pyplot()
+    if plt is None:
         return None
-    plots.mkdir(parents=True, exist_ok=True)
     rates = result["config"]["rates"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, color in (("epd", "#4c72b0"), ("agg", "#c44e52")):
@@ -326,10 +321,7 @@ def _plot(result: dict, plots: Path) -> str | None:
     ax.set_title("Text TTFT under image load: EPD vs aggregated")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(plots / "graphs-text-ttft.png", dpi=110)
-    plt.close(fig)
-    return "docs/bench/graphs-text-ttft.png"
+    return stats.save_png(fig, plots, "graphs-text-ttft.png")
 
 
 def main() -> None:
@@ -349,10 +341,7 @@ def main() -> None:
     result = {"machine": stats.machine(), "wall_s": time.perf_counter() - t0,
               "config": {"rates": rates, "duration_s": duration, "pool": pool, "zipf_s": ZIPF_S, "seed": SEED,
                          "image": "1280x720 JPEG", "max_tokens": 8}, "graphs": graphs}
-    if args.json:  # first, so a failing section() loses no measurement
-        args.json.write_text(json.dumps(result, indent=2))
-    with tempfile.TemporaryDirectory() as plots:  # the markdown on stdout; plots: see section()
-        print(section(result, Path(plots)))
+    stats.emit(result, args.json, section)
     print(f"wall {result['wall_s']:.0f} s")
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -182,10 +181,7 @@ def main() -> None:
                "peak_rss_mb": stats.summary(r["peak_rss_mb"] for r in rs), "statuses": rs[-1]["statuses"]}
         for name, rs in runs.items()}}
     print(json.dumps(out, indent=2))
-    if args.json:  # first, so a failing section() loses no measurement
-        args.json.write_text(json.dumps(out, indent=2))
-    with tempfile.TemporaryDirectory() as plots:  # the markdown on stdout; plots: see section()
-        print(section(out, Path(plots)))
+    stats.emit(out, args.json, section)
 
 
 if __name__ == "__main__":

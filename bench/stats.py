@@ -86,3 +86,16 @@ def save_png(fig, plots, name: str) -> str:
 
     plt.close(fig)
     return f"docs/bench/{name}"
+
+
+def emit(result: dict, json_path, section) -> None:
+    """A module's last step: its JSON first (so a failing `section()` loses no measurement), then
+    its markdown on stdout, with the plots in a throwaway folder (bench/report.py writes the real ones)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    with tempfile.TemporaryDirectory() as plots:
+        print(section(result, Path(plots)))

@@ -24,7 +24,6 @@ so their exponent spread is that of a real projector output; bf16, 7168 wide (Ki
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -305,10 +304,7 @@ def main() -> None:
         rounds, seconds = (1, 2) if args.quick else (args.rounds, 4)
         result["hits"] = measure_hits(rounds, seconds)
         result["worker_hits"] = measure_worker_hits(rounds, seconds)
-    if args.json:  # first, so a failing section() loses no measurement
-        args.json.write_text(json.dumps(result, indent=2))
-    with tempfile.TemporaryDirectory() as plots:  # the markdown on stdout; plots: see section()
-        print(section(result, Path(plots)))
+    stats.emit(result, args.json, section)
 
 
 def section(result: dict, plots: Path) -> str:
@@ -437,14 +433,9 @@ def _interp(sweep: list[dict], mb: float) -> float:
 
 
 def _plot(result: dict, plots: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = stats.pyplot()
+    if plt is None:
         return None
-    plots.mkdir(parents=True, exist_ok=True)
     ref = result.get("reference", REFERENCE)
     hits = result.get("hits")
     panels = 1 + bool(hits) + bool(hits and hits.get("sweep"))
@@ -483,10 +474,7 @@ def _plot(result: dict, plots: Path) -> str | None:
         ax.set_title("cache-hit req/s against body size", fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle("Payload per response by wire format")
-    fig.tight_layout()
-    fig.savefig(plots / "wire-payload.png", dpi=110)
-    plt.close(fig)
-    return "docs/bench/wire-payload.png"
+    return stats.save_png(fig, plots, "wire-payload.png")
 
 
 if __name__ == "__main__":

@@ -297,10 +297,7 @@ def main() -> None:
         shutil.rmtree(CONFIGS, ignore_errors=True)
     result = {"machine": stats.machine(), "rounds": args.rounds, "quick": args.quick,
               "concurrency": args.concurrency, "results": summary}
-    if args.json:  # first, so a failing section() loses no measurement
-        args.json.write_text(json.dumps(result, indent=2))
-    with tempfile.TemporaryDirectory() as plots:  # the markdown on stdout; plots: see section()
-        print(section(result, Path(plots)))
+    stats.emit(result, args.json, section)
 
 
 if __name__ == "__main__":
