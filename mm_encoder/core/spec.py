@@ -138,6 +138,10 @@ class MediaLimits(_Frozen):
     max_prepared_patches: int | None = None
 
     @property
+    def decoding_capacity(self) -> int:
+        return self.max_decoding_pixels or 4 * self.max_pixels
+
+    @property
     def prepared_capacity(self) -> int:
         return self.max_prepared_patches or self.max_video_patches
 

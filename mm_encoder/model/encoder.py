@@ -84,12 +84,11 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA, and on CPUs with native bf16 matmuls (AVX-512 BF16 or AMX: 1.47x faster than
-    fp32 on the full-width tower, per-token cosine 0.99996; BENCHMARKS.md); fp32 elsewhere, where
+    """bf16 on CUDA, and on CPUs with native bf16 matmuls (AVX-512 BF16 or AMX: 1.4-2.9x faster than
+    fp32 on the full-width tower at per-token cosine 0.99994, BENCHMARKS.md); fp32 elsewhere, where
     bf16 is emulated and slower."""
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+    native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+    return torch.bfloat16 if native else torch.float32
 
 
 @functools.cache
@@ -306,7 +305,7 @@ class Encoder:
         # Held until the tensor is freed (after its forward, or when a failed request drops it), so no
         # owner has to remember to give it back. Taken after preprocessing: one item per CPU worker
         # may overshoot while it waits.
-        media.PREPARED_BUDGET.acquire(n, self.limits.prepared_capacity, self.limits.decode_wait_s)
+        media.PREPARED_BUDGET.acquire(n, self.limits)
         weakref.finalize(pixel_values, media.PREPARED_BUDGET.release, n)
         return Prepared(pixel_values, grid, h, modality, timestamp, {"decode": decode_ms, "preprocess": _ms(t0)})
 

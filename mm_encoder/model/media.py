@@ -89,21 +89,23 @@ def _check_size(data: bytes, limits: MediaLimits) -> None:
 
 
 class Budget:
-    """Units (pixels being decoded, patches prepared) held at once across threads. A request waits
-    its turn up to `decode_wait_s`, then is refused with 503 `overloaded` (retry later), so memory
-    stays bounded under load; one that could never fit is refused at once."""
+    """Units (pixels being decoded, patches prepared) held at once across threads, up to the
+    `MediaLimits` capacity named by `capacity` (a property of the limits). A request waits its turn
+    up to `decode_wait_s`, then is refused with 503 `overloaded` (retry later), so memory stays
+    bounded under load; one that could never fit is refused at once with `code`."""
 
-    def __init__(self, unit: str) -> None:
-        self.unit = unit
+    def __init__(self, unit: str, capacity: str, code: str) -> None:
+        self.unit, self.capacity, self.code = unit, capacity, code
         self._cond = threading.Condition()
         self.in_use = 0
         self.high_water = 0  # the most ever held at once (for tests and metrics)
 
-    def acquire(self, n: int, capacity: int, wait_s: float, code: str = "too_large") -> None:
+    def acquire(self, n: int, limits: MediaLimits) -> None:
+        capacity = getattr(limits, self.capacity)
         if n > capacity:
-            raise MediaError(code, f"this needs {n} {self.unit} at once; the budget is {capacity}")
+            raise MediaError(self.code, f"this needs {n} {self.unit} at once; the budget is {capacity}")
         with self._cond:
-            if not self._cond.wait_for(lambda: self.in_use + n <= capacity, wait_s):
+            if not self._cond.wait_for(lambda: self.in_use + n <= capacity, limits.decode_wait_s):
                 raise Overloaded(f"{self.in_use} {self.unit} are held (budget {capacity}); retry later")
             self.in_use += n
             self.high_water = max(self.high_water, self.in_use)
@@ -114,20 +116,18 @@ class Budget:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def hold(self, pixels: int, limits: MediaLimits) -> Iterator[None]:
-        """Pixels decoded inside the block (the decode budget's use)."""
-        self.acquire(pixels, limits.max_decoding_pixels or 4 * limits.max_pixels, limits.decode_wait_s,
-                     "too_many_pixels")
+    def hold(self, n: int, limits: MediaLimits) -> Iterator[None]:
+        self.acquire(n, limits)
         try:
             yield
         finally:
-            self.release(pixels)
+            self.release(n)
 
 
-DECODE_BUDGET = Budget("pixels being decoded")
+DECODE_BUDGET = Budget("pixels being decoded", "decoding_capacity", "too_many_pixels")
 # Patches of prepared pixel_values alive in the process (model/encoder.py holds them until the
 # tensors are freed, after their forward).
-PREPARED_BUDGET = Budget("prepared patches")
+PREPARED_BUDGET = Budget("prepared patches", "prepared_capacity", "too_large")
 
 # --- JPEG structure (what libjpeg would otherwise paper over) -------------------------------
 

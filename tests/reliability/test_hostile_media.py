@@ -46,7 +46,7 @@ def budget(monkeypatch) -> media.Budget:
     """A fresh process-wide decode budget, so its high-water mark is this test's alone."""
     if not hasattr(media, "DECODE_BUDGET"):  # before issue 13: nothing bounded decoding
         return SimpleNamespace(high_water=0, in_use=0)
-    fresh = media.Budget("pixels being decoded")
+    fresh = media.Budget("pixels being decoded", "decoding_capacity", "too_many_pixels")
     monkeypatch.setattr(media, "DECODE_BUDGET", fresh)
     return fresh
 
@@ -305,7 +305,7 @@ def test_prepared_patches_are_bounded_across_requests_and_released_with_their_te
 
     from mm_encoder import Encoder
 
-    fresh = media.Budget("prepared patches")
+    fresh = media.Budget("prepared patches", "prepared_capacity", "too_large")
     monkeypatch.setattr(media, "PREPARED_BUDGET", fresh)
     enc = Encoder.from_pretrained("tiny", limits=MediaLimits(max_prepared_patches=100, decode_wait_s=0.05))
     png = image_bytes(natural_image(112, 84, seed=3), "PNG")  # 6 x 8 = 48 patches
