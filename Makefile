@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e '.[dev,dynamo,frontend,stock]'
+	$(BIN)/python -m pip install -q -e '.[dev,dynamo,frontend,engine,stock]'
 	$(BIN)/python -m pip install -q --no-deps "$(AI_DYNAMO_PIN)"
 	@touch $(STAMP)
 

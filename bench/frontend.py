@@ -3,9 +3,10 @@
     python bench/frontend.py [--streams 50] [--tokens 200] [--repeats 5] [--quick] [--json PATH]
 
 Per transport (`--media-transport handle`, and `body`: the frontend fetching each body and sending
-it to the engine, as before handles), one stack on loopback, both up at once (Dynamo file discovery + TCP): an
-encode worker serving `tiny-wide` (tiny tower, 7168-wide projector), an nginx cluster tier in front
-of it, one reference engine (0 transformer blocks, width 7168) and the frontend. A 3840x2160 image
+it to the engine, as before handles), one stack on loopback, both up at once (Dynamo file discovery + TCP), all
+on one generated `wide` Kimi-K2.5 checkpoint (tiny MoonViT, 7168-wide projector, a one-layer
+7168-wide DeepseekV3): its encode worker, an nginx cluster tier in front of it, one engine (the
+checkpoint's language model through transformers) and the frontend. A 3840x2160 image
 is 4,214 tokens x 7168 bf16: a ~40 MB body. Measured per transport, in one run:
 - bytes on Dynamo's request plane per 4K request (the engine's `dynamo_component_request_bytes_total`);
 - time to first token of a cold 4K image (a new image each time) and of a repeated one, medians,
@@ -38,7 +39,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stats  # noqa: E402
-import worker as worker_bench  # noqa: E402  (bench/worker.py: tiny-wide configs)
 from media_factory import image_bytes, natural_image  # noqa: E402
 from nginx_fixtures import dynamo_system_port  # noqa: E402 (Dynamo reads DYN_SYSTEM_PORT as an i16)
 
@@ -77,9 +77,9 @@ def start(name: str, run: Path, env: dict, *args: str, ready: str | None = None,
 
 def chat_body(img: bytes | str, tokens: int) -> bytes:
     url = img if isinstance(img, str) else "data:image/jpeg;base64," + base64.b64encode(img).decode()
-    return json.dumps({"model": "wide-chat", "max_tokens": tokens, "stream": True, "ignore_eos": True, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Describe it."},
-                                     {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+    content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]
+    return json.dumps({"model": "kimi-k2.5-wide", "max_tokens": tokens, "stream": True, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": content}]}).encode()
 
 
 def stream_chat(port: int, body: bytes, result: dict) -> None:
@@ -135,19 +135,19 @@ def request_bytes(port: int, engine_sys: int, img: bytes | str) -> int:
 class Stack:
     """One transport's processes: encode worker, cluster tier, engine, frontend."""
 
-    def __init__(self, mode: str, configs: Path, model_dir: Path, image_url: str):
+    def __init__(self, mode: str, model_dir: Path, image_url: str):
         self.mode = mode
         self.run = Path(tempfile.mkdtemp(prefix=f"mm-bench-frontend-{mode}-"))
         base = {**os.environ, "DYN_FILE_KV": str(self.run / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
                 "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_LOG": "error", "DYN_SELF_HOST_METADATA": "0",
-                "MM_ENCODER_CONFIGS": str(configs), "MM_ENCODER_LOG_LEVEL": "WARNING"}
+                "MM_ENCODER_LOG_LEVEL": "WARNING"}
         base.pop("DYN_TCP_MAX_MESSAGE_SIZE", None)
         bodies = {**base, "DYN_TCP_MAX_MESSAGE_SIZE": BIG}  # the encoder and engine carry bodies in both modes
         worker_port, tier_port, self.port, self.engine_sys = free_port(), free_port(), free_port(), dynamo_system_port()
         self.procs: list[subprocess.Popen] = []
         allow = json.dumps([image_url.split("/")[2]])
         self.procs.append(start("worker", self.run, {**bodies, "MM_ENCODER_FETCH_ALLOW_HOSTS": allow},
-                                "-m", "mm_encoder.worker", "--model", "tiny-wide",
+                                "-m", "mm_encoder.worker", "--model", str(model_dir), "--dtype", "fp32",
                                 "--dynamo", "--http-port", str(worker_port), ready="worker ready"))
         self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier",
                                 "cluster", "--listen", f"127.0.0.1:{tier_port}", "--next", f"127.0.0.1:{worker_port}",
@@ -155,7 +155,7 @@ class Stack:
                                 url=f"http://127.0.0.1:{tier_port}/_cache/health"))
         chain = f"http://127.0.0.1:{tier_port}"
         self.procs.append(start("engine", self.run, {**bodies, "DYN_SYSTEM_PORT": str(self.engine_sys)}, "-m",
-                                "mm_encoder.engines.reference", "--model-dir", str(model_dir), "--encoder-chain",
+                                "mm_encoder.engines.worker", "--checkpoint", str(model_dir), "--encoder-chain",
                                 chain, ready="engine ready"))
         self.frontend = start("frontend", self.run, bodies if mode == "body" else base,  # handles: default limit
                               "-m", "mm_encoder.frontend", "--model-dir", str(model_dir), "--http-port",
@@ -219,7 +219,7 @@ class Stack:
             shutil.rmtree(self.run, ignore_errors=True)
 
 
-def measure(args, configs: Path, model_dir: Path) -> dict:
+def measure(args, model_dir: Path) -> dict:
     """Both stacks up at once; single requests interleaved (handle, body, handle, ...) so the
     machine's noise falls on both; the concurrent load runs on one stack at a time."""
     shared_img = image_bytes(natural_image(3840, 2160, seed=4), "JPEG", quality=90)
@@ -227,7 +227,7 @@ def measure(args, configs: Path, model_dir: Path) -> dict:
     stacks: dict[str, Stack] = {}
     try:
         for mode in MODES:
-            stacks[mode] = Stack(mode, configs, model_dir, image_url)
+            stacks[mode] = Stack(mode, model_dir, image_url)
         out: dict[str, dict] = {m: {"transport": m} for m in MODES}
         for m, st in stacks.items():  # warm: the shared image encoded once per stack, by data: URL and URL
             st.ttft(shared_img)
@@ -275,9 +275,10 @@ def section(result: dict, plots: Path) -> str:
     lines = [
         "## Embeddings by handle vs through the frontend (`python bench/frontend.py`)",
         "",
-        "Both stacks were up at once on loopback, each with its own encode worker (`tiny-wide`: the tiny tower, "
-        "7168-wide projector), nginx cluster tier, reference engine (width 7168, no transformer blocks) and "
-        "frontend. They differ only in `--media-transport`:",
+        "Both stacks were up at once on loopback on one generated `wide` Kimi-K2.5 checkpoint (tiny MoonViT, "
+        "7168-wide projector, a one-layer 7168-wide DeepseekV3), each with its own encode worker, nginx cluster "
+        "tier, engine (the checkpoint's language model through transformers) and frontend. They differ only in "
+        "`--media-transport`:",
         "- `handle`: the frontend asks for headers only, and the engine fetches the body through the tier "
         "(`/v1/encode/fetch`).",
         "- `body`: the frontend POSTs, receives the body and sends it to the engine, as before handles.",
@@ -338,16 +339,13 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.streams, args.tokens, args.repeats = 10, 60, 3
-    configs = worker_bench.bench_configs()
-    os.environ["MM_ENCODER_CONFIGS"] = str(configs)
-    from mm_encoder.engines.model_dir import make_model_dir
+    from mm_encoder.engines.tiny_checkpoint import write_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="mm-bench-frontend-"))
-    model_dir = make_model_dir(work / "wide-chat", "tiny-wide", name="wide-chat", context_length=8192, num_layers=0)
+    model_dir = write_checkpoint(work / "kimi-k2.5-wide", "wide")
     try:
-        out = measure(args, configs, model_dir)
+        out = measure(args, model_dir)
     finally:
-        shutil.rmtree(configs, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     out = {"machine": stats.machine(), "config": {"streams": args.streams, "tokens": args.tokens,
                                                   "repeats": args.repeats}, **out}

@@ -28,6 +28,16 @@ and by the run's global budget; a stage that fails records its error and the oth
   on the GPU; fp32 as a second row) + `.cpu()` + json+base64 body. after = today's path: mm_hash,
   decode, torch resize on the device (Encoder.prepare_media), the fast model + pinned async copy
   (Encoder.forward), wire v1 (msgpack + raw + zstd, the worker's defaults).
+- `engine`: the language model the engines serve, on the device. The generated random-weight
+  Kimi-K2.5 checkpoints (`engines.tiny_checkpoint`, presets `tiny` and `small`, written into a
+  temporary directory), loaded with `LanguageModel.load(..., device="cuda", dtype=bf16 | fp32)` and
+  run with the engine's own calls (`embed`, then `forward` with a transformers KV cache, as
+  `Engine.prefill` and `Engine.step` make them; no prefix store). Per preset, dtype and prompt
+  length (seeded token ids): prefill ms (wall, device synchronised before and after) and decode
+  tokens/s (32 greedy steps after a prefill, wall). Then the greedy check: 32 greedy tokens for one
+  prompt, fp32 on the device against fp32 on the CPU (same checkpoint); equal, or the first step
+  where they differ with the CPU's top-2 logit margin there (a near tie is rounding, a wide margin
+  a bug). Needs transformers >= 5.24 (the `engine` extra).
 
 Exit status: 0 all stages ran (the checks in results.json say what was met); 1 a stage failed;
 2 no CUDA device (and not --cpu-logic).
@@ -86,16 +96,18 @@ SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchr
               "cudaMemcpy2D", "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize")
 
 MODES: dict[str, dict[str, Any]] = {
-    # Budgets in seconds; ~2.5 min of stages on an H200, bounded at `global_s`.
+    # Budgets in seconds; ~3.5 min of stages on an H200 (the engine stage ~1 min), bounded at `global_s`.
     "gpu": {
         "tower": None,
         "projector": None,
         "sizes": {"full_hd": (1920, 1080), "4k": (3840, 2160)},
         "pack": [(448, 448), (1280, 720), (640, 480), (1024, 768), (800, 1200), (336, 336)],
-        "global_s": 330.0,
-        "budget": {"fast": 6.0, "ref_fp32": 12.0, "ref_bf16": 8.0, "attention": 4.0, "copy": 3.0, "e2e": 12.0},
-        "min_n": {"fast": 5, "ref": 3, "attention": 5, "copy": 5, "e2e": 3},
+        "global_s": 390.0,
+        "budget": {"fast": 6.0, "ref_fp32": 12.0, "ref_bf16": 8.0, "attention": 4.0, "copy": 3.0, "e2e": 12.0,
+                   "engine": 1.5},
+        "min_n": {"fast": 5, "ref": 3, "attention": 5, "copy": 5, "e2e": 3, "engine": 3},
         "max_n": 50,
+        "engine": {"presets": ["tiny", "small"], "lengths": [128, 2048, 8192], "decode": 32, "check_len": 512},
     },
     # The whole logic on the CPU in seconds: a head_dim-72 tower of 2 layers, small images.
     "cpu-logic": {
@@ -104,9 +116,11 @@ MODES: dict[str, dict[str, Any]] = {
         "sizes": {"full_hd": (192, 108), "4k": (384, 216)},
         "pack": [(56, 56), (112, 84), (140, 112)],
         "global_s": 180.0,
-        "budget": {"fast": 0.2, "ref_fp32": 0.2, "ref_bf16": 0.2, "attention": 0.2, "copy": 0.1, "e2e": 0.3},
-        "min_n": {"fast": 1, "ref": 1, "attention": 1, "copy": 1, "e2e": 1},
+        "budget": {"fast": 0.2, "ref_fp32": 0.2, "ref_bf16": 0.2, "attention": 0.2, "copy": 0.1, "e2e": 0.3,
+                   "engine": 0.1},
+        "min_n": {"fast": 1, "ref": 1, "attention": 1, "copy": 1, "e2e": 1, "engine": 1},
         "max_n": 2,
+        "engine": {"presets": ["tiny"], "lengths": [64, 256], "decode": 4, "check_len": 64},
     },
 }
 
@@ -297,6 +311,36 @@ def worker_wire() -> dict:
         return {"dtype": "bfloat16", "byte_planes": True, "level": wire.DEFAULT_LEVEL}
 
 
+def engine_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    """`n` seeded token ids (the cost of a prefill does not depend on which)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def greedy(lm, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """`steps` greedy tokens after `ids`, as the engine makes them (prefill, then one step per token
+    with the KV cache), and the top-2 logit margin at each."""
+    logits, cache = lm.forward(lm.embed(ids))
+    tokens, margins = [], []
+    for i in range(steps):
+        top = logits.float().topk(2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        if i < steps - 1:
+            logits, cache = lm.forward(lm.embed([tokens[-1]]), cache)
+    return tokens, margins
+
+
+def greedy_check(cpu: tuple[list[int], list[float]], dev: tuple[list[int], list[float]]) -> dict:
+    """Equal tokens, or the first step where they differ and the CPU's top-2 margin there."""
+    (a, margins), (b, _) = cpu, dev
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    return {"tokens": len(a), "equal": first is None, "first_divergence": first,
+            "cpu_margin": None if first is None else margins[first], "cpu_tokens": a, "device_tokens": b,
+            "min_cpu_margin": min(margins)}
+
+
 # --- the run ------------------------------------------------------------------------------------------
 
 
@@ -310,7 +354,7 @@ class Run:
         self.results: dict[str, Any] = {
             "schema": SCHEMA, "mode": mode, "started": now(), "finished": None, "elapsed_s": None,
             "machine": self.machine(), "config": {}, "parity": {}, "forward": {}, "syncs": {}, "attention": {},
-            "copy": {}, "before_after": {}, "checks": {}, "stage_s": {}, "errors": {},
+            "copy": {}, "before_after": {}, "engine": {}, "checks": {}, "stage_s": {}, "errors": {},
         }
 
     def machine(self) -> dict:
@@ -660,6 +704,79 @@ class Run:
         log(f"  before/after: {self.results['before_after']['speedup']:.2f}x (reference stack "
             f"{REFERENCE_STACK['before_ms']} -> {REFERENCE_STACK['after_ms']} ms, {REFERENCE_STACK['speedup']}x)")
 
+    # --- the engine's language model ---
+
+    def engine(self) -> None:
+        import tempfile
+
+        import transformers
+
+        from mm_encoder.engines.llm import LanguageModel
+        from mm_encoder.engines.tiny_checkpoint import write_checkpoint
+
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        if (major, minor) < (5, 24):
+            raise RuntimeError(f"transformers {transformers.__version__} is too old for the engine (>= 5.24 needed: "
+                               "Kimi-K2.5's classes)")
+        b, e = self.bench, self.m["engine"]
+        out: dict[str, Any] = {"decode_tokens": e["decode"], "lengths": e["lengths"], "check_len": e["check_len"],
+                               "timer": "wall, device synchronised", "transformers": transformers.__version__,
+                               "allow_tf32": torch.backends.cuda.matmul.allow_tf32, "presets": {}}
+        self.results["engine"] = out
+        with tempfile.TemporaryDirectory(prefix="mm-gpu-engine-") as tmp:
+            for preset in e["presets"]:
+                if b.over():
+                    out["skipped"] = f"{preset} and after: the run's time budget was spent"
+                    log(f"  {out['skipped']}")
+                    break
+                t0 = time.perf_counter()
+                ckpt = write_checkpoint(Path(tmp) / f"kimi-k2.5-{preset}", preset)
+                p: dict[str, Any] = {"checkpoint": ckpt.name, "write_s": round(time.perf_counter() - t0, 1),
+                                     "rows": [], "greedy": None}
+                out["presets"][preset] = p
+                for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                    lm = LanguageModel.load(ckpt, device=self.device, dtype=dtype)
+                    p["params"] = sum(t.numel() for t in lm.lm.parameters())
+                    for n in e["lengths"]:
+                        ids = engine_prompt(lm.vocab_size, n, seed=n)
+                        row = {"dtype": dname, "prompt_tokens": n, **self.prefill_decode(lm, ids, e["decode"])}
+                        p["rows"].append(row)
+                        log(f"  {preset} {dname} {n} tokens: prefill {stats.fmt(row['prefill_ms'])} ms, decode "
+                            f"{stats.fmt(row['decode_tok_s'])} tok/s")
+                    if dname == "fp32":
+                        ids = engine_prompt(lm.vocab_size, e["check_len"], seed=1)
+                        cpu = LanguageModel.load(ckpt, device="cpu", dtype=torch.float32)
+                        p["greedy"] = greedy_check(greedy(cpu, ids, e["decode"]), greedy(lm, ids, e["decode"]))
+                        p["greedy"]["prompt_tokens"] = e["check_len"]
+                        g = p["greedy"]
+                        log(f"  {preset} greedy, {self.device.type} fp32 vs cpu fp32: "
+                            + ("equal" if g["equal"] else f"differ from step {g['first_divergence']} (cpu margin "
+                               f"{g['cpu_margin']:.3g})") + f" over {g['tokens']} tokens")
+                        del cpu
+                    del lm
+                    if self.cuda:
+                        torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def prefill_decode(self, lm, ids: list[int], steps: int) -> dict:
+        """Prefill ms of `ids`; decode tokens/s over `steps` greedy steps after it (the prefill untimed)."""
+        b, m = self.bench, self.m
+
+        def prefill():
+            return lm.forward(lm.embed(ids))
+
+        def decode() -> float:
+            logits, cache = prefill()
+            b.sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                logits, cache = lm.forward(lm.embed([int(logits.argmax())]), cache)
+            b.sync()
+            return steps / (time.perf_counter() - t0)
+
+        kw = {"budget_s": m["budget"]["engine"], "min_n": m["min_n"]["engine"]}
+        return {"prefill_ms": b.repeat(lambda: b.wall_ms(prefill), **kw), "decode_tok_s": b.repeat(decode, **kw)}
+
     # --- checks and the summary ---
 
     def checks(self) -> None:
@@ -681,6 +798,13 @@ class Run:
         if r["before_after"]:
             c["after_faster_than_before"] = {"ok": r["before_after"]["speedup"] > 1.0,
                                              "value": r["before_after"]["speedup"], "target": "> 1"}
+        if r["engine"].get("presets"):
+            greedy = {k: p["greedy"] for k, p in r["engine"]["presets"].items() if p.get("greedy")}
+            c["engine_greedy_device_fp32_equals_cpu_fp32"] = {
+                "ok": bool(greedy) and all(g["equal"] for g in greedy.values()),
+                "value": ", ".join(f"{k}: " + ("equal" if g["equal"] else f"differ at step {g['first_divergence']}")
+                                   for k, g in greedy.items()) or "not run",
+                "target": "the same greedy tokens"}
         if self.mode != "gpu":
             for v in c.values():
                 v["note"] = "cpu-logic: not a measurement"
@@ -793,6 +917,29 @@ def render_md(r: dict) -> str:
                          + f" | {f(row['total'])} | {speed} | {row['body_bytes'] / 1e6:.1f} |")
         lines += ["| reference stack (GPU) | " + " | ".join("" for _ in keys)
                   + f" | {ref['before_ms']} -> {ref['after_ms']} | {ref['speedup']:.1f}x | |", ""]
+    if r.get("engine", {}).get("presets"):
+        e = r["engine"]
+        lines += [f"## Engine: the language model on the {where} (generated Kimi-K2.5, random weights)", "",
+                  f"`LanguageModel.load` of each preset's checkpoint, the engine's own calls (prefill, then one step "
+                  f"per token with the KV cache); prefill ms and decode tokens/s over {e['decode_tokens']} greedy "
+                  f"steps, {e['timer']}; transformers {e['transformers']}.", "",
+                  "| preset | dtype | prompt tokens | prefill ms | decode tok/s |", "|---|---|---:|---:|---:|"]
+        for preset, p in e["presets"].items():
+            for row in p["rows"]:
+                lines.append(f"| {preset} | {row['dtype']} | {row['prompt_tokens']:,} | {f(row['prefill_ms'])} | "
+                             f"{f(row['decode_tok_s'])} |")
+        lines.append("")
+        for preset, p in e["presets"].items():
+            g = p.get("greedy")
+            if g is None:
+                continue
+            lines.append(f"- {preset} ({p.get('params', 0) / 1e6:.1f} M parameters), greedy tokens for one "
+                         f"{g['prompt_tokens']}-token prompt, {where} fp32 vs CPU fp32: "
+                         + (f"**equal** over {g['tokens']} tokens (smallest CPU top-2 margin "
+                            f"{g['min_cpu_margin']:.3g})." if g["equal"] else
+                            f"**differ from step {g['first_divergence']}** of {g['tokens']} (CPU top-2 margin "
+                            f"there {g['cpu_margin']:.3g}; CPU {g['cpu_tokens']}, device {g['device_tokens']})."))
+        lines.append("")
     if r["checks"]:
         lines += ["## Checks", "", "| check | result | value | target |", "|---|---|---|---|"]
         for k, v in r["checks"].items():
@@ -838,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
     run.stage("attention", run.attention)
     run.stage("copy", run.copy)
     run.stage("before_after", run.before_after)
+    run.stage("engine", run.engine)
     return run.finish()
 
 

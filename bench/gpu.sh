@@ -2,7 +2,10 @@
 # bench/gpu.sh: the GPU benchmark and checks (issue 14) in one run of under 8 minutes on one GPU:
 # bf16 parity of the full 27-layer tower against the fp32 reference, fast vs reference forward time
 # (full HD, 4K), device syncs in the fast forward, the varlen attention path, the pinned side-stream
-# copy, and the before/after rows per 4K image. What each measures: bench/gpu.py's docstring.
+# copy, the before/after rows per 4K image, and the engine: the generated tiny and small Kimi-K2.5
+# checkpoints' language model on the GPU (bf16, fp32: prefill ms and decode tokens/s per prompt
+# length; greedy tokens on the GPU in fp32 against the CPU in fp32). What each measures:
+# bench/gpu.py's docstring.
 #
 #   bash bench/gpu.sh                 # results.json + results.md (+ run.log) in $OUT, else
 #                                     # bench/gpu-results/<UTC date-time>/
@@ -14,7 +17,8 @@
 # `pip install torch` is tried (it pulls a CUDA build on Linux). Packages the repo needs that the
 # interpreter lacks (pydantic, blake3, zstandard, ...) are installed into $GPU_DEPS (default
 # /tmp/mm-encoder-gpu-deps, put first on PYTHONPATH): from the wheels in $WHEELS (default .whl/ in
-# the repo) when there are any, else from the package index.
+# the repo) when there are any, else from the package index. The engine stage's own packages
+# (transformers, tokenizers) are tried the same way; without them that stage alone fails.
 #
 # Exit status: 0 every stage ran (results.json's checks say what was met); 1 a stage failed or the
 # run overran (partial results are kept); 2 no CUDA device: one line "no CUDA device: ...", before
@@ -33,15 +37,18 @@ for arg in "$@"; do
 done
 DEPS=${GPU_DEPS:-${TMPDIR:-/tmp}/mm-encoder-gpu-deps}
 WHEELS=${WHEELS:-$ROOT/.whl}
-# The outer bound: bench/gpu.py stops adding work at its own budget (330 s of stages); this is the
+# The outer bound: bench/gpu.py stops adding work at its own budget (390 s of stages); this is the
 # backstop that keeps the whole run (probing interpreters and installing wheels included) under 8 minutes.
-LIMIT_S=${GPU_TIMEOUT_S:-420}
+LIMIT_S=${GPU_TIMEOUT_S:-450}
 # A set of wheels that fills those gaps on a machine image with torch but not the repo's packages,
 # checked together (pydantic pins its pydantic-core exactly).
 WHEEL_PINS="pydantic==2.13.5 pydantic-core==2.46.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 blake3==1.0.11 zstandard==0.25.0"
 # module=pip requirement, for what bench/gpu.py imports: mm_encoder's core, model and wire, and
 # pytest (tests/conftest.py, whose random_model and ref_cfg it uses, imports it)
 REQS="pydantic=pydantic>=2.7 yaml=pyyaml blake3=blake3 msgpack=msgpack zstandard=zstandard PIL=pillow numpy=numpy safetensors=safetensors pytest=pytest"
+# the engine stage's (mm_encoder.engines: the checkpoint's language model through transformers, the
+# generated checkpoint's tokenizer); optional: without them the engine stage fails and the rest runs
+ENGINE_REQS="transformers=transformers>=5.24,<6 tokenizers=tokenizers>=0.15"
 
 no_cuda() {
   echo "no CUDA device: $*" >&2
@@ -88,8 +95,8 @@ else:
 EOF
 }
 
-missing_reqs() {  # the pip requirements of REQS whose module $1 cannot import
-  PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}" "$1" - "$REQS" <<'EOF'
+missing_reqs() {  # the pip requirements of $2 (default REQS) whose module $1 cannot import
+  PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}" "$1" - "${2:-$REQS}" <<'EOF'
 import importlib.util, sys
 pairs = [r.split("=", 1) for r in sys.argv[1].split()]
 print(" ".join(req for mod, req in pairs if importlib.util.find_spec(mod) is None))
@@ -138,24 +145,34 @@ if [[ -z $PY ]]; then
 fi
 
 # --- 3. the repo's packages ----------------------------------------------------------------------
-missing=$(missing_reqs "$PY")
-if [[ -n $missing ]]; then
+install() {  # pip requirements into $DEPS: from the wheels in $WHEELS if there are any, else the index
   mkdir -p "$DEPS"
   if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    echo "$PY lacks: $missing; installing the wheels in $WHEELS into $DEPS" >&2
+    echo "$PY lacks: $*; installing the wheels in $WHEELS into $DEPS" >&2
     "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --upgrade \
       --target "$DEPS" "$WHEELS"/*.whl || true
   else
-    echo "$PY lacks: $missing; trying: pip install --target $DEPS $missing" >&2
-    # shellcheck disable=SC2086  # one word per requirement
-    "$PY" -m pip install -q --disable-pip-version-check --timeout 30 --retries 1 --upgrade --target "$DEPS" $missing || true
+    echo "$PY lacks: $*; trying: pip install --target $DEPS $*" >&2
+    "$PY" -m pip install -q --disable-pip-version-check --timeout 30 --retries 1 --upgrade --target "$DEPS" "$@" || true
   fi
+}
+missing=$(missing_reqs "$PY")
+if [[ -n $missing ]]; then
+  # shellcheck disable=SC2086  # one word per requirement
+  install $missing
   still=$(missing_reqs "$PY")
   if [[ -n $still ]]; then
     die "$PY still lacks: $still (pip could not install them: no network here?). On a machine with pip, from the repo root:
   python3 -m pip download --no-deps --only-binary=:all: --python-version $("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl $WHEEL_PINS
 then run again with .whl/ in the tree (or WHEELS=that folder)"
   fi
+fi
+missing=$(missing_reqs "$PY" "$ENGINE_REQS")
+if [[ -n $missing ]]; then  # optional: without them the engine stage alone fails
+  # shellcheck disable=SC2086  # one word per requirement
+  install $missing
+  still=$(missing_reqs "$PY" "$ENGINE_REQS")
+  [[ -z $still ]] || echo "warning: $PY lacks $still (pip could not install it): the engine stage will fail, the others run" >&2
 fi
 
 # --- 4. the run ------------------------------------------------------------------------------------

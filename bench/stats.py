@@ -96,6 +96,7 @@ def emit(result: dict, json_path, section) -> None:
     from pathlib import Path
 
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))
     with tempfile.TemporaryDirectory() as plots:
         print(section(result, Path(plots)))

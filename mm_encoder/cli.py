@@ -30,6 +30,9 @@ FETCH_TIMEOUT_S = 30
 # subcommand -> (module whose main(argv) runs it, help)
 COMPONENTS = {
     "worker": ("mm_encoder.worker", "run the encode worker (mm-encoder worker --help)"),
+    "engine": ("mm_encoder.engines.worker",
+               "run an engine: the checkpoint's language model (mm-encoder engine --help)"),
+    "make-checkpoint": ("mm_encoder.engines.tiny_checkpoint", "write a small random Kimi-K2.5 checkpoint directory"),
     "cache": ("mm_encoder.deploy.cache_tiers", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
     "serve": ("mm_encoder.deploy.local", "run a whole graph on this machine: mm-encoder serve graphs/epd.yaml"),
     "status": ("mm_encoder.deploy.status", "per-component status of a running graph"),

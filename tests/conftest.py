@@ -39,3 +39,18 @@ def ref_cfg(spec: ModelSpec) -> dict:
 
 def random_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> VisionModel:
     return init_random(build_empty(spec), seed, torch.device("cpu"), dtype)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """The tiny random Kimi-K2.5 checkpoint the package generates (`make up` serves the same one):
+    transformers' config format, sharded safetensors in the released layout, tokenizer, chat template."""
+    from mm_encoder.engines.tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "kimi-k2.5-tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def ckpt_encoder(checkpoint) -> Encoder:
+    """The checkpoint's vision tower and projector, as the encode worker loads them (fp32)."""
+    return Encoder.from_pretrained(checkpoint, dtype="fp32")

@@ -66,3 +66,35 @@ def video_bytes(
         for packet in stream.encode():
             out.mux(packet)
     return buf.getvalue()
+
+
+def k25_image_tokens(width: int, height: int, patch: int = 14, merge: int = 2, max_patches: int = 16384,
+                     max_side_patches: int = 512) -> int:
+    """An image's rows in a Kimi-K2.5 prompt, from its size alone (the released processor's policy,
+    written out here so tests never read the count back from the code under test): scale by
+    s = min(1, sqrt(max_patches / patches), side limit / H, side limit / W), patches counted as
+    max(1, H // P) * max(1, W // P); truncate; pad each side up to a multiple of P * merge; one row
+    per merge x merge block of patches."""
+    import math
+
+    patches = max(1, height // patch) * max(1, width // patch)
+    side = max_side_patches * patch
+    s = min(1.0, math.sqrt(max_patches / patches), side / height, side / width)
+    h, w = min(max(1, int(height * s)), side), min(max(1, int(width * s)), side)
+    unit = patch * merge
+    return -(-h // unit) * -(-w // unit)
+
+
+def sampled_video_chunks(frames: int, fps: float, rows: int, target_fps: float = 2.0,
+                         chunk: int = 4) -> list[tuple[str, int]]:
+    """A clip's chunks in a Kimi-K2.5 prompt, (timestamp, rows) each: `min(target, native)` fps
+    evenly over the clip, `chunk` sampled frames per chunk (the last may have fewer: it keeps its
+    real frames), stamped with its first frame's time as hh:mm:ss.mmm; each chunk costs one
+    frame's `rows`."""
+    n = max(1, min(frames, round(frames / fps * min(target_fps, fps))))
+    picked = [0] if n == 1 else sorted({round(i * (frames - 1) / (n - 1)) for i in range(n)})
+    out = []
+    for first in picked[::chunk]:
+        ms = round(first / fps * 1000)
+        out.append((f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}", rows))
+    return out

@@ -1,10 +1,19 @@
-"""`mm-encoder serve` in a subprocess for the tests that run whole graphs, and the request they send."""
+"""`mm-encoder serve` in a subprocess for the tests that run whole graphs, the request they send,
+and prompt sizes computed independently of the code under test.
+
+Every graph serves one checkpoint: the tiny random Kimi-K2.5 (`engines.tiny_checkpoint`), served
+as `kimi-k2.5-tiny`. Expected prompt sizes come from transformers' own tokenizer and chat-template
+rendering over the checkpoint's files, and from the image's size under the K2.5 resize policy
+(`media_factory.k25_image_tokens`): never from the frontend, the engine or the encoder."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,20 +22,32 @@ import time
 import urllib.request
 from pathlib import Path
 
+from media_factory import k25_image_tokens
+from nginx_fixtures import dynamo_system_port, free_port
+
 from mm_encoder.deploy.local import leftover_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "mm_encoder" / "samples" / "sample.jpg"
-# The request below: the 1280x720 sample is 1196 tokens for `tiny` (preprocess.num_tokens; checked in
-# test_sample_token_count), the chat template and "What is in this image?" 27 more in the test LLM.
-IMAGE_TOKENS, TEXT_TOKENS = 1196, 27
+MODEL = "kimi-k2.5-tiny"  # the generated checkpoint's directory name: the served model name
+QUESTION = "What is in this image?"
+IMAGE_PAD, VIDEO_PAD = "<|media_pad|>", "<|kimi_k25_video_placeholder|>"
+CHUNK_PROMPT = "{}<|media_begin|>video<|media_content|>{}<|media_end|>"  # Kimi-K2.5's processor, per chunk
 
 
-def chat(port: int) -> dict:
-    image = base64.b64encode(SAMPLE.read_bytes()).decode()
-    body = {"model": "mm-chat", "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is in this image?"},
-        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{image}"}}]}]}
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def sample_content() -> list[dict]:
+    return [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": data_url(
+        SAMPLE.read_bytes(), "image/jpeg")}}]
+
+
+def chat(port: int, content=None, **fields) -> dict:
+    """The README's request (the sample photo and its question) or `content`; a 200 or HTTPError."""
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": content or sample_content()}],
+            **fields}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -34,15 +55,83 @@ def chat(port: int) -> dict:
         return json.loads(r.read())
 
 
+def image_rows(data: bytes) -> int:
+    """An encoded image's rows from its size alone (K2.5 policy)."""
+    from PIL import Image
+
+    return k25_image_tokens(*Image.open(io.BytesIO(data)).size)
+
+
+class PromptCount:
+    """Expected prompt tokens for a checkpoint, computed with transformers (its tokenizer and its
+    own chat-template rendering), not with this project's `ChatTokenizer` or `Splicer`."""
+
+    def __init__(self, checkpoint: Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(checkpoint))
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def render(self, content) -> str:
+        return self.tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                            add_generation_prompt=True)
+
+    def __call__(self, content, media: list, stock: bool = False) -> int:
+        """`media`, in order: an image's rows (int) or a video's chunks [(timestamp, rows)]. The
+        template writes one placeholder per image (expanded to its rows) and one per video
+        (replaced by each chunk's prompt with its rows, as Kimi-K2.5's processor does). Our
+        frontend tokenizes the expanded text whole; with `stock`, Dynamo's frontend tokenized the
+        template and the engine each chunk prompt on its own."""
+        text = self.render(content)
+        images = iter(m for m in media if isinstance(m, int))
+        videos = [m for m in media if not isinstance(m, int)]
+        pieces = text.split(IMAGE_PAD)
+        text = pieces[0] + "".join(IMAGE_PAD * next(images) + p for p in pieces[1:])
+        pieces = text.split(VIDEO_PAD)
+        assert len(pieces) == len(videos) + 1 and next(images, None) is None, (text, media)
+        chunks = [[CHUNK_PROMPT.format(ts, VIDEO_PAD * rows) for ts, rows in v] for v in videos]
+        if not stock:
+            return len(self.ids(pieces[0] + "".join("".join(c) + p for c, p in zip(chunks, pieces[1:], strict=True))))
+        return len(self.ids(VIDEO_PAD.join(pieces))) - len(videos) + sum(len(self.ids(c)) for v in chunks for c in v)
+
+
+def sample_tokens(checkpoint: Path) -> int:
+    """The README request's prompt tokens: 1196 image rows (1280x720) + the template and question."""
+    return PromptCount(checkpoint)([{"type": "text", "text": QUESTION}, {"type": "image_url"}],
+                                   [image_rows(SAMPLE.read_bytes())])
+
+
+def checkpoint_copy(src: Path, parent: Path, context: int) -> Path:
+    """`src` under `parent` with the same directory name (the served name), its weights linked and
+    its config.json's context (`text_config.max_position_embeddings`) set to `context`: what the
+    frontend and engines read it from. Small, so overflowing and capped generations stay cheap."""
+    dst = parent / src.name
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "config.json":
+            config = json.loads(f.read_text())
+            config["text_config"]["max_position_embeddings"] = context
+            (dst / f.name).write_text(json.dumps(config, indent=2))
+        elif f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f.resolve())
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
 class Served:
     """`mm-encoder serve` in a subprocess; one thread collects everything it prints."""
 
     def __init__(self, graph: str, run_dir: Path, port: int, *extra: str, env: dict[str, str] | None = None):
         self.run_dir = run_dir
+        self.port = port
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / graph), "--run-dir", str(run_dir),
              "--port", str(port), "--status-interval", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+            start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -50,6 +139,13 @@ class Served:
     @property
     def text(self) -> str:
         return "".join(self.lines)
+
+    @property
+    def state(self) -> dict:
+        return json.loads((self.run_dir / "state.json").read_text())
+
+    def component(self, name: str) -> dict:
+        return next(c for c in self.state["components"] if c["name"] == name)
 
     def wait_for(self, needle: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -60,11 +156,85 @@ class Served:
         return self.text
 
     def stop(self) -> str:
-        state = json.loads((self.run_dir / "state.json").read_text())
-        groups = {c["pid"] for c in state["components"]}
+        """SIGTERM to serve; it exits 0 having stopped every process of every session it started."""
+        groups = {c["pid"] for c in self.state["components"]} if (self.run_dir / "state.json").is_file() else set()
         self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(120) == 0, self.text
+        try:
+            assert self.proc.wait(120) == 0, self.text
+        finally:
+            if self.proc.poll() is None:  # serve itself hung: its session goes, so no test leaves processes
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         self.reader.join(10)
         assert "no processes left" in self.text, self.text
         assert leftover_pids(groups) == []
         return self.text
+
+
+class Graph:
+    """Components started one by one (test_frontend_e2e): each in its own session, ready when it
+    prints its ready line, stopped by PID and then its process group."""
+
+    def __init__(self, root: Path, checkpoint: Path):
+        self.root, self.checkpoint = root, checkpoint
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ready_lines: dict[str, str] = {}
+        self.env = {**os.environ, "DYN_FILE_KV": str(root / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
+                    "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
+        self.count = PromptCount(checkpoint)
+        self.worker_port, self.tier_port, self.frontend_port = free_port(), free_port(), free_port()
+        self.system_port = dynamo_system_port()
+
+    def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120,
+              env: dict | None = None) -> subprocess.Popen:
+        log = (self.root / f"{name}.log").open("w")
+        proc = subprocess.Popen([sys.executable, *args], env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                stderr=log, text=True, start_new_session=True)
+        self.procs[name] = proc
+        if ready:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if ready in line:
+                    self.ready_lines[name] = line
+                    return proc
+                if not line and proc.poll() is not None:
+                    break
+            raise AssertionError(f"{name} did not start: {(self.root / f'{name}.log').read_text()[-2000:]}")
+        return proc
+
+    def stop(self, name: str, sig=signal.SIGTERM) -> None:
+        """The process by PID; then its process group (its own session), so nothing it started stays."""
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def instance(self, name: str) -> str:
+        """An engine's Dynamo instance id, from its ready line (`... instance=<id> inline=False`)."""
+        return self.ready_lines[name].split("instance=")[1].split()[0]
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.frontend_port}{path}"
+
+    def get_json(self, url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return json.loads(r.read())
+
+    def stats(self) -> dict:
+        return self.get_json(self.url("/mm/stats"))["processors"][0]
+
+    def worker_metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.worker_port}/metrics", timeout=30) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0

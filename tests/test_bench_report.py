@@ -9,10 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "bench" / "report.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MODULES = ["encoder", "parity", "wire", "worker", "cache", "frontend", "graphs", "discovery", "hostile_memory", "soak"]
+MODULES = ["encoder", "parity", "wire", "worker", "cache", "frontend", "engine", "graphs", "discovery",
+           "hostile_memory", "soak"]
 
 
 def _report(tmp: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -118,3 +121,27 @@ def test_a_failing_module_is_named_and_exits_non_zero(tmp_path):
     again = _report(tmp_path, "--render-only", "--module", f"encoder={ok}", "--module", f"parity={bad}")
     assert "**FAILED" in _sections((tmp_path / "BENCHMARKS.md").read_text())["parity"]
     assert again.returncode != 0 and "parity" in again.stderr and "encoder" not in again.stderr
+
+
+def test_engine_smoke_run_renders_its_section(tmp_path):
+    """bench/engine.py --smoke for real (the tiny checkpoint's language model through the package's
+    Engine, fp32 and bf16, a text and an image prompt) -> its section: a row per dtype and prompt, a PNG."""
+    pytest.importorskip("dynamo.llm")  # the engine's block hashes are Dynamo's own
+    data = tmp_path / "data"
+    run = subprocess.run([sys.executable, "bench/engine.py", "--smoke", "--json", str(data / "engine.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((data / "engine.json").read_text())
+    rows = result["presets"]["tiny"]["rows"]
+    assert {(r["prompt"], r["dtype"]) for r in rows} == {(p, d) for p in ("128", "image") for d in ("fp32", "bf16")}
+    for r in rows:
+        assert r["reused_tokens"] == (r["prompt_tokens"] - 1) // 16 * 16  # every full block but the last token's
+        assert r["prefill_ms"]["median"] > 0 and r["decode_tok_s"]["median"] > 0
+    assert next(r for r in rows if r["prompt"] == "128")["prompt_tokens"] == 128
+    r = _report(tmp_path, "--render-only")
+    assert r.returncode == 0, r.stdout + r.stderr
+    section = _sections((tmp_path / "BENCHMARKS.md").read_text())["engine"]
+    assert "_Placeholder" not in section and "FAILED" not in section
+    assert "| tiny | fp32 | text | 128 |" in section and "| tiny | bf16 | image | 1,2" in section
+    _valid_png(tmp_path / "plots" / "engine-prefill-decode.png")
+    assert "](docs/bench/engine-prefill-decode.png)" in section

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from media_factory import image_bytes, natural_image
 
-from mm_encoder.cli import main
+from mm_encoder.cli import COMPONENTS, main
+from mm_encoder.core.card import ModelCard
+from mm_encoder.deploy.plan import MODULES, GeneratedCheckpoint
 
 CLI = [sys.executable, "-m", "mm_encoder.cli"]
 
@@ -34,6 +36,8 @@ def http_dir(tmp_path):
 
 
 def test_encode_path_http_and_data_url_json(http_dir, capsys):
+    """`encode` reads a path, an http URL and a data: URL of the same bytes: one mm_hash, the tiny
+    model's grid, tokens, embedding shape and timings, as JSON."""
     root, base = http_dir
     data = image_bytes(natural_image(200, 100, seed=4))
     (root / "a.png").write_bytes(data)
@@ -48,6 +52,7 @@ def test_encode_path_http_and_data_url_json(http_dir, capsys):
 
 
 def test_bad_media_reports_code_and_exit_status(http_dir, capsys):
+    """Corrupt and missing media are reported per item with an error code, and the exit status is 1."""
     root, base = http_dir
     (root / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     rc = main(["encode", f"{base}/bad.png", f"{base}/missing.png", "--json"])
@@ -58,6 +63,8 @@ def test_bad_media_reports_code_and_exit_status(http_dir, capsys):
 
 
 def test_demo_subprocess_prints_summary():
+    """`mm-encoder demo` encodes the bundled samples, then serves them through the encode worker on
+    loopback: cold, then from its cache."""
     r = subprocess.run([*CLI, "demo"], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent)
     assert r.returncode == 0, r.stderr
     assert "sample.jpg" in r.stdout and "sample.mp4 @00:00:00.000" in r.stdout
@@ -70,6 +77,7 @@ def test_demo_subprocess_prints_summary():
 
 
 def test_worker_subcommand_reports_bad_options(capsys):
+    """A worker refusing its options exits 2 with its own message."""
     assert main(["worker", "--http-port", "-1"]) == 2
     assert "nothing to serve" in capsys.readouterr().err
 
@@ -87,13 +95,54 @@ def test_component_subcommands_hand_every_word_to_the_component(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     top = capsys.readouterr().out
-    assert e.value.code == 0 and all(name in top for name in ("worker", "cache", "serve", "status", "render-k8s"))
+    assert e.value.code == 0 and all(name in top for name in COMPONENTS)
+    assert all(name in top for name in ("worker", "engine", "make-checkpoint", "cache", "serve", "status",
+                                        "render-k8s"))
     assert main(["cache", "up", "--tier", "router"]) == 2  # the component's own refusal: no --shard
     assert "needs at least one --shard" in capsys.readouterr().err
 
 
 def test_torch_free_commands_start_without_torch():
+    """`status` never imports torch (the CLI loads the model only for encode and demo)."""
     code = ("import sys; from mm_encoder.cli import main; rc = main(['status', '--run-dir', '/nonexistent']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no running graph" in r.stderr
+
+
+def test_engine_subcommand_is_the_engine_worker(capsys):
+    """`mm-encoder engine` runs the module the graphs plan for engines; its --help is the engine's own."""
+    assert COMPONENTS["engine"][0] == MODULES["engine"] == "mm_encoder.engines.worker"
+    with pytest.raises(SystemExit) as e:
+        main(["engine", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert all(flag in out for flag in ("--checkpoint", "--dtype", "--encode-inline", "--encoder-chain", "--name"))
+    assert main(["engine", "--checkpoint", "/nonexistent/ckpt"]) == 2  # refused before any model loads
+    assert "/nonexistent/ckpt" in capsys.readouterr().err
+
+
+def test_make_checkpoint_writes_what_every_component_reads(tmp_path, capsys):
+    """`mm-encoder make-checkpoint`, with the very argv serve and the K8s init container use, writes a
+    checkpoint directory that ModelCard accepts (a Kimi-K2.5 the frontend can describe), whose index
+    names shards that exist; a second write is byte-identical, so pods that each generate their own
+    copy serve the same model."""
+    gen = GeneratedCheckpoint("tiny")
+    assert COMPONENTS["make-checkpoint"][0] == gen.MODULE
+    first, second = tmp_path / "a" / "kimi-k2.5-tiny", tmp_path / "b" / "kimi-k2.5-tiny"
+    assert main(["make-checkpoint", *gen.argv(str(first))]) == 0
+    assert capsys.readouterr().out == f"{first}\n"
+    card = ModelCard.read(first)
+    generation = json.loads((first / "generation_config.json").read_text())
+    assert (card.model_type, card.spec_name, card.context_length) == ("kimi_k25", "kimi-k2.5-vision", 32768)
+    assert card.eos_token_ids == [generation["eos_token_id"]] and card.path == first
+    index = json.loads((first / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert shards == {p.name for p in first.glob("*.safetensors")} and len(shards) >= 2
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {p.name for p in first.iterdir()}
+    assert main(["make-checkpoint", *gen.argv(str(second))]) == 0
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    assert all((first / p.name).read_bytes() == p.read_bytes() for p in second.iterdir())
+    with pytest.raises(SystemExit) as e:
+        main(["make-checkpoint", str(tmp_path / "c"), "--preset", "huge"])
+    assert e.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err

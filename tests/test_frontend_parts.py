@@ -1,42 +1,72 @@
-"""The frontend's parts one by one: routing info, chat parsing and splicing, max_tokens, cache keys,
-wire headers, the reference engine's parity, and that the frontend handles no embeddings."""
+"""The frontend's parts one by one: routing info, chat parsing and media expansion, max_tokens, cache
+keys, wire headers, logprob chunks, the engine's parity with transformers, and that the frontend
+handles no embeddings. Everything runs on the tiny random Kimi-K2.5 checkpoint (`checkpoint`
+fixture): its tokenizer and chat template, its language model (`Engine`) and its vision tower
+(`ckpt_encoder`), against transformers' own `Kimi_K25ForConditionalGeneration` loaded from it."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import gc
+import copy
 import hashlib
 import json
-import sys
-from contextlib import asynccontextmanager
+import re
 
 import pytest
 import torch
 from media_factory import image_bytes, natural_image
-from worker_fixtures import run_worker
+from transformers import Kimi_K25ForConditionalGeneration
+from worker_fixtures import SERVED, SPEC, MeasuredClient, engine_beside_worker, engine_for, processor_beside
 
 from mm_encoder import wire
-from mm_encoder.core.errors import BadRequest, ContextOverflow
+from mm_encoder.core.errors import BadRequest, ContextOverflow, ModelDirError
 from mm_encoder.core.handle import MediaHandle, Source, cache_key
 from mm_encoder.core.prompt import ChatTokenizer, Splicer
 from mm_encoder.core.registry import get_spec
 from mm_encoder.core.requests import EngineRequest, MediaInput
 from mm_encoder.core.sampling import SamplingParams
-from mm_encoder.engines.lm import ReferenceLM
-from mm_encoder.engines.model_dir import make_model_dir
-from mm_encoder.engines.reference import ReferenceEngine
-from mm_encoder.frontend.chat import MediaRef, parse_messages, prompt_segments
+from mm_encoder.engines.engine import Placed, Prompt
+from mm_encoder.frontend.chat import MediaRef, parse_messages
 from mm_encoder.frontend.encoder_client import EncoderClient
 from mm_encoder.frontend.processor import Limits, MultimodalProcessor
 from mm_encoder.routing import MediaSpan, block_mm_infos, pad_routing_tokens, to_signed64
 
 H1, H2 = "ab" * 32, "cd" * 32
+STAMPS = ["00:00:00.000", "00:00:02.000"]
+PAD, VPAD = "<|media_pad|>", "<|kimi_k25_video_placeholder|>"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("lm") / "tiny-chat", "tiny", context_length=256)
+def tok(checkpoint) -> ChatTokenizer:  # the checkpoint's tokenizer and chat template
+    return ChatTokenizer(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def splicer(tok) -> Splicer:
+    return Splicer(tok, get_spec(SPEC).prompt)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    """transformers' own whole model, loaded by its own loader from the checkpoint's released layout."""
+    return Kimi_K25ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: list[int], rows: list[tuple[int, torch.Tensor]], last_only: bool = True) -> torch.Tensor:
+    """transformers' forward on `inputs_embeds`: the token embeddings with `rows` written at their
+    offsets; logits [T or 1, V] (last_only: `logits_to_keep=1`, as its `generate` computes them)."""
+    with torch.no_grad():
+        x = model.get_input_embeddings()(torch.tensor([ids])).clone()
+        for offset, r in rows:
+            x[0, offset : offset + r.shape[0]] = r
+        return model(inputs_embeds=x, logits_to_keep=1 if last_only else 0).logits[0]
+
+
+def processor(tok, **limits) -> MultimodalProcessor:
+    """A processor with no encoder, router or engine: for the parts that run before them."""
+    return MultimodalProcessor(served_name="m", spec=get_spec(SPEC), tokenizer=tok,
+                               encoder=EncoderClient(SPEC, rpc_client=object()), router=None, engine_client=None,
+                               block_size=16, eos_token_ids=[1], limits=Limits(**{"context_length": 100, **limits}))
 
 
 # --- routing --------------------------------------------------------------------------------------
@@ -68,52 +98,92 @@ def test_dynamo_block_hashes_change_only_where_the_image_is():
     assert all(x != y for x, y in zip(a[2:], b[2:], strict=True))  # image blocks: never a false hit
 
 
-# --- chat parsing and splicing -----------------------------------------------------------------------
+# --- chat parsing and media expansion ---------------------------------------------------------------
 
 
-def test_parse_messages_cuts_media_out_and_refuses_bad_parts():
-    msgs, media = parse_messages([{"role": "user", "content": [
-        {"type": "text", "text": "look \ue0007\ue001"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}},
-        {"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}]}], max_media=4)
-    assert media == [MediaRef("image", "http://x/a.png"), MediaRef("video", "http://x/v.mp4")]
-    assert msgs[0]["content"] == "look 7\ue0000\ue001\ue0001\ue001"  # user text cannot forge a sentinel
+def _content(*parts: str) -> list[dict]:
+    """OpenAI content parts: "i" an image, "v" a video, anything else a text part."""
+    media = {"i": ("image_url", "https://m.test/i"), "v": ("video_url", "https://m.test/v")}
+    return [{"type": media[p][0], media[p][0]: {"url": media[p][1]}} if p in media else {"type": "text", "text": p}
+            for p in parts]
+
+
+def test_parse_messages_passes_content_through_and_refuses_bad_parts(splicer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": _content("a", "i", "b", "v")}]
+    given = copy.deepcopy(messages)
+    msgs, media = parse_messages(messages, max_media=4, reserved=splicer.reserved)
+    assert msgs == given  # unchanged: the chat template renders the parts as the client sent them
+    assert media == [MediaRef("image", "https://m.test/i"), MediaRef("video", "https://m.test/v")]
     for bad in ([], [{"role": "user", "content": [{"type": "audio_url"}]}],
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], [{"content": "x"}]):
         with pytest.raises(BadRequest):
             parse_messages(bad, max_media=4)
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadRequest, match="at most 2 media items"):
         parse_messages([{"role": "user", "content": [{"type": "image_url", "image_url": "u"}] * 3}], max_media=2)
 
 
-def test_splice_expands_each_placeholder_by_length(model_dir):
-    tok = ChatTokenizer(model_dir)
-    spec = get_spec("tiny")
-    splicer = Splicer(tok, spec.prompt)
-    msgs, media = parse_messages([{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": "u1"}, {"type": "text", "text": "b"},
-        {"type": "video_url", "video_url": "u2"}]}], max_media=4)
-    texts = prompt_segments(tok, msgs, len(media))
-    out = splicer.splice(texts, [("image", [6], None), ("video", [4, 4], ["00:00:00.000", "00:00:02.000"])])
-    ph = splicer.placeholder_id
-    assert out.token_ids.count(ph) == 14 and [len(s) for s in out.spans] == [1, 2]
-    for item in out.spans:
-        for offset, n in item:
-            assert out.token_ids[offset : offset + n] == [ph] * n
-            assert out.token_ids[offset - 1] != ph and out.token_ids[offset + n] != ph
-    # the same prompt built as a string from the spec's templates: the splice is exactly that, in tokens
-    ph, image, video = spec.prompt.placeholder, spec.prompt.image, spec.prompt.video
-    expected = (texts[0] + image.replace(ph, ph * 6) + texts[1]
-                + "".join(video.format(timestamp=t).replace(ph, ph * 4) for t in ("00:00:00.000", "00:00:02.000"))
-                + texts[2])
-    assert texts == ["<|im_user|>user<|im_middle|>a", "b", "<|im_end|><|im_assistant|>assistant<|im_middle|>"]
+async def test_text_holding_a_media_placeholder_token_is_refused_by_name(splicer, tok):
+    """A client's `<|media_pad|>` or video placeholder would claim media rows nothing fills: refused,
+    naming the token and where it is, in string content and in text parts, and by the processor."""
+    assert splicer.reserved == (PAD, VPAD)
+    with pytest.raises(BadRequest, match=re.escape(f"messages[0].content contains '{PAD}'")):
+        parse_messages([{"role": "user", "content": f"look {PAD} here"}], 4, splicer.reserved)
+    with pytest.raises(BadRequest, match=re.escape(f"messages[1].content[2].text contains '{VPAD}'")):
+        parse_messages([{"role": "system", "content": "s"},
+                        {"role": "user", "content": _content("a", "i", f"x{VPAD}")}], 4, splicer.reserved)
+    from dynamo.llm.exceptions import InvalidArgument  # Dynamo's 400 with our message
+    proc = processor(tok)
+    with pytest.raises(InvalidArgument, match=re.escape(f"[bad_request] messages[0].content contains '{PAD}'")):
+        await proc.generate({"messages": [{"role": "user", "content": PAD}]}).__anext__()
+    assert proc.stats.errors == {"bad_request": 1}
+
+
+def test_expand_text_is_the_string_built_expansion(tok, splicer):
+    """An image (6 rows), a video of 2 chunks (4 and 3 rows, with timestamps) and an image (2 rows):
+    the ids are exactly the tokenized string that the spec's prompts build (each image's placeholder
+    repeated, each chunk's prompt with its timestamp and its rows), and each span is a run of its
+    modality's token with other tokens on both sides."""
+    prompt = get_spec(SPEC).prompt
+    text = tok.render([{"role": "user", "content": _content("a", "i", "b", "v", "i")}])
+    assert text == (f"<|im_user|>user<|im_middle|>a{prompt.image}b{VPAD}{prompt.image}<|im_end|>"
+                    "<|im_assistant|>assistant<|im_middle|>")
+    items = [("image", [6], None), ("video", [4, 3], STAMPS), ("image", [2], None)]
+    out = splicer.expand_text(text, items)
+    chunks = "".join(prompt.video.format(timestamp=t).replace(VPAD, VPAD * n)
+                     for t, n in zip(STAMPS, (4, 3), strict=True))
+    expected = (f"<|im_user|>user<|im_middle|>a{prompt.image.replace(PAD, PAD * 6)}b{chunks}"
+                f"{prompt.image.replace(PAD, PAD * 2)}<|im_end|><|im_assistant|>assistant<|im_middle|>")
     assert tok._tok.decode(out.token_ids, skip_special_tokens=False) == expected
-    assert tok.decode(out.token_ids) == "useraimageb00:00:00.000video00:00:02.000videoassistant"
+    assert out.token_ids == tok.encode(expected)
+    assert [[n for _, n in s] for s in out.spans] == [[6], [4, 3], [2]]
+    ids = out.token_ids
+    for (modality, _, _), spans in zip(items, out.spans, strict=True):
+        run = splicer.placeholder_id if modality == "image" else splicer.video_id
+        for offset, n in spans:
+            assert ids[offset : offset + n] == [run] * n
+            assert ids[offset - 1] != run and ids[offset + n] != run
+    assert ids.count(splicer.placeholder_id) == 8 and ids.count(splicer.video_id) == 7
+    # Dynamo's stock frontend path (token ids, one placeholder per item) gives the same prompt
+    assert splicer.expand_ids(tok.encode(text), items) == out
 
 
-def test_incremental_detokenizer_equals_decoding_everything(model_dir):
+def test_a_template_that_does_not_match_the_media_items_is_an_error(tok, splicer):
+    text = tok.render([{"role": "user", "content": _content("a", "i", "v")}])
+    with pytest.raises(ModelDirError, match=r"placeholders \(image\) do not match its media items \(image, image\)"):
+        splicer.expand_text(tok.render([{"role": "user", "content": _content("i")}]),
+                            [("image", [2], None), ("image", [2], None)])
+    with pytest.raises(ModelDirError, match="wrote 1 video placeholders for 2 videos"):
+        splicer.expand_text(text, [("image", [2], None), ("video", [1], None), ("video", [1], None)])
+    with pytest.raises(ModelDirError, match="do not match"):  # the order matters: the video comes second
+        splicer.expand_text(text, [("video", [1], STAMPS[:1]), ("image", [2], None)])
+    with pytest.raises(BadRequest, match=r"placeholders \(image, video chunk\) do not match its media items "
+                                         r"\(video, image\)"):  # from token ids: the request's fault
+        splicer.expand_ids(tok.encode(text), [("video", [1], STAMPS[:1]), ("image", [2], None)])
+
+
+def test_incremental_detokenizer_equals_decoding_everything(tok):
     from mm_encoder.frontend.chat import IncrementalDetokenizer
 
-    tok = ChatTokenizer(model_dir)
     ids = tok.encode("Describe the image: a picture is worth a thousand words, café ☕ 100%!")
     for step in (1, 2, 3):
         d = IncrementalDetokenizer(tok)
@@ -122,11 +192,9 @@ def test_incremental_detokenizer_equals_decoding_everything(model_dir):
         assert "\ufffd" not in out
 
 
-def test_max_tokens_is_capped_to_the_context_and_overflow_refused(model_dir):
-    proc = MultimodalProcessor(served_name="m", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-                               encoder=EncoderClient("tiny", rpc_client=object()), router=None, engine_client=None,
-                               block_size=16, eos_token_ids=[1], limits=Limits(context_length=100,
-                                                                                default_max_tokens=30))
+def test_max_tokens_is_capped_to_the_context_and_overflow_refused(tok):
+    proc = processor(tok, default_max_tokens=30)
+
     def cap(request, prompt):
         return proc.max_tokens_for(SamplingParams.from_openai(request), prompt)
 
@@ -160,8 +228,7 @@ def test_cache_key_names_what_the_answer_depends_on():
 def test_wire_peek_reads_the_header_without_the_tensor():
     body = wire.encode(mm_hash=H1, model="tiny", modality="video", embeds=torch.randn(32, 8),
                        grid_thws=[[4, 8, 8], [4, 8, 8]], timestamps=["00:00:00.000", "00:00:02.000"])
-    h = wire.peek(body)
-    m = wire.decode(body)
+    h, m = wire.peek(body), wire.decode(body)
     assert (h.mm_hash, h.length, h.grid_thws, h.timestamps, h.shape) == (m.mm_hash, m.length, m.grid_thws,
                                                                           m.timestamps, m.shape)
     for bad in (b"", b"xx", body[:8], b"\x28\xb5\x2f\xfd" + b"\0" * 20):
@@ -181,195 +248,204 @@ def test_wire_peek_reads_a_header_longer_than_its_read_size(chunks):
     assert len(h.timestamps) == chunks
 
 
-# --- the reference engine ---------------------------------------------------------------------------
-
-
-class _Bodies:
-    """Stands in for the engine's HandleResolver in the parity test (the chain has its own tests)."""
-
-    def __init__(self, *bodies: bytes):
-        self.by_hash = {wire.peek(b).mm_hash: b for b in bodies}
-
-    async def body(self, handle: MediaHandle) -> bytes:
-        return self.by_hash[handle.mm_hash]
+# --- logprob chunks and the engine ---------------------------------------------------------------
 
 
 def _handle(body: bytes, url: str = "https://media.test/a.png") -> dict:
-    return MediaHandle.build(wire.peek(body), Source(model="tiny", url=url), chain=None, route="cluster",
+    return MediaHandle.build(wire.peek(body), Source(model=SPEC, url=url), chain=None, route="cluster",
                              rpc=None).to_dict()
 
 
-async def test_engine_first_step_logits_equal_a_direct_forward_on_spliced_embeddings(model_dir):
-    hidden = ReferenceEngine(model_dir).cfg.hidden_size
-    emb = torch.randn(10, hidden)
-    body = wire.encode(mm_hash=H1, model="tiny", modality="image", embeds=emb, grid_thws=[[1, 4, 10]],
-                       dtype="float32")
-    engine = ReferenceEngine(model_dir, resolver=_Bodies(body))
-    tokens = [3, 5, 7] + [10] * 10 + [6, 4]
-    req = EngineRequest("r", tokens, 2, [1], [MediaInput(_handle(body), [(3, 10)])])
-    out = [item async for item in engine.generate(req.to_dict())]
-    # independent splice: token embeddings with rows 3..12 replaced, then the same weights
-    model = ReferenceLM.from_dir(model_dir)
-    with torch.no_grad():
-        x = model.embed.weight[torch.tensor(tokens)].clone()
-        x[3:13] = emb
-        ref, _ = model(x)
-    logits, _ = engine.prefill(tokens, [(3, emb)])
-    torch.testing.assert_close(logits, ref[-1], rtol=0, atol=0)
-    # and greedy decoding with the KV cache equals recomputing the whole sequence
-    first = int(ref[-1].argmax())
-    with torch.no_grad():
-        x2 = torch.cat([x, model.embed.weight[first][None]])
-        ref2, _ = model(x2)
-    assert [o["token_ids"][0] for o in out] == [first, int(ref2[-1].argmax())]
-    # a span that does not match the handle's token count is refused before any fetch, as an error item
-    bad = EngineRequest("r", tokens, 2, [1], [MediaInput(_handle(body), [(3, 9)])])
-    (err,) = [item async for item in engine.generate(bad.to_dict())]
-    assert err["error"]["code"] == "bad_request" and "do not match" in err["error"]["message"]
+def _image_prompt(tok, splicer, rows: int) -> tuple[list[int], int]:
+    """A rendered chat prompt with one image of `rows` rows: (token ids, the image's offset)."""
+    text = tok.render([{"role": "user", "content": _content("Describe", "i")}])
+    spliced = splicer.expand_text(text, [("image", [rows], None)])
+    return spliced.token_ids, spliced.spans[0][0][0]
 
 
-@asynccontextmanager
-async def engine_beside_worker(tiny, model_dir, tmp_path, monkeypatch):
-    """A real encode worker (Dynamo RPC) and a reference engine fetching bodies from it by handle,
-    registered as `tiny-chat`, on one Dynamo runtime in this process. Yields (runtime, rpc, engine)."""
-    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+async def test_engine_first_step_logits_equal_transformers_forward_with_the_rows_written(
+        checkpoint, tok, splicer, hf_model):
+    """The engine's prefill with media rows written at their span gives transformers' logits for the
+    same `inputs_embeds`: bitwise as its `generate` computes them (`logits_to_keep=1`), and within
+    1e-6 of the all-positions forward (measured 3e-7: the LM head over T rows sums in another order).
+    Greedy decoding with the KV cache (and the prefix store, which then holds the prompt's first
+    block) gives the tokens that recomputing the whole sequence each step gives."""
+    emb = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
+    ids, off = _image_prompt(tok, splicer, 6)
+    body = wire.encode(mm_hash=H1, model=SPEC, modality="image", embeds=emb, grid_thws=[[1, 4, 6]], dtype="float32")
+    async with engine_for(checkpoint) as engine:
+        assert engine.lm.hidden_size == 256 and 16 <= len(ids) < 32  # one full KV block
+        logits, _, _, reused = engine.prefill(Prompt(ids, [(off, emb)], [Placed(H1, "image", [(off, 6)], [[1, 4, 6]])]))
+        assert reused == 0 and torch.equal(logits, hf_logits(hf_model, ids, [(off, emb)])[-1])
+        full = hf_logits(hf_model, ids, [(off, emb)], last_only=False)
+        torch.testing.assert_close(logits, full[-1], rtol=0, atol=1e-6)
+        req = EngineRequest("r", ids, 3, [], [MediaInput(_handle(body), [(off, 6)], body)])
+        items = [item async for item in engine.generate(req.to_dict())]
+    seq = list(ids)
+    for _ in range(3):
+        seq.append(int(hf_logits(hf_model, seq, [(off, emb)])[-1].argmax()))
+    assert [item["token_ids"] for item in items] == [[t] for t in seq[len(ids):]]
+    assert items[0]["reused_tokens"] == 16 and items[0]["prompt_tokens"] == len(ids)
+    assert [item["finish_reason"] for item in items] == [None, None, "length"]
 
-    from mm_encoder.core.handle import HandleResolver
 
-    monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
-    monkeypatch.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
-    async with run_worker(tiny, dynamo=True) as w:
-        rt = w.dynamo.runtime
-        endpoint = rt.endpoint("mm.engine.generate")
-        rpc = await rt.endpoint("mm.mm_encoder.encode").client()
-        await asyncio.wait_for(rpc.wait_for_instances(), 30)
-        engine = ReferenceEngine(model_dir, publisher=KvEventPublisher(endpoint, kv_block_size=16),
-                                 resolver=HandleResolver((), rpc))
-        serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle))
-        try:
-            await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(model_dir), "tiny-chat",
-                                 worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
-            yield rt, rpc, engine
-        finally:
-            serving.cancel()
+async def test_engine_refuses_a_span_or_a_width_that_does_not_fit_as_an_error_item(checkpoint, tok, splicer):
+    """A span whose length is not the handle's token count is refused before any fetch; a body
+    whose rows are not the model's hidden size wide is refused before the prefill. Each is one
+    `{"error": ...}` item with its code and status, and nothing is generated."""
+    ids, off = _image_prompt(tok, splicer, 6)
+    good = wire.encode(mm_hash=H1, model=SPEC, modality="image", embeds=torch.zeros(6, 256), grid_thws=[[1, 4, 6]])
+    narrow = wire.encode(mm_hash=H2, model=SPEC, modality="image", embeds=torch.zeros(6, 8), grid_thws=[[1, 4, 6]])
+    async with engine_for(checkpoint) as engine:
+        short = EngineRequest("r", ids, 2, [], [MediaInput(_handle(good), [(off, 5)])])
+        (err,) = [item async for item in engine.generate(short.to_dict())]
+        assert (err["error"]["code"], err["error"]["status"], engine.resolver.fetches) == ("bad_request", 400, 0)
+        assert f"spans [({off}, 5)] do not match its token counts [6]" in err["error"]["message"]
+        wide = EngineRequest("r", ids, 2, [], [MediaInput(_handle(narrow), [(off, 6)], narrow)])
+        (err,) = [item async for item in engine.generate(wide.to_dict())]
+        assert err["error"] == {"code": "bad_request", "status": 400,
+                                "message": f"media {H2[:12]}: embeddings are 8 wide, the model takes 256"}
+        assert engine.requests == 0  # neither reached the model
 
 
-async def test_frontend_holds_no_embeddings(tiny, model_dir, tmp_path, monkeypatch):
-    """In one process on the real Dynamo runtime: encode worker, reference engine (fetching bodies
-    by handle over RPC), KvRouter and the processor. The processor's encoder client receives headers
-    only (0 body bytes) and the engine request is kilobytes."""
-    from dynamo.llm import KvRouter, KvRouterConfig
+async def test_logprob_chunks_carry_the_engines_logprobs_in_openais_form(checkpoint, tok, splicer, hf_model):
+    """With `logprobs`/`top_logprobs: 2` the engine's item carries the chosen token's log-probability
+    (log_softmax of transformers' logits) and the two best; the processor's `_logprobs` turns it into
+    OpenAI's `choices[].logprobs.content` entry (token text, logprob, UTF-8 bytes, top_logprobs)."""
+    emb = torch.randn(6, 256, generator=torch.Generator().manual_seed(1))
+    ids, off = _image_prompt(tok, splicer, 6)
+    body = wire.encode(mm_hash=H1, model=SPEC, modality="image", embeds=emb, grid_thws=[[1, 4, 6]], dtype="float32")
+    req = EngineRequest("r", ids, 1, [], [MediaInput(_handle(body), [(off, 6)], body)],
+                        sampling=SamplingParams.from_openai({"logprobs": True, "top_logprobs": 2}).to_dict())
+    async with engine_for(checkpoint) as engine:
+        (item,) = [item async for item in engine.generate(req.to_dict())]
+    lp = torch.log_softmax(hf_logits(hf_model, ids, [(off, emb)])[-1], 0)
+    best = torch.topk(lp, 2)
+    (token,) = item["token_ids"]
+    assert token == int(best.indices[0]) and item["log_probs"] == [float(lp[token])]
+    def entry(tid: int) -> dict:
+        return {"token": tok.token_text(tid), "logprob": float(lp[tid]), "bytes": list(tok.token_bytes(tid))}
 
-    async with engine_beside_worker(tiny, model_dir, tmp_path, monkeypatch) as (rt, rpc, engine):
-        endpoint = rt.endpoint("mm.engine.generate")
-        sent: list[int] = []
+    # Dynamo's per-position records (what its own frontends read): rank, id, text, logprob, bytes
+    assert item["top_logprobs"] == [[{"rank": r, "token_id": int(t), **entry(int(t))}
+                                     for r, t in enumerate(best.indices, 1)]]
+    assert processor(tok)._logprobs(item, 2) == {
+        "content": [{**entry(token), "top_logprobs": [entry(int(t)) for t in best.indices]}]}
+    assert processor(tok)._logprobs(item, 1)["content"][0]["top_logprobs"] == [entry(int(best.indices[0]))]
+    assert processor(tok)._logprobs({"token_ids": [token]}, 2) == {"content": []}  # no logprobs asked: none
 
-        class Measured:  # the engine client, recording each request's size on the wire
-            def __init__(self, client):
-                self.client = client
 
-            def instance_ids(self):
-                return self.client.instance_ids()
+def test_a_logprob_entrys_bytes_are_the_tokens_own(tok):
+    """OpenAI's `bytes` lets a client rebuild characters split across tokens: "é" is 2 tokens here,
+    each shown as U+FFFD, with its own byte; a special token's bytes are its text."""
+    ids = [*tok.encode("é"), tok.token_id("<|im_end|>")]
+    content = processor(tok)._logprobs({"token_ids": ids, "log_probs": [0.0] * 3, "top_logprobs": [[]] * 3}, 0)
+    assert [(e["token"], e["bytes"]) for e in content["content"]] == [
+        ("\ufffd", [0xC3]), ("\ufffd", [0xA9]), ("<|im_end|>", list(b"<|im_end|>"))]
 
-            async def direct(self, payload, worker):
-                import msgpack
 
-                sent.append(len(msgpack.packb(payload)))
-                return await self.client.direct(payload, worker)
+# --- in one process on the real Dynamo runtime ----------------------------------------------------
 
-        engine_client = await endpoint.client()
-        await asyncio.wait_for(engine_client.wait_for_instances(), 30)
-        router = KvRouter(endpoint, 16, KvRouterConfig())
-        await _until_routable(router)
-        encoder = EncoderClient("tiny", rpc_client=rpc, namespace="mm")
-        proc = MultimodalProcessor(
-            served_name="tiny-chat", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-            encoder=encoder, router=router, engine_client=Measured(engine_client), block_size=16,
-            eos_token_ids=[], limits=Limits(context_length=256))
-        url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=5))).decode()
-        request = {"model": "tiny-chat", "max_tokens": 40,
+
+def _image_url(seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=seed))).decode()
+
+
+async def test_frontend_holds_no_embeddings(ckpt_encoder, checkpoint, tok, tmp_path, monkeypatch):
+    """In one process on the real Dynamo runtime: encode worker, engine (fetching bodies by handle
+    over RPC), KvRouter and the processor. The processor's encoder client receives headers only
+    (0 body bytes) and the engine request is kilobytes."""
+    async with engine_beside_worker(ckpt_encoder, checkpoint, tmp_path, monkeypatch) as (rt, rpc, engine):
+        proc = await processor_beside(rt, rpc, tok, MeasuredClient)
+        url = _image_url(5)
+        request = {"model": SERVED, "max_tokens": 40,
                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
         chunks = [c async for c in proc.generate(request)]
         assert chunks[-1]["usage"]["completion_tokens"] == 40
-        assert encoder.body_bytes == 0 and encoder.calls == 1
+        assert proc.encoder.body_bytes == 0 and proc.encoder.calls == 1
         assert engine.resolver.fetches == 1
-        assert len(sent) == 1 and sent[0] < len(url) + 4096  # the data URL travels once, no embeddings
+        assert [n < len(url) + 4096 for n in proc.engine_client.sizes] == [True]  # the data URL once, no embeddings
         assert proc.stats.media_requests_in_flight == 0
 
 
-async def test_the_entry_point_provider_returns_a_working_factory(tiny, model_dir, tmp_path, monkeypatch):
+async def test_logprobs_end_to_end_equal_transformers(ckpt_encoder, checkpoint, tok, splicer, hf_model, tmp_path,
+                                                      monkeypatch):
+    """A request with `logprobs: true, top_logprobs: 2` through worker, router and engine (fp32 on
+    the wire, so the engine's rows are the encoder's): each chunk's logprob is log_softmax of
+    transformers' logits, on the prompt with the image's rows written, for the token chosen, and its
+    alternatives are transformers' two best."""
+    image = image_bytes(natural_image(112, 84, seed=7))
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    fp32 = {"wire_dtype": "float32"}
+    async with engine_beside_worker(ckpt_encoder, checkpoint, tmp_path, monkeypatch, **fp32) as (rt, rpc, _):
+        proc = await processor_beside(rt, rpc, tok)
+        chunks = [c async for c in proc.generate({"model": SERVED, "max_tokens": 2, "logprobs": True,
+                                                  "top_logprobs": 2, "messages": messages})]
+    (encoded,) = ckpt_encoder.encode([image])
+    spliced = splicer.expand_text(tok.render(messages), [("image", [encoded.num_tokens], None)])
+    ids, off = spliced.token_ids, spliced.spans[0][0][0]
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(ids) and len(chunks) == 2
+    seq = list(ids)
+    for step, c in enumerate(chunks):
+        (got,) = c["choices"][0]["logprobs"]["content"]
+        lp = torch.log_softmax(hf_logits(hf_model, seq, [(off, encoded.embeds)])[-1], 0)
+        best = torch.topk(lp, 2)
+        token = int(best.indices[0])  # greedy: the most likely token is the one generated
+        assert got["token"] == tok.token_text(token) and got["bytes"] == list(tok.token_bytes(token))
+        assert [t["token"] for t in got["top_logprobs"]] == [tok.token_text(int(t)) for t in best.indices]
+        # the prefill is transformers' computation (bitwise); a KV-cache step sums in another shape than
+        # recomputing the sequence does (measured equal here too, but not guaranteed): within 1e-6
+        tol = 0 if step == 0 else 1e-6
+        assert got["logprob"] == pytest.approx(float(lp[token]), rel=0, abs=tol)
+        assert [t["logprob"] for t in got["top_logprobs"]] == pytest.approx(best.values.tolist(), rel=0, abs=tol)
+        seq.append(token)
+
+
+async def test_the_entry_point_provider_returns_a_working_factory(ckpt_encoder, checkpoint, tmp_path, monkeypatch):
     """What Dynamo's frontend (after 1.6.1) does with `--dyn-chat-processor mm-encoder`: resolve the
     entry point, call the provider with its parsed FrontendConfig (Dynamo 1.6.1's own parser) and
-    the processor's JSON config, then call the factory for a discovered model. The returned engine
-    is Dynamo's PythonAsyncEngine; the processor behind it answers a request end to end (real
-    worker and reference engine on the Dynamo runtime in this process)."""
+    the processor's JSON config, then call the factory for a discovered model. The factory reads
+    the checkpoint's card (registry model, context length, eos); the returned engine is Dynamo's
+    PythonAsyncEngine; the processor behind it answers a request end to end (real worker and engine
+    on the Dynamo runtime in this process)."""
     import argparse
     import importlib.metadata
     from types import SimpleNamespace
 
     from dynamo.frontend.frontend_args import FrontendArgGroup, FrontendConfig
     from dynamo.llm import PythonAsyncEngine
+    from worker_fixtures import until_routable
 
     (ep,) = [e for e in importlib.metadata.entry_points(group="dynamo.frontend.chat_processors")
              if e.name == "mm-encoder"]
     parser = argparse.ArgumentParser()
     FrontendArgGroup().add_arguments(parser)
     config = FrontendConfig.from_cli_args(parser.parse_args(["--namespace", "mm"]))
-    factory = ep.load()(config, {"model_dir": str(model_dir), "max_media": 4})
+    factory = ep.load()(config, {"model_dir": str(checkpoint), "max_media": 4})
     assert factory.s.namespace == "mm" and factory.s.max_media == 4
-    async with engine_beside_worker(tiny, model_dir, tmp_path, monkeypatch):
+    eos = json.loads((checkpoint / "generation_config.json").read_text())["eos_token_id"]
+    async with engine_beside_worker(ckpt_encoder, checkpoint, tmp_path, monkeypatch):
         try:
-            made = await factory(SimpleNamespace(name="tiny-chat"), None, None)  # the process's own runtime
+            made = await factory(SimpleNamespace(name=SERVED), None, None)  # the process's own runtime
             assert isinstance(made, PythonAsyncEngine)
-            proc = factory.processors["tiny-chat"]
-            await _until_routable(proc.router)
-            url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=6))).decode()
-            chunks = [c async for c in proc.generate({"model": "tiny-chat", "max_tokens": 3, "messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})]
+            proc = factory.processors[SERVED]
+            assert (proc.spec.name, proc.limits.context_length, proc.eos_token_ids) == (SPEC, 32768, [eos])
+            await until_routable(proc.router)
+            chunks = [c async for c in proc.generate({"model": SERVED, "max_tokens": 3, "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_url(6)}}]}]})]
             assert chunks[-1]["usage"]["completion_tokens"] == 3 and factory.encoder.calls == 1
         finally:
             await factory.close()
 
 
-async def _until_routable(router, timeout: float = 30.0) -> None:
-    """The router learns about engines asynchronously: poll a query-only best_worker."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            await router.best_worker([1, 2, 3])
-            return
-        except Exception:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.02)
-
-
-def _referrers(obj, depth: int = 3) -> list[str]:
-    """Who still holds `obj` (for the failure message): referrer types, a few levels up."""
-    out, frontier = [], [obj]
-    for level in range(depth):
-        nxt = []
-        for o in frontier:
-            for r in gc.get_referrers(o):
-                if r is frontier or r is out or isinstance(r, type(sys._getframe())):
-                    continue
-                keys = list(r.keys())[:6] if isinstance(r, dict) else getattr(r, "__qualname__", "")
-                out.append(f"{level}:{type(r).__name__}{keys}")
-                nxt.append(r)
-        frontier = nxt[:5]
-    return out
-
-
-
-async def test_requests_beyond_max_inflight_get_a_503_at_once(model_dir):
+async def test_requests_beyond_max_inflight_get_a_503_at_once(tok):
     """At twice its capacity the frontend used to queue without bound, until 1,484 of 11,160
     requests hung past their deadline (tests/reliability/soak.py); now the excess is refused."""
     from dynamo.llm.exceptions import CannotConnect
 
-    proc = MultimodalProcessor(served_name="m", spec=get_spec("tiny"), tokenizer=ChatTokenizer(model_dir),
-                               encoder=None, router=None, engine_client=None, block_size=16, eos_token_ids=[1],
-                               limits=Limits(context_length=100, max_inflight_requests=2))
+    proc = processor(tok, max_inflight_requests=2)
     proc._inflight = 2  # two requests being served
     with pytest.raises(CannotConnect, match="overloaded"):
         await proc.generate({"messages": [{"role": "user", "content": "hi"}]}).__anext__()

@@ -19,7 +19,7 @@ SCRIPT = ROOT / "bench" / "gpu.sh"
 
 SUMMARY = {"median", "min", "max", "n"}
 TOP = {"schema", "mode", "started", "finished", "elapsed_s", "machine", "config", "parity", "forward", "syncs",
-       "attention", "copy", "before_after", "checks", "stage_s", "errors"}
+       "attention", "copy", "before_after", "engine", "checks", "stage_s", "errors"}
 SIZES = {"full_hd", "4k"}
 PARITY = {"image", "grid", "patches", "tokens", "cos_mean", "cos_min", "rel_l2", "max_abs", "reference_bf16", "gate",
           "met"}
@@ -36,7 +36,11 @@ BEFORE_AFTER = {"image", "tokens", "stages", "before", "before_fp32", "after", "
                 "reference_stack", "before_what", "before_fp32_what", "after_what"}
 STAGES = {"hash", "decode", "preprocess", "forward", "pack", "total", "wall"}
 CHECKS = {"parity_full_hd_cos_mean", "parity_4k_cos_mean", "syncs_fast_forward", "varlen_taken",
-          "varlen_faster_than_per_item_sdpa", "pinned_copy_faster", "after_faster_than_before"}
+          "varlen_faster_than_per_item_sdpa", "pinned_copy_faster", "after_faster_than_before",
+          "engine_greedy_device_fp32_equals_cpu_fp32"}
+ENGINE_ROW = {"dtype", "prompt_tokens", "prefill_ms", "decode_tok_s"}
+GREEDY = {"tokens", "equal", "first_divergence", "cpu_margin", "cpu_tokens", "device_tokens", "min_cpu_margin",
+          "prompt_tokens"}
 
 
 def _has_gpu() -> bool:
@@ -140,11 +144,22 @@ def test_cpu_logic_writes_every_result(tmp_path):
     assert ba["before"]["body_bytes"] > ba["after"]["body_bytes"]  # json+base64 vs msgpack+zstd
     assert ba["reference_stack"] == {"before_ms": 1040, "after_ms": 510, "speedup": 2.0,
                                      "what": ba["reference_stack"]["what"]}
+    e = r["engine"]
+    # cpu-logic: the tiny checkpoint's language model in bf16 and fp32 at each length; the greedy check
+    # runs its code with the CPU on both sides, so the tokens must be equal
+    assert list(e["presets"]) == ["tiny"] and e["presets"]["tiny"]["checkpoint"] == "kimi-k2.5-tiny"
+    rows = e["presets"]["tiny"]["rows"]
+    assert [(x["dtype"], x["prompt_tokens"]) for x in rows] == [(d, n) for d in ("bf16", "fp32") for n in e["lengths"]]
+    for x in rows:
+        assert set(x) >= ENGINE_ROW and x["prefill_ms"]["median"] > 0 and x["decode_tok_s"]["median"] > 0
+    g = e["presets"]["tiny"]["greedy"]
+    assert set(g) >= GREEDY, GREEDY - set(g)
+    assert g["equal"] and g["first_divergence"] is None and len(g["cpu_tokens"]) == g["tokens"] == e["decode_tokens"]
     assert set(r["checks"]) == CHECKS
     assert all({"ok", "value", "target"} <= set(v) for v in r["checks"].values())
     md = (out / "results.md").read_text()
     for heading in ("## Parity", "## Forward time", "## Device syncs", "## Attention", "## Output copy",
-                    "## Before vs after", "## Checks", "cpu-logic mode"):
+                    "## Before vs after", "## Engine", "## Checks", "cpu-logic mode"):
         assert heading in md, heading
     assert "reference stack (GPU)" in md and "1040 -> 510" in md
-    assert (out / "run.log").read_text().count("[") >= 7  # one line per stage
+    assert (out / "run.log").read_text().count("[") >= 8  # one line per stage

@@ -27,7 +27,11 @@ from mm_encoder.deploy.graph import Graph, load_graph
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines.reference"}
+MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines.worker"}
+MODEL_FLAGS = {"encoder": ("--model", "--stock-model-dir"), "engine": ("--checkpoint",),
+               "frontend": ("--model-dir",)}
+DGD = "DynamoGraphDeployment"
+GENERATED = ["python", "-m", "mm_encoder.engines.tiny_checkpoint", "/models/model", "--preset", "tiny"]
 
 
 def docs_of(graph: Graph) -> list[dict]:
@@ -105,8 +109,10 @@ def test_schema_check_refuses_misspelled_and_v1alpha1_fields(epd_docs):
         assert any(message in e for e in errors(broken, DYNAMO_GRAPH_DEPLOYMENT)), (path, value)
 
 
-@pytest.mark.parametrize("name", ["epd", "agg", "epd-stock"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in GRAPHS.glob("*.yaml")))
 def test_graph_deployment_has_the_crd_shape(name):
+    """Every graph file renders a DynamoGraphDeployment the v1beta1 schema accepts, with one component
+    per frontend / encoder / engine, its module, replicas, Dynamo env and model flags."""
     graph = load_graph(GRAPHS / f"{name}.yaml")
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
     assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
@@ -128,10 +134,13 @@ def test_graph_deployment_has_the_crd_shape(name):
         # bodies fetched over RPC (the chain's fallback) are the embeddings' size; the frontend sends handles
         assert env.get("DYN_TCP_MAX_MESSAGE_SIZE") == ("268435456" if c.kind in ("encoder", "engine") else None)
         assert env["DYN_NAMESPACE"] == graph.namespace
-        assert "DYN_DISCOVERY_BACKEND" not in env  # runtime.discovery default: the operator's own
+        # runtime.discovery default: the operator's own (unset); another (epd-etcd: etcd) is set
+        rt = graph.runtime.discovery
+        assert env.get("DYN_DISCOVERY_BACKEND") == (None if rt == "default" else rt)
         assert opt(main["args"], "--namespace") == [graph.namespace]
         if graph.stock_frontend and c.kind == "encoder":  # Dynamo's Encode worker; handles name the chain
-            assert opt(main["args"], "--stock-model-dir") == [k8s.LLM_DIR]
+            assert opt(main["args"], "--stock-model-dir") == [k8s.MODEL_DIR]
+            assert opt(main["args"], "--stock-name") == [graph.llm.served_name] == ["kimi-k2.5-tiny"]
             assert opt(main["args"], "--handle-chain") == [f"http://{graph.name}-cluster:{k8s.TIER_PORT}"]
         if graph.stock_frontend and c.kind == "engine":
             assert opt(main["args"], "--frontend") == ["stock"]
@@ -139,6 +148,8 @@ def test_graph_deployment_has_the_crd_shape(name):
 
 
 def test_runtime_field_sets_discovery_and_planes():
+    """The graph's `runtime` becomes DYN_DISCOVERY_BACKEND / planes on every Dynamo container; the servers'
+    addresses are left to the operator's platform (the note says so); file discovery is refused."""
     graph = graph_of(runtime={"discovery": "etcd", "request_plane": "nats", "event_plane": "nats"})
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
     assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
@@ -154,6 +165,8 @@ def test_runtime_field_sets_discovery_and_planes():
 
 
 def test_every_name_is_a_dns1123_label(epd_docs, agg):
+    """Every object name, and each name the operator derives (`<graph>-<component>`), is a DNS-1123 label,
+    and no two objects of a kind share a name."""
     for docs in (epd_docs, docs_of(agg)):
         for d in docs:
             assert DNS1123.match(d["metadata"]["name"]) and len(d["metadata"]["name"]) <= 63
@@ -165,6 +178,8 @@ def test_every_name_is_a_dns1123_label(epd_docs, agg):
 
 
 def test_shared_tier_is_a_statefulset_behind_a_headless_service(epd, epd_docs):
+    """The shared tier: a StatefulSet behind a headless Service that selects its pods, on a tmpfs above
+    --max-size, fronting the encoders' Service and probed on /_cache/health."""
     sts = one(epd_docs, "StatefulSet")
     headless = one(epd_docs, "Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
@@ -192,6 +207,7 @@ def _bytes(quantity: str) -> int:
 
 
 def test_router_shards_are_exactly_the_statefulset_pods(epd_docs):
+    """The router's --shard list is exactly the StatefulSet pods' stable DNS names."""
     sts = one(epd_docs, "StatefulSet")
     router = one(epd_docs, "Deployment", "epd-router")
     shards = opt(router["spec"]["template"]["spec"]["containers"][0]["args"], "--shard")
@@ -201,6 +217,8 @@ def test_router_shards_are_exactly_the_statefulset_pods(epd_docs):
 
 
 def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
+    """The cluster tier fronts the router (and the encoders directly); the frontend reaches it with the
+    planned route, on the operator's frontend port, with the graph's own args."""
     cluster = one(epd_docs, "Deployment", "epd-cluster")
     pod = cluster["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
@@ -217,6 +235,8 @@ def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
 
 
 def test_encoder_service_selects_the_encoder_pods(epd_docs):
+    """The encoders' HTTP Service selects the encoder pods and nothing else; the encoder gates readiness
+    on its `encode` endpoint and takes the graph's resources unchanged."""
     svc = one(epd_docs, "Service", "epd-encoder-http")
     assert svc["spec"]["ports"][0]["port"] == svc["spec"]["ports"][0]["targetPort"] == 8090
     comps = components(one(epd_docs, "DynamoGraphDeployment"))
@@ -233,45 +253,96 @@ def test_encoder_service_selects_the_encoder_pods(epd_docs):
 
 
 def test_agg_renders_no_nginx_objects_and_engines_encode_inline(agg):
+    """The aggregated graph is only the DynamoGraphDeployment: its engine runs the whole model
+    (`--encode-inline`, no `--encoder-chain`) and the frontend sends media inline."""
     docs = docs_of(agg)
     assert [d["kind"] for d in docs] == ["DynamoGraphDeployment"]
     comps = components(docs[0])
-    assert opt(main_of(comps["engine"])["args"], "--encoder-model") == [agg.llm.vision_model]
+    assert list(comps) == ["engine", "frontend"]
+    engine = main_of(comps["engine"])["args"]
+    assert "--encode-inline" in engine and "--encoder-chain" not in engine
+    assert opt(engine, "--checkpoint") == [k8s.MODEL_DIR] and opt(engine, "--dtype") == ["fp32"]
     frontend = main_of(comps["frontend"])["args"]
     assert "--inline-media" in frontend and "--encoder-http" not in frontend
+    epd_engine = main_of(components(one(docs_of(load_graph(GRAPHS / "epd.yaml")), DGD))["engine"])["args"]
+    assert "--encode-inline" not in epd_engine and opt(epd_engine, "--encoder-chain") == ["http://epd-cluster:8080"]
 
 
-def test_generated_llm_dir_is_made_by_an_init_container(epd_docs, epd):
-    comps = components(one(epd_docs, "DynamoGraphDeployment"))
-    for name in ("frontend", "engine"):
-        pod = comps[name]["podTemplate"]["spec"]
-        init = pod["initContainers"][0]
-        assert init["command"] == ["python", "-m", "mm_encoder.engines.reference", "--make-model-dir", k8s.LLM_DIR,
-                                   "--model", epd.llm.vision_model, "--name", epd.llm.name,
-                                   "--context-length", str(epd.llm.context_length)]
-        assert {"name": "llm", "emptyDir": {}} in pod["volumes"]
-        assert {"name": "llm", "mountPath": k8s.LLM_DIR} in main_of(comps[name])["volumeMounts"]
-        assert opt(main_of(comps[name])["args"], "--model-dir") == [k8s.LLM_DIR]
-    assert "initContainers" not in comps["encoder"]["podTemplate"]["spec"]
-
-
-def test_real_model_and_checkpoint_come_from_claims():
-    graph = graph_of(llm__model_dir="/data/kimi", llm__checkpoint="/data/vision")
-    dgd = one(docs_of(graph), "DynamoGraphDeployment")
+@pytest.mark.parametrize("name", ["epd", "agg", "epd-stock"])
+def test_generated_checkpoint_is_written_by_an_init_container(name):
+    """Without `llm.checkpoint`, every pod that reads the model gets an emptyDir `model` at /models/model,
+    filled by the init container `make-checkpoint` (the exact call serve makes), and its own argv names
+    that directory; Dynamo's stock frontend and the nginx tiers mount nothing of it."""
+    graph = load_graph(GRAPHS / f"{name}.yaml")
+    docs = docs_of(graph)
+    dgd = one(docs, DGD)
     assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    readers = [n for n, c in graph.components.items() if c.kind in MODEL_FLAGS and not c.stock]
     comps = components(dgd)
-    engine, encoder = comps["engine"]["podTemplate"]["spec"], comps["encoder"]["podTemplate"]["spec"]
-    assert engine["volumes"] == [{"name": "llm", "persistentVolumeClaim": {"claimName": "epd-llm", "readOnly": True}}]
-    assert main_of(comps["engine"])["volumeMounts"] == [{"name": "llm", "mountPath": k8s.LLM_DIR, "readOnly": True}]
-    assert encoder["volumes"] == [{"name": "vision",
-                                   "persistentVolumeClaim": {"claimName": "epd-vision", "readOnly": True}}]
-    assert main_of(comps["encoder"])["volumeMounts"] == [{"name": "vision", "mountPath": k8s.VISION_DIR,
-                                                         "readOnly": True}]
-    assert opt(main_of(comps["encoder"])["args"], "--checkpoint") == [k8s.VISION_DIR]
-    assert "initContainers" not in comps["frontend"]["podTemplate"]["spec"]
+    for cname, comp in comps.items():
+        pod, main = comp["podTemplate"]["spec"], main_of(comp)
+        if cname not in readers:
+            assert "initContainers" not in pod and "volumes" not in pod and "volumeMounts" not in main
+            continue
+        assert pod["initContainers"] == [{"name": "make-checkpoint", "image": main["image"], "command": GENERATED,
+                                          "volumeMounts": [{"name": "model", "mountPath": "/models/model"}]}]
+        assert pod["volumes"] == [{"name": "model", "emptyDir": {}}]
+        assert main["volumeMounts"] == [{"name": "model", "mountPath": "/models/model"}]
+        kind = graph.components[cname].kind
+        assert {v for flag in MODEL_FLAGS[kind] for v in opt(main["args"], flag)} == {"/models/model"}
+    assert sorted(readers) == sorted(n for n in comps if "initContainers" in comps[n]["podTemplate"]["spec"])
+    for d in docs:  # the tiers never see the model
+        if d["kind"] in ("StatefulSet", "Deployment"):
+            assert all(v["name"] != "model" for v in d["spec"]["template"]["spec"]["volumes"])
+    note = dgd["metadata"]["annotations"]["mm-encoder/note"]
+    assert "an init container writes the generated tiny Kimi-K2.5 checkpoint to /models/model" in note
+    small = components(one(docs_of(graph_of(llm__preset="small")), DGD))["engine"]["podTemplate"]["spec"]
+    assert small["initContainers"][0]["command"] == [*GENERATED[:-1], "small"]
+
+
+@pytest.mark.parametrize("name", ["epd", "agg", "epd-stock"])
+def test_a_named_checkpoint_comes_from_one_read_only_claim(name):
+    """With `llm.checkpoint` set, the same model readers mount the PersistentVolumeClaim `<graph>-model`
+    read-only at /models/model (pod volume and container mount), with no init container; the served
+    name is the checkpoint directory's name."""
+    doc = yaml.safe_load((GRAPHS / f"{name}.yaml").read_text())
+    doc["llm"]["checkpoint"] = "/data/Kimi-K2.5"
+    graph = Graph.model_validate(doc)
+    dgd = one(docs_of(graph), DGD)
+    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    readers = {n for n, c in graph.components.items() if c.kind in MODEL_FLAGS and not c.stock}
+    for cname, comp in components(dgd).items():
+        pod, main = comp["podTemplate"]["spec"], main_of(comp)
+        assert "initContainers" not in pod
+        if cname not in readers:
+            assert "volumes" not in pod and "volumeMounts" not in main
+            continue
+        assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": f"{name}-model",
+                                                                              "readOnly": True}}]
+        assert main["volumeMounts"] == [{"name": "model", "mountPath": "/models/model", "readOnly": True}]
+        kind = graph.components[cname].kind
+        assert {v for flag in MODEL_FLAGS[kind] for v in opt(main["args"], flag)} == {"/models/model"}
+        if kind == "engine":
+            assert opt(main["args"], "--name") == ["Kimi-K2.5"]
+        if kind == "encoder" and graph.stock_frontend:
+            assert opt(main["args"], "--stock-name") == ["Kimi-K2.5"]
+    note = dgd["metadata"]["annotations"]["mm-encoder/note"]
+    assert (f"the PersistentVolumeClaim {name}-model must hold the checkpoint directory (llm.checkpoint "
+            "/data/Kimi-K2.5), mounted at /models/model") in note
+
+
+def test_dtype_is_passed_to_encoders_and_engines_only_when_set():
+    """`llm.dtype` reaches the encoder's and engines' args on Kubernetes too; unset, no `--dtype` at all."""
+    for dtype in ("bf16", None):
+        comps = components(one(docs_of(graph_of(llm__dtype=dtype)), DGD))
+        for cname in ("encoder", "engine", "frontend"):
+            args = main_of(comps[cname])["args"]
+            assert opt(args, "--dtype") == ([dtype] if dtype and cname != "frontend" else []), (dtype, cname)
 
 
 def test_component_image_env_and_resources_override_the_defaults():
+    """A component's image, env and resources in the graph override the defaults; unknown resource keys
+    are refused by path."""
     graph = graph_of(components__engine={"kind": "engine", "replicas": 3, "image": "reg.example/mm:2",
                                          "env": {"DYN_EVENT_PLANE": "nats", "EXTRA": "1"},
                                          "resources": {"limits": {"nvidia.com/gpu": "2", "example.com/nic": "1"}}},
@@ -295,18 +366,26 @@ def test_component_image_env_and_resources_override_the_defaults():
 
 
 def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsys):
+    """The encode worker's, the frontend's, the engine's and `mm-encoder cache`'s own parsers accept
+    the rendered args, and read back the one checkpoint directory, dtype, name and chain."""
     from mm_encoder.deploy.cache_tiers import main as cache_main
-    from mm_encoder.engines.reference import EngineSettings
+    from mm_encoder.engines.worker import EngineSettings
     from mm_encoder.frontend.settings import FrontendSettings
     from mm_encoder.service.settings import WorkerSettings
 
-    comps = components(one(epd_docs, "DynamoGraphDeployment"))
+    comps = components(one(epd_docs, DGD))
     worker = WorkerSettings(_cli_parse_args=main_of(comps["encoder"])["args"])
     assert worker.dynamo and worker.http_port == 8090 and worker.http_host == "0.0.0.0" and worker.namespace == "mm"
+    assert (worker.model, worker.dtype, worker.checkpoint) == (k8s.MODEL_DIR, "fp32", None)
     frontend = FrontendSettings(_cli_parse_args=main_of(comps["frontend"])["args"])
     assert frontend.encoder_http == "http://epd-cluster:8080" and frontend.http_port == k8s.FRONTEND_PORT
+    assert str(frontend.model_dir) == k8s.MODEL_DIR
     engine = EngineSettings(_cli_parse_args=main_of(comps["engine"])["args"])
-    assert (str(engine.model_dir), engine.name, engine.namespace) == (k8s.LLM_DIR, epd.llm.name, "mm")
+    assert (str(engine.checkpoint), engine.dtype, engine.name, engine.namespace) == (
+        k8s.MODEL_DIR, "fp32", epd.llm.served_name, "mm")
+    assert engine.encoder_chain == ("http://epd-cluster:8080",) and not engine.encode_inline
+    agg_engine = main_of(components(one(docs_of(load_graph(GRAPHS / "agg.yaml")), DGD))["engine"])["args"]
+    assert EngineSettings(_cli_parse_args=agg_engine).encode_inline
     for d in epd_docs:
         if d["kind"] in ("StatefulSet", "Deployment"):
             args = d["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -316,6 +395,7 @@ def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsy
 
 
 def test_names_that_kubernetes_would_refuse_are_graph_errors():
+    """Names Kubernetes would refuse, or that would collide with the operator's, are GraphErrors."""
     with pytest.raises(GraphError, match="DNS-1123"):
         k8s.render(graph_of(name="a" * 60))
     doc = yaml.safe_load((GRAPHS / "epd.yaml").read_text())
@@ -330,6 +410,7 @@ def test_names_that_kubernetes_would_refuse_are_graph_errors():
 
 
 def test_main_writes_yaml_and_refuses_bad_graphs(tmp_path, capsys):
+    """`render-k8s` writes YAML to stdout or -o, and exits 2 with a message on a bad or missing graph."""
     assert k8s.main([str(GRAPHS / "agg.yaml")]) == 0
     out = capsys.readouterr().out
     assert "apiVersion: nvidia.com/v1beta1\nkind: DynamoGraphDeployment\n" in out

@@ -68,10 +68,12 @@ def assert_rgb(t: torch.Tensor) -> None:
 
 
 def assert_chunks(chunks: list[VideoChunk], k: int = 4) -> None:
+    """Every chunk has k frames but the last, which has 1 to k (its real frames, never padded)."""
     assert chunks
     for i, c in enumerate(chunks):
         assert c.frames.dtype == torch.uint8
-        assert c.frames.dim() == 4 and c.frames.shape[0] == k and c.frames.shape[3] == 3
+        t = c.frames.shape[0]
+        assert c.frames.dim() == 4 and (t == k or (i == len(chunks) - 1 and 1 <= t <= k)) and c.frames.shape[3] == 3
         assert c.index == i
 
 
@@ -477,21 +479,21 @@ def red_square_x(frame: torch.Tensor) -> int:
     return int(np.argmax(np.convolve(red, np.ones(16), "valid")))
 
 
-def test_video_chunks_sampling_and_padding():
+def test_video_chunks_sampling_and_short_last_chunk():
+    """A short last chunk keeps its real frames (t = 6 mod 4 = 2), as transformers' Kimi-K2.5 video
+    processor passes it; it is not padded with repeats of its last frame."""
     chunks = decode_video(clip(30, 10), CFG, LIMITS)
     # 30 frames at 10 fps = 3 s; at 2 fps -> 6 sampled frames -> ceil(6 / 4) = 2 chunks
     assert len(chunks) == math.ceil(6 / 4) == 2
     assert_chunks(chunks)
     assert chunks[0].frames.shape == (4, 96, 160, 3)
+    assert chunks[1].frames.shape == (2, 96, 160, 3)
     wanted = sample_indices(30, 10, 2)
     assert wanted == [0, 6, 12, 17, 23, 29]
     frames = torch.cat([c.frames for c in chunks])
-    xs = [red_square_x(f) for f in frames[:6]]
+    assert frames.shape[0] == len(wanted)
+    xs = [red_square_x(f) for f in frames]
     assert all(abs(x - (i * 7) % 144) <= 2 for x, i in zip(xs, wanted, strict=True)), xs
-    # the last chunk is padded by repeating its last real frame
-    last = chunks[1].frames
-    assert torch.equal(last[1], last[2]) and torch.equal(last[1], last[3])
-    assert not torch.equal(last[0], last[1])
     # timestamps: relative to the first sampled frame, increasing
     assert chunks[0].timestamp == 0.0
     assert chunks[1].timestamp == pytest.approx(2.3, abs=0.01)
@@ -509,10 +511,9 @@ def test_video_low_fps_keeps_native_rate():
     assert all(abs(x - i * 7) <= 2 for i, x in enumerate(xs)), xs
     assert [c.timestamp for c in chunks] == pytest.approx([0.0, 4.0], abs=0.01)
 
-    chunks = decode_video(clip(5, 1), CFG, LIMITS)  # 5 frames -> chunks of 4 + 1 (padded x3)
-    assert len(chunks) == 2
-    tail = chunks[1].frames
-    assert all(torch.equal(tail[0], tail[i]) for i in range(1, 4))
+    chunks = decode_video(clip(5, 1), CFG, LIMITS)  # 5 frames -> chunks of 4 + 1
+    assert [c.frames.shape[0] for c in chunks] == [4, 1]
+    assert abs(red_square_x(chunks[1].frames[0]) - 4 * 7) <= 2  # the 5th frame itself
 
 
 @pytest.mark.parametrize(("fmt", "codec"), [("matroska", "mpeg4"), ("webm", "libvpx"), ("avi", "mpeg4")])
@@ -529,6 +530,7 @@ def test_video_chunk_size_follows_config():
     chunks = decode_video(clip(30, 10), PreprocessConfig(video_chunk_frames=2, video_fps=1.0), LIMITS)
     assert len(chunks) == 2  # 3 s at 1 fps -> 3 frames -> ceil(3 / 2)
     assert_chunks(chunks, k=2)
+    assert [c.frames.shape[0] for c in chunks] == [2, 1]
 
 
 def test_video_timestamps_increase():
@@ -600,6 +602,9 @@ def test_video_limits():
     assert media_error(decode_video, v, CFG, MediaLimits(max_video_seconds=2.5)).code == "too_large"
     assert media_error(decode_video, v, CFG, MediaLimits(max_pixels=160 * 96 - 1)).code == "too_many_pixels"
     assert media_error(decode_video, v, CFG, MediaLimits(max_aspect_ratio=1.5)).code == "bad_aspect_ratio"
+    # the work counted is the 6 real sampled frames x 8 x 12 patches, not 8 frames padded to whole chunks
+    assert len(decode_video(v, CFG, MediaLimits(max_video_patches=6 * 96))) == 2
+    assert media_error(decode_video, v, CFG, MediaLimits(max_video_patches=6 * 96 - 1)).code == "too_large"
 
 
 @pytest.mark.parametrize(
@@ -677,11 +682,27 @@ def test_sniff_modality():
 
 
 def test_encode_file_video(tiny):
+    """6 sampled frames: a chunk of 4, then one of 2 whose grid carries its real t (as vLLM's grids do)
+    and whose token count is the same (the merger averages over t)."""
     v = clip(30, 10)
     results = tiny.encode_file(v)
     assert [r.modality for r in results] == ["video", "video"]
     assert [r.timestamp for r in results] == ["00:00:00.000", "00:00:02.300"]
     assert results[0].mm_hash != results[1].mm_hash
+    (t0, h, w), (t1, h1, w1) = results[0].grid_thw, results[1].grid_thw
+    assert (t0, t1) == (4, 2) and (h1, w1) == (h, w) == (8, 12)
+    assert results[0].num_tokens == results[1].num_tokens == h * w // 4 == results[1].embeds.shape[0]
+
+
+def test_short_last_chunk_is_not_its_padded_version(tiny):
+    """Encoding the real 2-frame chunk differs from encoding it padded to 4 (what the encoder did before):
+    the frame mean and the time embedding see other frames."""
+    last = decode_video(clip(30, 10), CFG, LIMITS)[1]
+    padded = VideoChunk(torch.cat([last.frames, last.frames[-1:].expand(2, -1, -1, -1)]), last.timestamp, last.index)
+    real, pad = tiny.encode([last, padded])
+    assert real.grid_thw[0] == 2 and pad.grid_thw[0] == 4 and real.num_tokens == pad.num_tokens
+    cos = torch.nn.functional.cosine_similarity(real.embeds.float(), pad.embeds.float(), dim=-1)
+    assert cos.min() < 0.9999
 
 
 # --- known crashes: non-MediaError exceptions escaping the decoders (deterministic repros) --------

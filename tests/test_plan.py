@@ -1,40 +1,68 @@
 """One plan for both deployments: `mm-encoder serve` and `render-k8s` run the same components, in
-the same order, with the same options; only the site's addresses, ports and paths differ."""
+the same order, with the same options; only the site's addresses, ports and paths differ. Every
+component that runs or describes the model reads one checkpoint directory, the graph's `llm`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mm_encoder.core.dynamo import MAX_MESSAGE_SIZE
-from mm_encoder.deploy.graph import load_graph
-from mm_encoder.deploy.k8s_site import K8sNames, K8sSite
+from mm_encoder.core.errors import GraphError
+from mm_encoder.deploy.graph import LLM, Graph, load_graph
+from mm_encoder.deploy.k8s_site import MODEL_DIR, K8sNames, K8sSite
 from mm_encoder.deploy.local import LocalSite
-from mm_encoder.deploy.plan import ORDER, GeneratedLLM, plan
+from mm_encoder.deploy.plan import ORDER, GeneratedCheckpoint, plan
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
+GRAPH_NAMES = sorted(p.stem for p in GRAPHS.glob("*.yaml"))
 # Flags whose values are the site's (an address, a port, a path), not the component's options.
 SITE_VALUES = {"--http-host", "--http-port", "--listen", "--run-dir", "--cache-dir", "--next", "--direct", "--shard",
                "--encoder-http", "--encoder-chain", "--stock-model-dir", "--handle-chain", "--model-dir",
-               "--checkpoint", "--encoder-checkpoint"}
+               "--checkpoint", "--model"}
+# Per kind, the flags that name the model's checkpoint directory.
+MODEL_FLAGS = {"encoder": ("--model", "--stock-model-dir"), "engine": ("--checkpoint",), "frontend": ("--model-dir",)}
+GENERATED_NAME = "kimi-k2.5-tiny"
 
 
 def shape(argv: tuple[str, ...]) -> list[str]:
-    """argv with the site's values blanked out."""
-    return [("<site>" if i and argv[i - 1] in SITE_VALUES else a) for i, a in enumerate(argv)]
+    """argv with the site's values blanked out, and a site flag repeated right after itself kept once: how
+    many addresses reach N encoders is the site's (N loopback ports here, one Service on Kubernetes)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in SITE_VALUES and i + 1 < len(argv):
+            if out[-2:] != [argv[i], "<site>"]:
+                out += [argv[i], "<site>"]
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def opt(argv, flag: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
-@pytest.fixture(params=["epd", "agg", "epd-stock"])
-def graph(request):
+def with_llm(g: Graph, **llm) -> Graph:
+    return g.model_copy(update={"llm": g.llm.model_copy(update=llm)})
+
+
+def sites(g: Graph, run_dir: Path) -> dict:
+    return {"local": LocalSite(g, run_dir), "k8s": K8sSite(K8sNames(g))}
+
+
+@pytest.fixture(params=GRAPH_NAMES)
+def graph(request) -> Graph:
     return load_graph(GRAPHS / f"{request.param}.yaml")
 
 
 def test_local_and_kubernetes_plans_differ_only_in_the_site(graph, tmp_path):
+    """Same components, order, modules, replica counts, health paths, volumes used and options on
+    both sites; the graph's own args come last; the Dynamo planes are the same."""
     local = plan(graph, LocalSite(graph, tmp_path))
     k8s = plan(graph, K8sSite(K8sNames(graph)))
     assert [(c.name, c.kind, c.module, len(c.replicas), c.health_path, c.uses) for c in local] == \
@@ -50,6 +78,8 @@ def test_local_and_kubernetes_plans_differ_only_in_the_site(graph, tmp_path):
 
 
 def test_local_site_wires_the_chain_by_loopback_ports(tmp_path):
+    """On one machine the chain is loopback ports: shards front the encoders, the router the shards,
+    the cluster tier the router (and the encoders directly); engines trust the chain the frontend uses."""
     g = load_graph(GRAPHS / "epd.yaml")
     by_kind = {c.kind: c for c in plan(g, LocalSite(g, tmp_path))}
     encoder, shared, router = by_kind["encoder"], by_kind["cache-shared"], by_kind["cache-router"]
@@ -69,7 +99,10 @@ def test_local_site_wires_the_chain_by_loopback_ports(tmp_path):
     assert {r.name: opt(r.argv, "--run-dir") for r in shared.replicas} == {
         "shared-0": [str(tmp_path / "nginx-shared-0")], "shared-1": [str(tmp_path / "nginx-shared-1")]}
     engine = by_kind["engine"]
-    assert opt(engine.replicas[0].argv, "--name") == [g.llm.name] and engine.health_path is None
+    assert [r.name for r in engine.replicas] == ["engine-0", "engine-1"]
+    assert all(opt(r.argv, "--name") == [GENERATED_NAME] for r in engine.replicas) and engine.health_path is None
+    assert all(r.port is None for r in engine.replicas)  # an engine serves no HTTP
+    assert engine.module == "mm_encoder.engines.worker"
     assert engine.env["DYN_DISCOVERY_BACKEND"] == "file" and engine.env["DYN_FILE_KV"] == str(tmp_path / "dynamo-store")
     assert engine.env["DYN_TCP_MAX_MESSAGE_SIZE"] == str(MAX_MESSAGE_SIZE)
     assert "DYN_TCP_MAX_MESSAGE_SIZE" not in by_kind["frontend"].env  # it sends handles, never bodies
@@ -77,15 +110,157 @@ def test_local_site_wires_the_chain_by_loopback_ports(tmp_path):
     assert opt(engine.replicas[0].argv, "--encoder-chain") == opt(frontend.replicas[0].argv, "--encoder-http")
 
 
-def test_the_generated_llm_is_one_call_on_both_sites(tmp_path):
-    g = load_graph(GRAPHS / "epd.yaml")
-    llm = GeneratedLLM.of(g)
-    assert llm.argv("/x") == ["--make-model-dir", "/x", "--model", g.llm.vision_model, "--name", g.llm.name,
-                              "--context-length", str(g.llm.context_length)]
-    from mm_encoder.engines.reference import EngineSettings
+@pytest.mark.parametrize("site", ["local", "k8s"])
+def test_every_model_reader_names_the_one_checkpoint_directory(graph, site, tmp_path):
+    """Encoders (`--model`, and `--stock-model-dir` for the stock frontend), engines (`--checkpoint`)
+    and our frontend (`--model-dir`) all name the site's one checkpoint directory, and exactly those
+    components say they use the `model` volume; the cache tiers and Dynamo's stock frontend read none."""
+    s = sites(graph, tmp_path)[site]
+    expected_dir = str(tmp_path / "checkpoint" / GENERATED_NAME) if site == "local" else MODEL_DIR
+    assert s.checkpoint_dir == expected_dir
+    for c in plan(graph, s):
+        reads = c.kind in MODEL_FLAGS and not c.component.stock
+        assert c.uses == (frozenset({"model"}) if reads else frozenset()), c.name
+        for r in c.replicas:
+            named = [v for flag in MODEL_FLAGS.get(c.kind, ()) for v in opt(r.argv, flag)]
+            assert set(named) == ({expected_dir} if reads else set()), (r.name, r.argv)
+            want = 2 if c.kind == "encoder" and graph.stock_frontend else 1
+            assert len(named) == (want if reads else 0), (r.name, r.argv)
+    stock_encoders = [c for c in plan(graph, s) if c.kind == "encoder" and graph.stock_frontend]
+    assert all(opt(r.argv, "--stock-name") == [GENERATED_NAME] for c in stock_encoders for r in c.replicas)
 
-    s = EngineSettings(_cli_parse_args=llm.argv(str(tmp_path / "a")))  # the engine's own parser takes it
-    assert (s.model, s.name, s.context_length) == (g.llm.vision_model, g.llm.name, g.llm.context_length)
-    llm.write(tmp_path / "b")
-    assert (tmp_path / "b" / "config.json").is_file()
-    assert GeneratedLLM.of(g.model_copy(update={"llm": g.llm.model_copy(update={"model_dir": "/m"})})) is None
+
+def test_a_named_checkpoint_is_read_in_place_by_every_component(tmp_path):
+    """With `llm.checkpoint` set, serve passes that very directory to every model reader (nothing is
+    generated) and the served name is the directory's name, on the engines and the stock Encode worker."""
+    for name in ("epd", "epd-stock", "agg"):
+        g = with_llm(load_graph(GRAPHS / f"{name}.yaml"), checkpoint="/data/Kimi-K2.5")
+        assert GeneratedCheckpoint.of(g) is None
+        site = LocalSite(g, tmp_path)
+        assert site.checkpoint_dir == "/data/Kimi-K2.5"
+        for c in plan(g, site):
+            reads = c.kind in MODEL_FLAGS and not c.component.stock
+            for r in c.replicas:
+                named = {v for flag in MODEL_FLAGS.get(c.kind, ()) for v in opt(r.argv, flag)}
+                assert named == ({"/data/Kimi-K2.5"} if reads else set()), (r.name, r.argv)
+                if c.kind == "engine":
+                    assert opt(r.argv, "--name") == ["Kimi-K2.5"] and opt(r.argv, "--checkpoint") == ["/data/Kimi-K2.5"]
+                if c.kind == "encoder" and g.stock_frontend:
+                    assert opt(r.argv, "--stock-name") == ["Kimi-K2.5"]
+        if not g.stock_frontend:
+            assert all("--stock-name" not in r.argv for c in plan(g, site) for r in c.replicas)
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32", "bf16"])
+def test_dtype_reaches_the_encoders_and_engines_only_when_the_graph_sets_it(graph, dtype, tmp_path):
+    """`llm.dtype` becomes `--dtype X` on every encoder and engine replica, once, on both sites; without
+    it no component gets `--dtype` (each keeps its own default); the frontend and tiers never get one."""
+    g = with_llm(graph, dtype=dtype)
+    for s in sites(g, tmp_path).values():
+        for c in plan(g, s):
+            for r in c.replicas:
+                runs_model = c.kind in ("encoder", "engine")
+                assert opt(r.argv, "--dtype") == ([dtype] if dtype and runs_model else []), (r.name, r.argv)
+
+
+def test_real_parsers_take_the_dtype_and_checkpoint(tmp_path):
+    """The encode worker's and the engine's own settings parse the planned argv into the graph's dtype
+    and the one checkpoint directory."""
+    from mm_encoder.engines.worker import EngineSettings
+    from mm_encoder.service.settings import WorkerSettings
+
+    g = with_llm(load_graph(GRAPHS / "epd.yaml"), dtype="bf16")
+    by_kind = {c.kind: c for c in plan(g, K8sSite(K8sNames(g)))}
+    worker = WorkerSettings(_cli_parse_args=list(by_kind["encoder"].replicas[0].argv))
+    assert (worker.model, worker.dtype, worker.checkpoint) == (MODEL_DIR, "bf16", None)
+    engine = EngineSettings(_cli_parse_args=list(by_kind["engine"].replicas[0].argv))
+    assert (str(engine.checkpoint), engine.dtype, engine.name) == (MODEL_DIR, "bf16", GENERATED_NAME)
+    assert engine.encoder_chain == ("http://epd-cluster:8080",) and engine.encode_inline is False
+
+
+def test_the_aggregated_engine_encodes_inline_and_trusts_no_chain(tmp_path):
+    """agg (no encoder component): engines get `--encode-inline` and no `--encoder-chain`, the frontend
+    `--inline-media`. With encoders, engines never encode inline; they trust the chain when there is one."""
+    agg = load_graph(GRAPHS / "agg.yaml")
+    assert agg.inline_encoding
+    by_kind = {c.kind: c for c in plan(agg, LocalSite(agg, tmp_path))}
+    assert set(by_kind) == {"engine", "frontend"}
+    for r in by_kind["engine"].replicas:
+        assert "--encode-inline" in r.argv and "--encoder-chain" not in r.argv
+    assert "--inline-media" in by_kind["frontend"].replicas[0].argv
+    for name in ("epd", "epd-stock", "epd-etcd"):
+        g = load_graph(GRAPHS / f"{name}.yaml")
+        engines = [r for c in plan(g, LocalSite(g, tmp_path)) if c.kind == "engine" for r in c.replicas]
+        assert engines and all("--encode-inline" not in r.argv and len(opt(r.argv, "--encoder-chain")) == 1
+                               for r in engines)
+    bare = Graph.model_validate({"name": "bare", "components": {  # encoders but no tiers: RPC only
+        "encoder": {"kind": "encoder"}, "engine": {"kind": "engine"}, "frontend": {"kind": "frontend"}}})
+    engine = next(c for c in plan(bare, LocalSite(bare, tmp_path)) if c.kind == "engine").replicas[0].argv
+    assert "--encode-inline" not in engine and "--encoder-chain" not in engine
+
+
+def test_served_name_rules(tmp_path, monkeypatch):
+    """`llm.name` wins; else the checkpoint directory's name (trailing `/` and `.`/`..` resolved); else
+    `kimi-k2.5-<preset>`. Serve generates into `<run_dir>/checkpoint/<served name>`."""
+    assert LLM().served_name == "kimi-k2.5-tiny"
+    assert LLM(preset="small").served_name == "kimi-k2.5-small"
+    assert LLM(checkpoint="/data/Kimi-K2.5").served_name == "Kimi-K2.5"
+    assert LLM(checkpoint="/data/Kimi-K2.5/").served_name == "Kimi-K2.5"
+    assert LLM(checkpoint="/data/Kimi-K2.5/..").served_name == "data"
+    assert LLM(checkpoint="/data/Kimi-K2.5", name="kimi").served_name == "kimi"
+    assert LLM(name="mine", preset="small").served_name == "mine"
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path / "my-model")
+    assert LLM(checkpoint=".").served_name == "my-model"
+    assert LLM(checkpoint="sub/../").served_name == "my-model"
+    g = with_llm(load_graph(GRAPHS / "epd.yaml"), preset="small", name="mine")
+    # the generated directory is named by its preset, not the served name: another preset is another
+    # directory, never a stale one; a relative checkpoint is resolved (components start elsewhere)
+    assert LocalSite(g, tmp_path).checkpoint_dir == str(tmp_path / "checkpoint" / "kimi-k2.5-small")
+    rel = with_llm(load_graph(GRAPHS / "epd.yaml"), checkpoint="ckpt")
+    assert LocalSite(rel, tmp_path / "run").checkpoint_dir == str(tmp_path / "my-model" / "ckpt")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("model_dir", "/data/llm", "llm.model_dir: Extra inputs are not permitted"),
+    ("vision_model", "tiny", "llm.vision_model: Extra inputs are not permitted"),
+    ("context_length", 4096, "llm.context_length: Extra inputs are not permitted"),
+    ("dtype", "fp16", "llm.dtype: Input should be 'fp32' or 'bf16'"),
+    ("preset", "huge", "llm.preset: Input should be 'tiny' or 'small'"),
+])
+def test_old_and_bad_llm_keys_are_refused_by_path(tmp_path, key, value, message):
+    """The strict schema refuses the old pair's keys (and values outside the new ones), naming the key path."""
+    doc = yaml.safe_load((GRAPHS / "epd.yaml").read_text())
+    doc["llm"][key] = value
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(GraphError) as e:
+        load_graph(path)
+    assert str(e.value).splitlines()[1:] == [f"  {message}"]
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    """An executable standing in for the interpreter: GeneratedCheckpoint.write's command, without torch."""
+    exe = tmp_path / "python"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_the_generated_checkpoint_is_one_call_on_both_sites(tmp_path):
+    """Without `llm.checkpoint` the graph serves `python -m mm_encoder.engines.tiny_checkpoint TARGET
+    --preset P`: the same argv for serve (`write`, a subprocess) and the K8s init container (`argv`);
+    a failed write is a GraphError with the target and the tool's stderr."""
+    g = load_graph(GRAPHS / "epd.yaml")
+    gen = GeneratedCheckpoint.of(g)
+    assert gen == GeneratedCheckpoint("tiny") and gen.MODULE == "mm_encoder.engines.tiny_checkpoint"
+    assert gen.argv("/x") == ["/x", "--preset", "tiny"]
+    assert GeneratedCheckpoint.of(with_llm(g, preset="small")).argv("/y") == ["/y", "--preset", "small"]
+    assert GeneratedCheckpoint.of(with_llm(g, checkpoint="/m")) is None
+    record = tmp_path / "argv.txt"
+    gen.write(tmp_path / "ckpt", python=_fake_python(tmp_path, f"printf '%s\\n' \"$@\" > {record}"))
+    assert record.read_text().splitlines() == ["-m", gen.MODULE, str(tmp_path / "ckpt"), "--preset", "tiny"]
+    failing = _fake_python(tmp_path, "echo 'no space left' >&2; exit 3")
+    with pytest.raises(GraphError) as e:
+        gen.write(tmp_path / "ckpt", python=failing)
+    assert e.value.message == f"writing the generated tiny checkpoint into {tmp_path / 'ckpt'} failed:\nno space left\n"

@@ -1,8 +1,9 @@
 """The EPD graph on Dynamo's production runtime: `mm-encoder serve graphs/epd-etcd.yaml` with etcd
 discovery and NATS request and event planes (Debian's etcd-server 3.4 and nats-server 2.9, started
 here on loopback with their data in a temp dir, so the tests can kill and restart etcd). Two
-encode workers, two engines, the nginx tiers, the frontend: all real processes. Under load:
-etcd is killed and restarted, and one encode worker is killed with SIGKILL."""
+encode workers, two engines (the generated tiny Kimi-K2.5's language model), the nginx tiers, the
+frontend: all real processes on one checkpoint. Under load: etcd is killed and restarted, and one
+encode worker is killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 from media_factory import image_bytes, natural_image
 from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import IMAGE_TOKENS, TEXT_TOKENS, Served, chat
+from serve_fixtures import MODEL, Served, chat, sample_tokens
 
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import infra
@@ -64,7 +65,7 @@ def graph(servers, tmp_path_factory):
     served = Served("graphs/epd-etcd.yaml", run_dir, port, env=env)
     try:
         served.wait_for("ready: OpenAI base URL", 240)
-        served.port, served.env = port, env
+        served.env = env
         yield served
     finally:
         if served.proc.poll() is None:
@@ -86,7 +87,7 @@ def post(port: int, body: bytes, timeout: float = 60) -> int:
 
 def image_request(seed: int) -> bytes:
     url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(112, 84, seed=seed))).decode()
-    return json.dumps({"model": "mm-chat", "max_tokens": 2, "messages": [{"role": "user", "content": [
+    return json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
 
 
@@ -161,8 +162,10 @@ class Probe:
 
 
 def test_the_graph_serves_multimodal_requests_on_etcd_and_nats(graph):
+    """The sample request is counted exactly and repeats; serve used the given etcd (ran no
+    servers of its own); both encode workers and both engines are in etcd discovery."""
     first = chat(graph.port)
-    assert first["usage"]["prompt_tokens"] == IMAGE_TOKENS + TEXT_TOKENS
+    assert first["usage"]["prompt_tokens"] == sample_tokens(graph.run_dir / "checkpoint" / MODEL) == 1223
     assert chat(graph.port)["usage"] == first["usage"]
     state = json.loads((graph.run_dir / "state.json").read_text())
     assert state["runtime"]["ETCD_ENDPOINTS"] == graph.env["ETCD_ENDPOINTS"]  # serve used ours, ran none
@@ -173,6 +176,8 @@ def test_the_graph_serves_multimodal_requests_on_etcd_and_nats(graph):
 
 
 def test_etcd_restarted_under_load_the_graph_recovers_without_a_restart(graph, servers):
+    """etcd stopped and started again under a stream of cold image requests: every request is a
+    200, a new client finds both endpoints' instances again, and no component was restarted."""
     etcd = servers["etcd"]
     pids = {c["name"]: c["pid"] for c in json.loads((graph.run_dir / "state.json").read_text())["components"]}
     with Load(graph.port, 10_000) as load:
@@ -193,6 +198,8 @@ def test_etcd_restarted_under_load_the_graph_recovers_without_a_restart(graph, s
 
 
 def test_a_killed_encode_worker_leaves_discovery_and_the_survivor_takes_over(graph):
+    """SIGKILL to one of two encode workers under load: its instance leaves etcd once its lease
+    runs out (the time is recorded), at most the request in flight fails, later ones all succeed."""
     state = json.loads((graph.run_dir / "state.json").read_text())
     victim = next(c for c in state["components"] if c["name"] == "encoder-0")
     with Probe(graph.env, f"{NAMESPACE}.mm_encoder.encode") as probe, Load(graph.port, 20_000) as load:

@@ -8,7 +8,7 @@ import torch
 
 from mm_encoder.core.errors import BadRequest
 from mm_encoder.core.sampling import SamplingParams
-from mm_encoder.engines.sampling import Sampler
+from mm_encoder.engines.sampling import Sampler, token_logprobs
 
 EOS = 7
 
@@ -32,8 +32,7 @@ def test_no_sampling_fields_is_greedy():
 @pytest.mark.parametrize("request_, field", [
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -49,6 +48,22 @@ def test_openai_refuses_what_it_cannot_honour(request_, field):
 
 def test_refusal_message_says_why():
     assert _refused({"n": 2}, "n").message == "`n`=2 is not supported: this engine returns one choice"
+    assert _refused({"prompt_logprobs": 0}, "prompt_logprobs").message == (
+        "`prompt_logprobs`=0 is not supported: this engine returns logprobs of generated tokens only")
+
+
+def test_logprobs_and_top_logprobs_are_honoured_within_openais_bounds():
+    p = SamplingParams.from_openai({"logprobs": True, "top_logprobs": 20})
+    assert (p.logprobs, p.top_logprobs) == (True, 20) and p.greedy
+    assert p.to_dict() == {"logprobs": True, "top_logprobs": 20} and SamplingParams.from_dict(p.to_dict()) == p
+    assert SamplingParams.from_openai({"logprobs": True}).to_dict() == {"logprobs": True}  # the chosen token's only
+    assert _refused({"logprobs": True, "top_logprobs": 21}, "top_logprobs", code="bad_request").message == (
+        "invalid sampling parameters: `top_logprobs`: Input should be less than or equal to 20")
+    _refused({"logprobs": True, "top_logprobs": -1}, "top_logprobs", code="bad_request")
+    _refused({"logprobs": "yes"}, "logprobs", code="bad_request")
+    with pytest.raises(BadRequest, match="top_logprobs needs logprobs: true") as info:
+        SamplingParams.from_openai({"top_logprobs": 2})
+    assert info.value.code == "bad_request"
 
 
 @pytest.mark.parametrize("harmless", [
@@ -151,7 +166,6 @@ def test_from_dynamo_ignores_new_keys_and_missing_sections():
     ("sampling_options", "use_beam_search", True, "use_beam_search"),
     ("sampling_options", "guided_decoding", {"json": {}}, "guided_decoding"),
     ("sampling_options", "length_penalty", 0.5, "length_penalty"),
-    ("output_options", "logprobs", 1, "logprobs"),
     ("output_options", "prompt_logprobs", 0, "prompt_logprobs"),
 ])
 def test_from_dynamo_refuses_by_openai_name(section, key, value, field):
@@ -159,6 +173,18 @@ def test_from_dynamo_refuses_by_openai_name(section, key, value, field):
     with pytest.raises(BadRequest) as info:
         SamplingParams.from_dynamo(request)
     assert info.value.code == "unsupported_field" and f"`{field}`" in info.value.message
+
+
+@pytest.mark.parametrize("asked, top", [(0, 0), (3, 3), (20, 20)])
+def test_from_dynamo_honours_logprobs_as_the_number_of_alternatives(asked, top):
+    """Dynamo's `output_options.logprobs` is OpenAI's `top_logprobs` (0: the chosen token's only)."""
+    p = SamplingParams.from_dynamo({**DYNAMO, "output_options": {**DYNAMO["output_options"], "logprobs": asked}})
+    assert (p.logprobs, p.top_logprobs) == (True, top)
+
+
+def test_from_dynamo_names_a_logprobs_count_out_of_bounds():
+    with pytest.raises(BadRequest, match=r"`output_options\.logprobs`: Input should be less than or equal to 20"):
+        SamplingParams.from_dynamo({"output_options": {"logprobs": 21}})
 
 
 def test_from_dict_refuses_unknown_fields():
@@ -270,6 +296,19 @@ def test_ignore_eos_keeps_going_but_stop_ids_still_stop():
     logits = torch.zeros(10).index_fill(0, torch.tensor([EOS]), 5.0)
     assert sampler.next(logits) == EOS  # eos is not masked by min_tokens either: it does not end the request
     assert sampler.stop_reason(EOS) is None and sampler.stop_reason(3) == "stop"
+
+
+def test_token_logprobs_are_log_softmax_of_the_raw_logits_and_the_best_alternatives():
+    """The chosen token's log-probability under the logits as the model gave them (before penalties
+    and temperature), and (rank, token, logprob) for the `top` best in order; the chosen token is
+    listed at its own rank when it is not among them (Dynamo's convention), so top 0 gives only it."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    lp = torch.log_softmax(logits, 0)
+    chosen, top = token_logprobs(logits, 2, 2)
+    assert chosen == float(lp[2]) and top == [(1, 1, float(lp[1])), (2, 2, float(lp[2]))]
+    assert token_logprobs(logits, 3, 1) == (float(lp[3]), [(1, 1, float(lp[1])), (4, 3, float(lp[3]))])
+    bf = torch.log_softmax(logits.to(torch.bfloat16).float(), 0)
+    assert token_logprobs(logits.to(torch.bfloat16), 0, 0) == (float(bf[0]), [(3, 0, float(bf[0]))])
 
 
 def test_stop_ids_past_the_vocabulary_are_harmless():

@@ -1,7 +1,8 @@
-"""`mm-encoder serve` as a subprocess: the EPD graph and the aggregated baseline come up, answer a
-multimodal request (the repeat from cache), report status and a dead component, and stop on
-SIGTERM leaving no process. Real processes throughout (Dynamo file discovery + TCP, nginx, the
-encode worker, reference engines, the frontend)."""
+"""`mm-encoder serve` as a subprocess: the EPD graph and the aggregated baseline come up on the
+generated tiny Kimi-K2.5 checkpoint, answer a multimodal request (the repeat from cache and from
+the engine's prefix store), report status and a dead component, and stop on SIGTERM leaving no
+process. Real processes throughout (Dynamo file discovery + TCP, nginx, the encode worker, the
+checkpoint's language model in two engines, the frontend)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+from media_factory import k25_image_tokens
 from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import IMAGE_TOKENS, ROOT, SAMPLE, TEXT_TOKENS, Served, chat
+from serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, sample_tokens
 
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy.graph import load_graph
@@ -22,40 +24,59 @@ from mm_encoder.deploy.local import listeners
 from mm_encoder.deploy.status import collect
 
 
+def frontend_stats(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/mm/stats", timeout=30) as r:
+        return json.loads(r.read())["processors"][0]
+
+
 @pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
 @pytest.mark.parametrize("graph", ["graphs/epd.yaml", "graphs/agg.yaml"])
 def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
+    """The graph comes up with no checkpoint named (serve writes the tiny Kimi-K2.5 into the run
+    directory, served as its directory's name), counts the sample's prompt exactly, answers the
+    repeat identically, reports every component up; EPD: loopback-only listeners, one encode for
+    two requests, the tier's hits, the repeat's prompt KV reused by the same engine (every full
+    block but the last token's), a dead engine reported with its log; agg with --restart: a
+    killed engine comes back and answers, and the repeat's reuse shows in /mm/stats as in EPD.
+    SIGTERM leaves no process of any session."""
     if "epd" in graph:
         require_nginx()
     port = free_port()
-    served = Served(graph, tmp_path / "run", port, *(["--restart"] if "agg" in graph else []))
+    run = tmp_path / "run"
+    served = Served(graph, run, port, *(["--restart"] if "agg" in graph else []))
     try:
-        served.wait_for("ready: OpenAI base URL", 240)
+        out = served.wait_for("ready: OpenAI base URL", 240)
+        assert f"(model {MODEL})" in out and served.state["model"] == MODEL
+        checkpoint = run / "checkpoint" / MODEL  # generated: the graph names no checkpoint
         first = chat(port)
-        assert first["usage"]["prompt_tokens"] == IMAGE_TOKENS + TEXT_TOKENS  # the image's placeholders, spliced
+        assert first["model"] == MODEL
+        assert first["usage"]["prompt_tokens"] == sample_tokens(checkpoint) == 1223  # 1196 image rows + 27
+        assert first["usage"]["completion_tokens"] == 5 and first["choices"][0]["finish_reason"] == "length"
         again = chat(port)
         assert again["usage"] == first["usage"]
-        status = {c["name"]: c for c in collect(tmp_path / "run")["components"]}
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]  # greedy on the same model
+        status = {c["name"]: c for c in collect(run)["components"]}
         assert all(c["up"] for c in status.values())
         if "epd" in graph:
             # every listener of every process of the graph binds loopback, none a wildcard address
-            state = json.loads((tmp_path / "run" / "state.json").read_text())
-            sockets = listeners({c["pid"] for c in state["components"]})
-            assert len({pid for pid, _, _ in sockets}) >= len(state["components"])  # each listens on something
+            sockets = listeners({c["pid"] for c in served.state["components"]})
+            assert len({pid for pid, _, _ in sockets}) >= len(served.state["components"])  # each listens
             assert {addr for _, addr, _ in sockets} == {"127.0.0.1"}, sockets
             assert status["encoder"]["encodes"] == 1  # the repeat came from a cache, not the encoder
             # per request the frontend's HEAD and the engine's body fetch: MISS, HIT, then HIT, HIT
             assert status["cluster"]["hit_ratio"] == 0.75
             assert status["frontend"]["requests"] == 2
+            recent = frontend_stats(port)["recent"][-2:]
+            assert recent[1]["worker_id"] == recent[0]["worker_id"]  # KV-aware routing: the engine holding it
+            assert recent[0]["timings"]["reused_tokens"] == 0
+            assert recent[1]["timings"]["reused_tokens"] == (1223 - 1) // 16 * 16 == 1216
             # a component that dies is reported with the tail of its log
-            engine = next(c for c in json.loads((tmp_path / "run" / "state.json").read_text())["components"]
-                          if c["name"] == "engine-1")
-            os.killpg(engine["pid"], signal.SIGKILL)
+            os.killpg(served.component("engine-1")["pid"], signal.SIGKILL)
             report = served.wait_for("engine-1 exited", 30)
             assert "last log lines" in report and "engine ready" in report.split("engine-1 exited")[1]
         else:  # --restart: a dead engine comes back and the graph answers again
-            engine = next(c for c in json.loads((tmp_path / "run" / "state.json").read_text())["components"]
-                          if c["kind"] == "engine")
+            recent = frontend_stats(port)["recent"][-2:]  # the inline engine's prefix store, checked last
+            engine = next(c for c in served.state["components"] if c["kind"] == "engine")
             os.killpg(engine["pid"], signal.SIGKILL)
             served.wait_for("restarted (restart 1)", 120)
             # Dynamo's file discovery drops the killed instance only after its lease runs out (~30 s);
@@ -68,24 +89,34 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
                 except urllib.error.HTTPError as e:
                     assert e.code == 503 and time.monotonic() < deadline, e
                     time.sleep(0.5)
+            assert recent[0]["timings"]["reused_tokens"] == 0 and recent[0]["timings"]["prompt_tokens"] == 1223
+            assert recent[1]["timings"]["reused_tokens"] == (1223 - 1) // 16 * 16
     finally:
         if served.proc.poll() is None:
             served.stop()
 
 
-@pytest.mark.parametrize("graph", ["graphs/epd.yaml", "graphs/agg.yaml"])
-def test_sample_token_count(graph):
-    """The arithmetic behind IMAGE_TOKENS, from the image's size and the graph's vision model."""
+def test_sample_token_count(checkpoint):
+    """The arithmetic behind the sample's 1223 prompt tokens, independent of the code under test:
+    1280x720 needs no resize under the K2.5 policy and pads to 1288x728, 46 x 26 = 1196 rows; the
+    checkpoint's template and "What is in this image?" are 27 more (transformers' tokenizer)."""
     from PIL import Image
 
-    from mm_encoder.core.registry import get_spec
-    from mm_encoder.model.preprocess import num_tokens
+    assert Image.open(SAMPLE).size == (1280, 720)
+    assert k25_image_tokens(1280, 720) == 46 * 26 == 1196
+    assert k25_image_tokens(3840, 2160) == 4214  # scaled by sqrt(16384 / 42196) first
+    assert sample_tokens(checkpoint) == 1196 + 27
 
-    spec = get_spec(load_graph(ROOT / graph).llm.vision_model)
-    assert num_tokens(*Image.open(SAMPLE).size, spec.preprocess, spec.tower.patch_size) == IMAGE_TOKENS
+
+def test_graphs_serve_one_generated_checkpoint():
+    """Every shipped graph names no checkpoint (serve generates the tiny one) and runs fp32."""
+    for g in ("epd", "agg", "epd-stock", "epd-etcd"):
+        llm = load_graph(ROOT / "graphs" / f"{g}.yaml").llm
+        assert (llm.checkpoint, llm.dtype, llm.served_name) == (None, "fp32", MODEL)
 
 
 def test_graph_errors_name_their_path(tmp_path):
+    """A graph file's errors name the offending path; every shipped graph loads."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ncomponents:\n  f: {kind: frontend}\n  e: {kind: engine, replicas: 0}\n")
     with pytest.raises(GraphError, match=r"components\.e\.replicas"):

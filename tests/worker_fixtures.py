@@ -1,5 +1,7 @@
 """Servers for the worker tests: an in-process worker on a real loopback port, a media origin
-that can hold its responses until the test releases them, and a per-test Dynamo file store.
+that can hold its responses until the test releases them, and a per-test Dynamo file store; and for
+the frontend's in-process tests, the real engine beside a worker on one Dynamo runtime, and the
+processor in front of them.
 
 "Gates" are test control, not mocks: they hold a real request at a known point (the origin's
 response, or the device thread's forward) so a test can observe queueing, coalescing, cancelling
@@ -9,6 +11,7 @@ and draining without sleeping.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -155,3 +158,101 @@ async def run_canary():
     finally:
         canary.server.close()
         await canary.server.wait_closed()
+
+
+# --- the engine beside a worker, and the processor in front (tests/test_frontend_parts.py) ---------
+
+SERVED = "kimi-k2.5-tiny"  # the served model name
+SPEC = "kimi-k2.5-vision"  # the checkpoint's registry model
+
+
+@asynccontextmanager
+async def engine_for(checkpoint, publisher=None, rpc=None):
+    """The real engine as its worker builds it (`build_engine`: the checkpoint's language model, its
+    tokenizer and the registry's prompts), on CPU in fp32; its thread is shut down afterwards."""
+    from mm_encoder.engines.worker import EngineSettings, build_engine
+
+    settings = EngineSettings(checkpoint=checkpoint, device="cpu", dtype="fp32", block_size=16)
+    engine = await asyncio.to_thread(build_engine, settings, publisher, rpc)
+    try:
+        yield engine
+    finally:
+        engine._pool.shutdown(wait=True)
+
+
+@asynccontextmanager
+async def engine_beside_worker(encoder, checkpoint, tmp_path, monkeypatch, **worker):
+    """A real encode worker (Dynamo RPC, `worker` overriding its settings) and the real engine
+    fetching bodies from it by handle, registered as `kimi-k2.5-tiny`, on one Dynamo runtime in this
+    process. Yields (runtime, rpc client of the worker, engine)."""
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+
+    monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
+    monkeypatch.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
+    async with run_worker(encoder, dynamo=True, **worker) as w:
+        rt = w.dynamo.runtime
+        endpoint = rt.endpoint("mm.engine.generate")
+        rpc = await rt.endpoint("mm.mm_encoder.encode").client()
+        await asyncio.wait_for(rpc.wait_for_instances(), 30)
+        async with engine_for(checkpoint, KvEventPublisher(endpoint, kv_block_size=16), rpc) as engine:
+            serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle))
+            try:
+                await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(checkpoint), SERVED,
+                                     worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+                yield rt, rpc, engine
+            finally:
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+
+
+async def processor_beside(rt, rpc, tokenizer, wrap=None):
+    """The processor for `kimi-k2.5-tiny` (spec `kimi-k2.5-vision`) over the runtime's engine
+    endpoint (its client passed through `wrap` if given), once the KV router sees the engine."""
+    from dynamo.llm import KvRouter, KvRouterConfig
+
+    from mm_encoder.core.registry import get_spec
+    from mm_encoder.frontend.encoder_client import EncoderClient
+    from mm_encoder.frontend.processor import Limits, MultimodalProcessor
+
+    endpoint = rt.endpoint("mm.engine.generate")
+    client = await endpoint.client()
+    await asyncio.wait_for(client.wait_for_instances(), 30)
+    router = KvRouter(endpoint, 16, KvRouterConfig())
+    await until_routable(router)
+    return MultimodalProcessor(
+        served_name=SERVED, spec=get_spec(SPEC), tokenizer=tokenizer,
+        encoder=EncoderClient(SPEC, rpc_client=rpc, namespace="mm"), router=router,
+        engine_client=wrap(client) if wrap else client, block_size=16, eos_token_ids=[],
+        limits=Limits(context_length=256))
+
+
+class MeasuredClient:
+    """An engine client passing requests through, recording each one's msgpack size (`sizes`)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.sizes: list[int] = []
+
+    def instance_ids(self):
+        return self.client.instance_ids()
+
+    async def direct(self, payload, worker):
+        import msgpack
+
+        self.sizes.append(len(msgpack.packb(payload)))
+        return await self.client.direct(payload, worker)
+
+
+async def until_routable(router, timeout: float = 30.0) -> None:
+    """The router learns about engines asynchronously: poll a query-only best_worker (a readiness check)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await router.best_worker([1, 2, 3])
+            return
+        except Exception:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.02)

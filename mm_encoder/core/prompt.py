@@ -1,10 +1,11 @@
-"""The model's prompt: its tokenizer and chat template, and the splice of media placeholders.
+"""The model's prompt: its tokenizer and chat template, and the expansion of media placeholders.
 
-Shared by the frontend (which splices the encoder's token counts into the prompt) and the
-reference engine's aggregated baseline (which encodes media itself and splices the same way).
-Each media item's place gets the model's own prompt for it (`spec.prompt.image`, or
-`spec.prompt.video` per chunk with its timestamp) with the one placeholder token repeated N
-times, N = the encoder's token count for that image or chunk.
+Shared by the frontend (which expands the encoder's row counts into the prompt), the engines
+(Dynamo's stock frontend sends them one placeholder per item) and the aggregated baseline (which
+encodes media itself and expands the same way). The checkpoint's chat template writes each image's
+prompt with one placeholder and one placeholder per video; `Splicer` repeats an image's placeholder
+to its row count and replaces a video's with one prompt per chunk (`spec.prompt.video`, its
+timestamp, its rows), as the model's own processor does.
 """
 
 from __future__ import annotations
@@ -16,26 +17,33 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadRequest, MMEncoderError, ModelDirError
+from .kimi_tokenizer import TIKTOKEN_FILE, kimi_tokenizer
 from .spec import PromptConfig
 
 
 class ChatTokenizer:
     """The model directory's tokenizer and chat template.
 
-    `tokenizer.json` via the `tokenizers` library when present; otherwise transformers'
-    AutoTokenizer, with the model's own code only when `allow_remote_code` (Kimi's tiktoken
-    tokenizer ships as remote code). The template renders in a sandboxed Jinja environment.
+    `tokenizer.json` via the `tokenizers` library when present; else Kimi's released tiktoken
+    vocabulary (`tiktoken.model`, `core.kimi_tokenizer`: its remote code's rules, without running
+    it); otherwise transformers' AutoTokenizer, with the model's own code only when
+    `allow_remote_code`. The template (tokenizer_config.json's `chat_template`, or
+    `chat_template.jinja`) renders in a sandboxed Jinja environment.
     """
 
     def __init__(self, model_dir: str | Path, allow_remote_code: bool = False):
         self.model_dir = Path(model_dir)
         tok_config = _read_json(self.model_dir / "tokenizer_config.json")
         template = tok_config.get("chat_template")
+        if not template and (self.model_dir / "chat_template.jinja").is_file():
+            template = (self.model_dir / "chat_template.jinja").read_text()
         self._hf = None
         if (self.model_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        elif (self.model_dir / TIKTOKEN_FILE).is_file():
+            self._tok = kimi_tokenizer(self.model_dir, tok_config)
         else:
             try:
                 from transformers import AutoTokenizer
@@ -65,6 +73,32 @@ class ChatTokenizer:
             return self._hf.decode(ids, skip_special_tokens=True)
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, tid: int) -> str:
+        """One token as text, special tokens included (a byte-level piece of a character shows as U+FFFD)."""
+        if self._hf is not None:
+            return self._hf.decode([tid], skip_special_tokens=False)
+        return self._tok.decode([tid], skip_special_tokens=False)
+
+    def token_bytes(self, tid: int) -> bytes:
+        """One token's own bytes (OpenAI's `logprobs[].bytes`): a byte-level BPE piece maps back
+        byte for byte; an added or special token is its text."""
+        piece = self._hf.convert_ids_to_tokens(tid) if self._hf is not None else self._tok.id_to_token(tid)
+        if piece is None:
+            return b""
+        return piece.encode() if piece in self._added else self.piece_bytes(piece)
+
+    @staticmethod
+    def piece_bytes(piece: str) -> bytes:
+        """A byte-level BPE vocabulary entry's bytes (its characters stand for bytes)."""
+        table = _byte_decoder()
+        return bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+
+    @functools.cached_property
+    def _added(self) -> frozenset[str]:
+        if self._hf is not None:
+            return frozenset(self._hf.get_added_vocab())
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values())
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The longest token in bytes: a bound from text size to token count, known without tokenizing."""
@@ -81,6 +115,9 @@ class ChatTokenizer:
         return tid
 
 
+MediaItem = tuple[str, list[int], "list[str] | None"]  # (modality, rows per image or chunk, chunk timestamps)
+
+
 @dataclass
 class Spliced:
     token_ids: list[int]
@@ -88,85 +125,138 @@ class Spliced:
 
 
 class Splicer:
-    """Builds the final token ids: text segments and, per media item, the model's prompt for it
-    with its placeholder repeated to the encoder's token count."""
+    """The prompt with each media item's placeholder expanded to its rows, as the model's own
+    processor builds it: an image's one `placeholder` becomes N of them; a video's one
+    `video_placeholder` becomes, per chunk, the chunk prompt (its timestamp) with its N rows.
+
+    Two ways in, one result: `expand_text` from the rendered chat template (this project's
+    frontend: the chunk prompts are spliced into the text before tokenizing it whole, as the
+    processor does), `expand_ids` from token ids (Dynamo's stock frontend tokenized the prompt:
+    each chunk prompt is tokenized on its own).
+    """
 
     def __init__(self, tokenizer: ChatTokenizer, prompt: PromptConfig):
         self.tok = tokenizer
         self.prompt = prompt
-        # the tokenizer's id, not the spec's placeholder_id: a test LLM's vocabulary differs from the real one
+        # the tokenizer's ids, not the spec's placeholder_id: a small test vocabulary differs from the real one
         self.placeholder_id = tokenizer.token_id(prompt.placeholder)
+        self.video_id = tokenizer.token_id(prompt.video_placeholder) if prompt.video_placeholder else None
+        self.run_ids = {"image": self.placeholder_id, "video": self.video_id}
         self._around: dict[str, tuple[list[int], list[int]]] = {}
+
+    @property
+    def reserved(self) -> tuple[str, ...]:
+        """Tokens only the template may write: in a client's text they would claim media rows."""
+        return tuple(t for t in (self.prompt.placeholder, self.prompt.video_placeholder) if t)
+
+    def media_order(self, token_ids: list[int]) -> list[str]:
+        """The modality of each media item a one-placeholder-per-item prompt holds, in order."""
+        kinds = {self.placeholder_id: "image", self.video_id: "video"}
+        return [kinds[t] for t in token_ids if t in kinds]
+
+    def expand_text(self, text: str, media: list[MediaItem]) -> Spliced:
+        """The rendered template (one placeholder per item) -> token ids with every item's rows."""
+        videos = [m for m in media if m[0] == "video"]
+        if videos:
+            parts = text.split(self._video_token(len(videos)))
+            if len(parts) != len(videos) + 1:
+                raise ModelDirError(f"the chat template wrote {len(parts) - 1} video placeholders for "
+                                    f"{len(videos)} videos")
+            chunks = [self._chunk_prompts(counts, stamps) for _, counts, stamps in videos]
+            text = parts[0] + "".join(c + p for c, p in zip(chunks, parts[1:], strict=True))
+        return self._expand(self.tok.encode(text), media, ModelDirError)
+
+    def expand_ids(self, token_ids: list[int], media: list[MediaItem]) -> Spliced:
+        """The same from token ids with one placeholder per item (each chunk prompt tokenized alone)."""
+        out: list[int] = []
+        videos = iter([m for m in media if m[0] == "video"])
+        for tid in token_ids:
+            if tid != self.video_id or self.video_id is None:
+                out.append(tid)
+                continue
+            video = next(videos, None)
+            if video is None:
+                raise BadRequest("the prompt has more video placeholders than the request has videos")
+            _, counts, stamps = video
+            for c in range(len(counts)):
+                pre, post = self._pre_post(self.prompt.video.format(timestamp=_stamp(stamps, c)))
+                out += [*pre, tid, *post]
+        return self._expand(out, media, BadRequest)
+
+    def _video_token(self, n: int) -> str:
+        if self.prompt.video_placeholder is None:
+            raise BadRequest(f"this model takes no video in a chat prompt ({n} given)", "unsupported_modality")
+        return self.prompt.video_placeholder
+
+    def _chunk_prompts(self, counts: list[int], stamps: list[str] | None) -> str:
+        return "".join(self.prompt.video.format(timestamp=_stamp(stamps, c)) for c in range(len(counts)))
+
+    def _expand(self, ids: list[int], media: list[MediaItem], error: type[MMEncoderError]) -> Spliced:
+        """Each run token (one per image, one per video chunk) -> its rows; the runs must be the items'."""
+        runs = [(m, n) for m, counts, _ in media for n in counts]
+        out: list[int] = []
+        offsets: list[int] = []
+        kinds = {v: k for k, v in self.run_ids.items() if v is not None}
+        for tid in ids:
+            kind = kinds.get(tid)
+            if kind is None:
+                out.append(tid)
+                continue
+            i = len(offsets)
+            if i >= len(runs) or runs[i][0] != kind:
+                raise error(f"the prompt's media placeholders ({self._describe(ids)}) do not match its media items "
+                            f"({', '.join(m for m, _, _ in media) or 'none'})")
+            offsets.append(len(out))
+            out.extend([tid] * runs[i][1])
+        if len(offsets) != len(runs):
+            raise error(f"the prompt's media placeholders ({self._describe(ids)}) do not match its media items "
+                        f"({', '.join(m for m, _, _ in media) or 'none'})")
+        spans, k = [], 0
+        for _, counts, _ in media:
+            spans.append([(offsets[k + j], n) for j, n in enumerate(counts)])
+            k += len(counts)
+        return Spliced(out, spans)
+
+    def _describe(self, ids: list[int]) -> str:
+        order = [("image" if t == self.placeholder_id else "video chunk") for t in ids if t in self.run_ids.values()]
+        return ", ".join(order) or "none"
 
     def _pre_post(self, text: str) -> tuple[list[int], list[int]]:
         if text not in self._around:
-            pre, _, post = text.partition(self.prompt.placeholder)
+            pre, _, post = text.partition(self.prompt.video_placeholder or self.prompt.placeholder)
             self._around[text] = (self.tok.encode(pre), self.tok.encode(post))
         return self._around[text]
 
-    def split_markers(self, token_ids: list[int]) -> tuple[list[list[int]], list[str]]:
-        """The inverse of a chat template that renders each media item as its prompt with one
-        placeholder (Dynamo's stock frontend, our model directories' template): the text segments
-        around the items and each item's modality, ready for `splice_ids`. A placeholder outside
-        a media prompt is refused: nothing could fill it."""
-        markers = {m: self._pre_post(t) for m, t in (("image", self.prompt.image),
-                                                      ("video", self.prompt.video.format(timestamp="")))}
-        segments: list[list[int]] = []
-        modalities: list[str] = []
-        start = 0
-        for i, tid in enumerate(token_ids):
-            if tid != self.placeholder_id or i < start:
-                continue
-            for modality, (pre, post) in markers.items():
-                lo, hi = i - len(pre), i + 1 + len(post)
-                if lo >= start and token_ids[lo:i] == pre and token_ids[i + 1 : hi] == post:
-                    segments.append(token_ids[start:lo])
-                    modalities.append(modality)
-                    start = hi
-                    break
-            else:
-                raise BadRequest(f"the prompt has a media placeholder at token {i} outside any media item's prompt")
-        segments.append(token_ids[start:])
-        return segments, modalities
 
-    def splice(self, texts: list[str], media: list[tuple[str, list[int], list[str] | None]]) -> Spliced:
-        """texts: n+1 segments; media: per item (modality, tokens per image/chunk, timestamps)."""
-        return self.splice_ids([self.tok.encode(t) if t else [] for t in texts], media)
-
-    def splice_ids(self, segments: list[list[int]], media: list[tuple[str, list[int], list[str] | None]]) -> Spliced:
-        """The same from already tokenized text segments (the engine's inline-encoding path)."""
-        if len(segments) != len(media) + 1:
-            raise MMEncoderError(f"{len(segments)} text segments for {len(media)} media items", "internal", 500)
-        ids: list[int] = []
-        spans: list[list[tuple[int, int]]] = []
-        for i, seg in enumerate(segments):
-            ids.extend(seg)
-            if i == len(media):
-                break
-            modality, counts, stamps = media[i]
-            item = []
-            for c, n in enumerate(counts):
-                tmpl = self.prompt.image if modality == "image" else self.prompt.video.format(
-                    timestamp=(stamps or [""] * len(counts))[c])
-                pre, post = self._pre_post(tmpl)
-                ids.extend(pre)
-                item.append((len(ids), n))
-                ids.extend([self.placeholder_id] * n)
-                ids.extend(post)
-            spans.append(item)
-        return Spliced(ids, spans)
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet -> byte: printable bytes stand for themselves, the others (controls,
+    space, a few Latin-1 ones) for the code points from 256 on, in byte order (GPT-2's scheme)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
-def check_model_dir(path: Path | None) -> Path | None:
-    """An LLM directory as the frontend and engines read it: refused early, by what is missing."""
+def _stamp(stamps: list[str] | None, i: int) -> str:
+    return stamps[i] if stamps and i < len(stamps) else ""
+
+
+def check_model_dir(path: Path | None, flag: str = "--model-dir") -> Path | None:
+    """A checkpoint directory as the frontend and engines read it: refused early, by what is missing."""
     if path is None:
         return None
     if not path.is_dir():
-        raise ValueError(f"--model-dir {path} is not a directory (an LLM directory, or write one with "
-                         "--make-model-dir)")
+        raise ValueError(f"{flag} {path} is not a directory (a model checkpoint directory; `mm-encoder "
+                         "make-checkpoint DIR` writes a small random Kimi-K2.5 one)")
     missing = [f for f in ("config.json", "tokenizer_config.json") if not (path / f).is_file()]
     if missing:
-        raise ValueError(f"--model-dir {path} has no {' or '.join(missing)}: not an LLM directory")
+        raise ValueError(f"{flag} {path} has no {' or '.join(missing)}: not a model checkpoint directory")
     return path
 
 

@@ -159,9 +159,10 @@ class EngineRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     media: list[MediaInput] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)  # core.sampling.SamplingParams.to_dict()
-    # The aggregated baseline (no encode worker): text segments around media the engine fetches,
-    # encodes and splices itself; token_ids is then empty and the engine reports prompt_tokens.
-    segments: list[list[int]] | None = None
+    # The aggregated baseline (no encode worker): the rendered chat template (one placeholder per
+    # media item) and the media the engine fetches, encodes and splices itself; token_ids is then
+    # empty and the engine reports prompt_tokens.
+    prompt: str | None = None
     media_refs: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,8 +174,8 @@ class EngineRequest:
             "sampling": self.sampling,
             "media": [m.to_dict() for m in self.media],
         }
-        if self.segments is not None:
-            d["segments"] = self.segments
+        if self.prompt is not None:
+            d["prompt"] = self.prompt
             d["media_refs"] = self.media_refs
         return d
 
@@ -183,4 +184,4 @@ class EngineRequest:
         media = [MediaInput(dict(m["handle"]), [tuple(s) for s in m["spans"]], m.get("body"))
                  for m in d.get("media", [])]
         return cls(d["request_id"], list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                   media, dict(d.get("sampling") or {}), d.get("segments"), list(d.get("media_refs", [])))
+                   media, dict(d.get("sampling") or {}), d.get("prompt"), list(d.get("media_refs", [])))

@@ -1,8 +1,8 @@
 """Per-request sampling settings, parsed once at the edge and carried to the engine.
 
 Torch-free: the frontend parses and validates them, the engine (`engines.sampling.Sampler`) applies
-them. A field this project cannot honour (several choices, logprobs, tools, guided decoding) is
-refused with code `unsupported_field` rather than silently ignored: a client asking for it would
+them. A field this project cannot honour (several choices, prompt logprobs, tools, guided
+decoding) is refused with code `unsupported_field` rather than silently ignored: a client asking for it would
 otherwise get an answer that looks right and is not. Invalid values are `bad_request`.
 """
 
@@ -16,7 +16,8 @@ from .errors import BadRequest
 
 UNSUPPORTED = "unsupported_field"
 _ONE = "this engine returns one choice"
-_NO_LOGPROBS = "this engine does not return logprobs"
+_NO_PROMPT_LOGPROBS = "this engine returns logprobs of generated tokens only"
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 _NO_SEARCH = "this engine samples, it does not search"
 _UNCONSTRAINED = "this engine does not constrain output"
 
@@ -44,6 +45,8 @@ class SamplingParams(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    logprobs: bool = False  # each generated token's log-probability under the model (raw logits)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # and the most likely alternatives
 
     @field_validator("top_k")
     @classmethod
@@ -54,6 +57,8 @@ class SamplingParams(BaseModel):
     def _min_below_max(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is above max_tokens={self.max_tokens}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     @property
@@ -83,7 +88,8 @@ class SamplingParams(BaseModel):
         fields: dict[str, Any] = {}
         names: dict[str, str] = {}  # our field -> the request key it came from, for error messages
         for key in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos"):
+                    "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs",
+                    "top_logprobs"):
             if request.get(key) is not None:
                 fields[key], names[key] = request[key], key
             elif key in ("top_k", "repetition_penalty", "ignore_eos") and nvext.get(key) is not None:
@@ -112,12 +118,15 @@ class SamplingParams(BaseModel):
         _refuse(so.get("length_penalty") not in (None, 1, 1.0), "length_penalty", so.get("length_penalty"),
                 "it only applies to beam search")
         _refuse(so.get("guided_decoding") is not None, "guided_decoding", None, _UNCONSTRAINED)
-        _refuse(oo.get("logprobs") is not None, "logprobs", oo.get("logprobs"), _NO_LOGPROBS)
-        _refuse(oo.get("prompt_logprobs") is not None, "prompt_logprobs", oo.get("prompt_logprobs"), _NO_LOGPROBS)
+        _refuse(oo.get("prompt_logprobs") is not None, "prompt_logprobs", oo.get("prompt_logprobs"),
+                _NO_PROMPT_LOGPROBS)
         fields = {k: so[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                                      "frequency_penalty", "repetition_penalty") if so.get(k) is not None}
         fields |= {k: sc[k] for k in ("max_tokens", "stop", "min_tokens", "ignore_eos") if sc.get(k) is not None}
         names = {}
+        if oo.get("logprobs") is not None:  # Dynamo's: how many alternatives (0: the chosen token's only)
+            fields["logprobs"], fields["top_logprobs"] = True, oo["logprobs"]
+            names["top_logprobs"] = "output_options.logprobs"
         if sc.get("stop_token_ids_hidden") is not None:
             fields["stop_token_ids"] = sc["stop_token_ids_hidden"]
             names["stop_token_ids"] = "stop_conditions.stop_token_ids_hidden"
@@ -166,9 +175,7 @@ def _refuse_openai(request: dict[str, Any]) -> None:
     get = request.get
     _refuse(get("n") not in (None, 1), "n", get("n"), _ONE)
     _refuse(get("best_of") not in (None, 1), "best_of", get("best_of"), _ONE)
-    _refuse(get("logprobs") not in (None, False), "logprobs", get("logprobs"), _NO_LOGPROBS)
-    _refuse(get("top_logprobs") is not None, "top_logprobs", get("top_logprobs"), _NO_LOGPROBS)
-    _refuse(get("prompt_logprobs") is not None, "prompt_logprobs", get("prompt_logprobs"), _NO_LOGPROBS)
+    _refuse(get("prompt_logprobs") is not None, "prompt_logprobs", get("prompt_logprobs"), _NO_PROMPT_LOGPROBS)
     _refuse(not _off(get("logit_bias")), "logit_bias", get("logit_bias"), "this engine does not bias logits")
     _refuse(bool(get("use_beam_search")), "use_beam_search", get("use_beam_search"), _NO_SEARCH)
     fmt = get("response_format")

@@ -124,7 +124,7 @@ class MediaLimits(_Frozen):
     max_aspect_ratio: float = 200.0
     max_video_seconds: float = 600.0
     max_video_frames: int = 36_000  # decoded frames, sampled or not
-    # Sampled frames (padded to whole chunks) x patches per frame, checked before decoding: what a
+    # Sampled frames x patches per frame, checked before decoding: what a
     # video costs to decode, hold and encode. 2**21 = 131,072 LLM tokens: ~4 min of HD (4,096-patch
     # frames) or ~8 min of 480p at 2 fps.
     max_video_patches: int = 1 << 21
@@ -147,12 +147,25 @@ class MediaLimits(_Frozen):
 
 
 class PromptConfig(_Frozen):
-    """How a media item appears in the prompt; one placeholder token expands to N embeddings."""
+    """How a media item appears in the prompt; one placeholder token expands to N embeddings.
+
+    The chat template writes `image` (with one `placeholder`) for each image, and one
+    `video_placeholder` token for each video; the frontend then replaces that token with one
+    `video` prompt per chunk (its timestamp, and one `video_placeholder` that expands to the
+    chunk's rows), as the model's own processor does. A model without `video_placeholder` takes
+    no video through a chat template.
+    """
 
     image: str
-    video: str  # may contain {timestamp} (hh:mm:ss.fff of the chunk's first frame)
+    video: str  # one video chunk's prompt; may contain {timestamp} (hh:mm:ss.fff of its first frame)
     placeholder: str
     placeholder_id: int | None = None
+    video_placeholder: str | None = None
+
+    @property
+    def run_tokens(self) -> dict[str, str]:
+        """modality -> the token repeated once per embedding row of that modality."""
+        return {"image": self.placeholder, "video": self.video_placeholder or self.placeholder}
 
 
 class WeightNames(_Frozen):
@@ -179,8 +192,10 @@ class ModelSpec(_Frozen):
         return (self.name, *self.aliases)
 
     def identity(self, preprocess: PreprocessConfig | None = None) -> bytes:
-        """Bytes that pin what the model sees and computes: name, revision, processor settings."""
+        """Bytes that pin what the model sees and computes: name, revision, processor settings, and
+        the version of this project's media pipeline (2: a video's short last chunk keeps its frames)."""
         doc = {
+            "pipeline": 2,
             "model": self.name,
             "revision": self.revision,
             "patch_size": self.tower.patch_size,
@@ -193,32 +208,30 @@ class ModelSpec(_Frozen):
 # --- Hugging Face config.json ------------------------------------------------------------------
 
 # model_type -> registry name that supplies what config.json does not say (preprocessing, prompt).
-HF_MODEL_TYPES = {"kimi_k25": "kimi-k2.5-vision", "kimi_vl": "kimi-vl-a3b"}
+HF_MODEL_TYPES = {"kimi_k25": "kimi-k2.5-vision", "kimi_vl": "kimi-vl-a3b", "glm4v": "glm-5.2-vision"}
 
 # vision_config keys that change neither shapes nor outputs: bookkeeping, storage dtype (we pick our
-# own), attention backend, initialisation.
+# own), attention backend, initialisation, the generic fields of transformers' PreTrainedConfig.to_dict().
 _INFO_KEYS = frozenset({
     "model_type", "torch_dtype", "dtype", "_attn_implementation", "_attn_implementation_autoset",
     "_name_or_path", "auto_map", "architectures", "transformers_version", "initializer_range",
+    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type",
 })
 
-_MOONVIT_VT = {  # Kimi-K2.5's `vt_*` spelling of the MoonViT tower
-    "vt_hidden_size": ("tower", "hidden_size"),
-    "vt_intermediate_size": ("tower", "intermediate_size"),
-    "vt_num_attention_heads": ("tower", "num_heads"),
-    "vt_num_hidden_layers": ("tower", "num_layers"),
-}
-_MOONVIT_COMMON = {
-    "patch_size": ("tower", "patch_size"),
-    "init_pos_emb_height": ("tower", "pos_emb_height"),
-    "init_pos_emb_width": ("tower", "pos_emb_width"),
-    "init_pos_emb_time": ("tower", "pos_emb_time"),
-    "merge_kernel_size": ("tower", "merge_kernel"),
-}
+# The MoonViT tower's keys: unprefixed (Kimi-VL, transformers) or `vt_*` (Kimi-K2.5's release, GLM);
+# the position table's `init_pos_emb_*` (the releases) or `pos_emb_*` (transformers).
+_MOONVIT_PLAIN = {"hidden_size": ("tower", "hidden_size"), "intermediate_size": ("tower", "intermediate_size"),
+                  "num_attention_heads": ("tower", "num_heads"), "num_hidden_layers": ("tower", "num_layers")}
+_MOONVIT_VT = {"vt_" + k: v for k, v in _MOONVIT_PLAIN.items()}
+_GEOMETRY = {"patch_size": ("tower", "patch_size"), "merge_kernel_size": ("tower", "merge_kernel")}
+_POS_EMB = {f"pos_emb_{s}": ("tower", f"pos_emb_{s}") for s in ("height", "width", "time")}
+_MOONVIT_COMMON = {**_GEOMETRY, **{"init_" + k: v for k, v in _POS_EMB.items()}}
 # What we implement, where a config may only state it: key -> the one value accepted.
 _MOONVIT_FIXED = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
                   "num_channels": 3}
 
+_K25_HF = "kimi_k25_vision"  # transformers' vision_config model_type
 # Per model_type: vision_config key -> ("tower" | "projector", field). Every other key that is not
 # informational or fixed is refused by name: a key we do not read is a fact we would get wrong.
 HF_VISION_KEYS: dict[str, dict[str, tuple[str, str]]] = {
@@ -229,13 +242,11 @@ HF_VISION_KEYS: dict[str, dict[str, tuple[str, str]]] = {
         "text_hidden_size": ("projector", "out_dim"),
         "mm_hidden_size": ("check", "hidden_size"),  # the projector's input width: must be the tower's
     },
-    "kimi_vl": {  # unprefixed MoonViT keys; the projector (LayerNorm eps 1e-5, GELU) is not configurable
-        "hidden_size": ("tower", "hidden_size"),
-        "intermediate_size": ("tower", "intermediate_size"),
-        "num_attention_heads": ("tower", "num_heads"),
-        "num_hidden_layers": ("tower", "num_layers"),
-        **_MOONVIT_COMMON,
-    },
+    # unprefixed MoonViT keys; the projector (LayerNorm eps 1e-5, GELU) is not configurable
+    "kimi_vl": {**_MOONVIT_PLAIN, **_MOONVIT_COMMON},
+    # transformers' Kimi_K25Config (its save_pretrained; vLLM 0.33 reads it), Kimi-K2.5's second format, told
+    # from the release's by the `vt_*` keys: RoPE nested (flattened here), the projector's keys top-level.
+    _K25_HF: {**_MOONVIT_PLAIN, **_GEOMETRY, **_POS_EMB, "rope_parameters.rope_theta": ("tower", "rope_theta")},
     # GLM-4.xV: its `hidden_size`/`depth`/`num_heads` describe GLM's own ViT, not MoonViT, so they are
     # refused; `intermediate_size` is the merger's SwiGLU width and `out_hidden_size` its output.
     # A MoonViT tower under a GLM merger states the tower with the `vt_*` keys.
@@ -247,14 +258,32 @@ HF_VISION_KEYS: dict[str, dict[str, tuple[str, str]]] = {
 }
 HF_VISION_KEYS["glm4v_moe"] = HF_VISION_KEYS["glm4v"]
 _FIXED_BY_TYPE = {"kimi_k25": {"projector_hidden_act": "gelu"}, "glm4v": {"hidden_act": "silu"},
-                  "glm4v_moe": {"hidden_act": "silu"}}
-# Projectors a model_type fixes: Kimi-VL's is the patchmerger, a GLM merger is our `glm`.
-_PROJECTOR_BY_TYPE = {"kimi_vl": "patchmerger", "glm4v": "glm", "glm4v_moe": "glm"}
+                  "glm4v_moe": {"hidden_act": "silu"},
+                  _K25_HF: {"hidden_act": "gelu_pytorch_tanh", "rope_parameters.rope_type": "axial"}}
+# Projectors a model_type fixes: Kimi-VL's and transformers' Kimi-K2.5 are the patchmerger, a GLM merger our `glm`.
+_PROJECTOR_BY_TYPE = {"kimi_vl": "patchmerger", _K25_HF: "patchmerger", "glm4v": "glm", "glm4v_moe": "glm"}
+_K25_HF_TOP = {"projection_hidden_size": ("check", "hidden_size"), "projection_layer_norm_eps": ("projector", "ln_eps")}
+_K25_HF_ONLY = {k.split(".")[0] for k in [*HF_VISION_KEYS[_K25_HF], *_FIXED_BY_TYPE[_K25_HF]]}
+_K25_HF_ONLY -= set(HF_VISION_KEYS["kimi_k25"])  # what tells transformers' format from the release's
+
+
+def _format(vision: dict[str, Any], model_type: str, hf_top: bool = False) -> str:
+    """The key table of a vision_config: Kimi-K2.5's two formats are told apart by the release's `vt_*`
+    keys (transformers' top-level projector keys, `hf_top`, decide a vision_config that states neither)."""
+    release, hf = sorted(k for k in vision if k.startswith("vt_")), sorted(set(vision) & _K25_HF_ONLY)
+    if model_type == "kimi_k25" and release and hf:
+        raise CheckpointError(f"vision_config mixes the original release's keys ({', '.join(release)}) with "
+                              f"transformers' Kimi_K25Config keys ({', '.join(hf)})")
+    return _K25_HF if model_type == "kimi_k25" and (hf or (hf_top and not release)) else model_type
 
 
 def _vision_updates(vision: dict[str, Any], model_type: str) -> dict[str, dict[str, Any]]:
     """vision_config -> {"tower": ..., "projector": ..., "check": ...} field updates; unmapped keys
     and unsupported values are one error that names each of them."""
+    model_type = _format(vision, model_type)
+    if isinstance(rope := vision.get("rope_parameters", ()), dict | None):  # nested: its keys are named flat
+        vision = {**{k: v for k, v in vision.items() if k != "rope_parameters"},
+                  **{f"rope_parameters.{k}": v for k, v in (rope or {}).items()}}
     table = HF_VISION_KEYS[model_type]
     fixed = {**_MOONVIT_FIXED, **_FIXED_BY_TYPE.get(model_type, {})}
     updates: dict[str, dict[str, Any]] = {"tower": {}, "projector": {}, "check": {}}
@@ -283,18 +312,27 @@ def tower_from_hf(vision: dict[str, Any], base: TowerConfig | None = None, model
 def spec_from_hf_config(config: dict[str, Any], base: ModelSpec, revision: str) -> ModelSpec:
     """Overlay the tower/projector facts of a checkpoint's config.json on a registry spec.
 
-    Each model_type has its table of vision_config keys (HF_VISION_KEYS); a key it does not map is
-    an error naming it, never a silent default. Keys the config leaves out keep the registry's values.
+    Each model_type has its table of vision_config keys (HF_VISION_KEYS; Kimi-K2.5 has two formats); a
+    key it does not map is an error naming it, never a silent default. Keys the config leaves out keep the
+    registry's values. `media_placeholder_token_id` (the release) or `image_token_id` (transformers) is the
+    prompt's placeholder_id.
     """
     model_type = config.get("model_type")
-    if model_type not in HF_VISION_KEYS:
+    if model_type not in HF_VISION_KEYS or model_type == _K25_HF:
         raise CheckpointError(f"config.json model_type {model_type!r} is not understood; "
-                              f"known: {sorted(HF_VISION_KEYS)}")
-    text = config.get("text_config") or {}
-    updates = _vision_updates(config.get("vision_config") or {}, model_type)
+                              f"known: {sorted(set(HF_VISION_KEYS) - {_K25_HF})}")
+    text, vision = config.get("text_config") or {}, config.get("vision_config") or {}
+    top = sorted(k for k in _K25_HF_TOP if k in config)
+    fmt = _format(vision, model_type, bool(top))
+    if top and fmt != _K25_HF:
+        raise CheckpointError(f"config.json keys {', '.join(top)} are transformers' Kimi_K25Config format, "
+                              f"but its vision_config is not (model_type {model_type!r}, keys read as {fmt!r})")
+    updates = _vision_updates(vision, fmt)
+    for key in top:
+        updates[_K25_HF_TOP[key][0]][_K25_HF_TOP[key][1]] = config[key]
     proj = {**base.projector.model_dump(), **updates["projector"]}
-    if model_type in _PROJECTOR_BY_TYPE:
-        proj["type"] = _PROJECTOR_BY_TYPE[model_type]
+    if fmt in _PROJECTOR_BY_TYPE:
+        proj["type"] = _PROJECTOR_BY_TYPE[fmt]
     if "out_dim" not in updates["projector"] and text.get("hidden_size"):
         proj["out_dim"] = text["hidden_size"]
     try:
@@ -306,9 +344,10 @@ def spec_from_hf_config(config: dict[str, Any], base: ModelSpec, revision: str) 
         if value != getattr(tower, fld):
             raise CheckpointError(f"vision_config: the projector takes width {value}, the tower's {fld} is "
                                   f"{getattr(tower, fld)}")
-    prompt = base.prompt
-    if "media_placeholder_token_id" in config:
-        prompt = prompt.model_copy(update={"placeholder_id": config["media_placeholder_token_id"]})
+    ids = {config[k] for k in ("media_placeholder_token_id", "image_token_id") if k in config}
+    if len(ids) > 1:
+        raise CheckpointError(f"config.json: media_placeholder_token_id and image_token_id differ ({sorted(ids)})")
+    prompt = base.prompt.model_copy(update={"placeholder_id": ids.pop()}) if ids else base.prompt
     return base.model_copy(update={"tower": tower, "projector": projector, "prompt": prompt, "revision": revision})
 
 

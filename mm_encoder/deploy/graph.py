@@ -7,10 +7,10 @@ as Kubernetes resources.
 
     name: epd
     namespace: mm
-    llm: {model_dir: null, vision_model: tiny, context_length: 4096}   # null: a generated test LLM
+    llm: {checkpoint: null, dtype: fp32}   # null: a generated tiny Kimi-K2.5 checkpoint
     frontend_port: 8000
     components:
-      encoder:  {kind: encoder, replicas: 1, args: [--model, tiny]}
+      encoder:  {kind: encoder, replicas: 1}
       shared:   {kind: cache-shared, replicas: 2}
       router:   {kind: cache-router}
       cluster:  {kind: cache-cluster}
@@ -20,6 +20,7 @@ as Kubernetes resources.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .. import __version__
 from ..core.dynamo import BLOCK_SIZE, NAMESPACE
 from ..core.errors import GraphError
-from ..core.registry import DEFAULT_MODEL
 
 Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared"]
 CACHE_KINDS = ("cache-cluster", "cache-router", "cache-shared")
@@ -51,14 +51,24 @@ class Component(_Strict):
 
 
 class LLM(_Strict):
-    """The language model the engines serve. Without `model_dir`, a test LLM is generated for
-    `vision_model` (the reference engine's random-weight model of the right width)."""
+    """The model every component serves, from one checkpoint directory: the encode workers read its
+    vision shards, the engines its language-model shards, the frontend its tokenizer and chat
+    template. Without `checkpoint`, a small random Kimi-K2.5 is generated (`preset`)."""
 
-    model_dir: str | None = None
-    name: str = "mm-chat"
-    vision_model: str = DEFAULT_MODEL
-    checkpoint: str | None = None  # the vision model's checkpoint directory (random weights without)
-    context_length: int = Field(4096, ge=64)
+    checkpoint: str | None = None
+    name: str | None = None  # the served model name (default: the checkpoint directory's name)
+    preset: Literal["tiny", "small"] = "tiny"  # the generated checkpoint's size, without `checkpoint`
+    dtype: Literal["fp32", "bf16"] | None = None  # every component that runs a model (None: each one's default)
+
+    @property
+    def served_name(self) -> str:
+        """`name`, else the checkpoint directory's name (a relative path such as `.` or `..` taken from the
+        working directory, as the path itself is), else `kimi-k2.5-<preset>` for the generated one."""
+        if self.name:
+            return self.name
+        if self.checkpoint:
+            return Path(os.path.abspath(self.checkpoint)).name
+        return f"kimi-k2.5-{self.preset}"
 
 
 class Runtime(_Strict):

@@ -13,8 +13,7 @@ PORTS: dict[Kind, int] = {  # the frontend's is the operator's: its Service and 
     "frontend": 8000, "encoder": 8090, "cache-shared": 8080, "cache-router": 8080, "cache-cluster": 8080,
 }
 FRONTEND_PORT, ENCODER_PORT, TIER_PORT = PORTS["frontend"], PORTS["encoder"], PORTS["cache-shared"]
-LLM_DIR = "/models/llm"
-VISION_DIR = "/models/vision"
+MODEL_DIR = "/models/model"  # the checkpoint directory every model-reading component mounts
 RUN_DIR = "/run/mm-cache"
 CACHE_DIR = "/cache"
 
@@ -58,8 +57,7 @@ class K8sNames:
         self.tiers = {n: claim(f"{g.name}-{n}", f"the {c.kind} tier {n!r}") for n, c in g.components.items()
                       if c.kind in ("cache-router", "cache-cluster")}
         self.tiers |= self.shared
-        self.llm_pvc = check_name(f"{g.name}-llm", "the LLM volume claim") if g.llm.model_dir else None
-        self.vision_pvc = check_name(f"{g.name}-vision", "the vision checkpoint claim") if g.llm.checkpoint else None
+        self.model_pvc = check_name(f"{g.name}-model", "the checkpoint volume claim") if g.llm.checkpoint else None
 
 
 class K8sSite(Site):
@@ -69,8 +67,7 @@ class K8sSite(Site):
 
     def __init__(self, names: K8sNames):
         self.names = names
-        self.llm_dir = LLM_DIR
-        self.vision_dir = VISION_DIR if names.vision_pvc else None
+        self.checkpoint_dir = MODEL_DIR
 
     def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
         return "0.0.0.0", PORTS[kind]

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..core.errors import GraphError
 from . import infra
 from .graph import Graph, Kind, load_graph
-from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedLLM, Replica, Site, plan
+from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedCheckpoint, Replica, Site, plan
 from .status import collect, format_lines
 
 PY = sys.executable
@@ -51,8 +51,9 @@ class LocalSite(Site):
     def __init__(self, graph: Graph, run_dir: Path):
         self.graph = graph
         self.run_dir = run_dir
-        self.llm_dir = graph.llm.model_dir or str(run_dir / "llm" / graph.llm.name)
-        self.vision_dir = graph.llm.checkpoint
+        # resolved here: components start in the run directory, where a relative path means nothing
+        self.checkpoint_dir = (str(Path(graph.llm.checkpoint).resolve()) if graph.llm.checkpoint
+                               else str(run_dir / "checkpoint" / f"kimi-k2.5-{graph.llm.preset}"))
         self._ports: dict[tuple[str, int], int] = {}
 
     def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
@@ -132,11 +133,13 @@ class GraphRunner:
         self.sessions: set[int] = set()  # process groups of every replica started, restarts included
 
     def prepare(self) -> list[Proc]:
-        """The run directory, the generated LLM (if the graph names none) and the processes to start."""
+        """The run directory, the generated checkpoint (if the graph names none) and the processes to start."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        generated = GeneratedLLM.of(self.graph)
-        if generated is not None and not (Path(self.site.llm_dir) / "config.json").is_file():
-            generated.write(self.site.llm_dir)
+        generated = GeneratedCheckpoint.of(self.graph)
+        if generated is not None and not (Path(self.site.checkpoint_dir) / "config.json").is_file():
+            generated.write(self.site.checkpoint_dir)
+        elif not (Path(self.site.checkpoint_dir) / "config.json").is_file():
+            raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
         return [Proc(c, r) for c in plan(self.graph, self.site) for r in c.replicas]
 
     # --- running -----------------------------------------------------------------------------
@@ -200,7 +203,7 @@ class GraphRunner:
     def write_state(self) -> None:
         state = {
             "graph": self.graph.name, "namespace": self.graph.namespace, "run_dir": str(self.run_dir),
-            "base_url": f"http://{LOOPBACK}:{self.graph.frontend_port}/v1", "model": self.graph.llm.name,
+            "base_url": f"http://{LOOPBACK}:{self.graph.frontend_port}/v1", "model": self.graph.llm.served_name,
             "supervisor_pid": os.getpid(),
             "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
                             "url": p.url, "log": str(p.log)} for p in self.procs],
@@ -308,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart", action="store_true", help="restart a component that dies")
     p.add_argument("--port", type=int, help="the frontend's port (default: the graph's frontend_port)")
     p.add_argument("--status-interval", type=float, default=60.0, help="seconds between status lines (0: never)")
+    p.add_argument("--checkpoint", type=Path, help="the model's checkpoint directory, for every component (default: "
+                   "the graph's llm.checkpoint, else a generated tiny Kimi-K2.5)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="dtype of every component that runs a model "
+                   "(default: the graph's llm.dtype)")
+    p.add_argument("--preset", choices=("tiny", "small"), help="without a checkpoint: the generated Kimi-K2.5's "
+                   "size (default: the graph's llm.preset)")
     args = p.parse_args(argv)
     try:
         graph = load_graph(args.graph)
@@ -316,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.port:
         graph = graph.model_copy(update={"frontend_port": args.port})
+    llm = {k: v for k, v in (("checkpoint", args.checkpoint and str(args.checkpoint.resolve())),
+                             ("dtype", args.dtype), ("preset", args.preset)) if v}
+    if llm:
+        graph = graph.model_copy(update={"llm": graph.llm.model_copy(update=llm)})
     run_dir = args.run_dir or Path(f"/tmp/mm-encoder-{graph.name}")
     runner = GraphRunner(graph, run_dir, restart=args.restart)
 
@@ -330,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner.start()
         print(f"graph {graph.name} ready: OpenAI base URL http://{LOOPBACK}:{graph.frontend_port}/v1 "
-              f"(model {graph.llm.name}); status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops", flush=True)
+              f"(model {graph.llm.served_name}); status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops",
+              flush=True)
         last = time.monotonic()
         while True:
             for event in runner.check():

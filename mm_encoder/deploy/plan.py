@@ -5,16 +5,20 @@ whom, in which order) is written here only, and every default comes from the com
 settings (the worker's, the frontend's, `TierConfig`'s, `core.dynamo`'s).
 
 What differs between the two is a `Site`: where components listen, how they reach each other
-(loopback ports here, Service DNS names there), where the LLM directory and the caches live,
+(loopback ports here, Service DNS names there), where the model's checkpoint and the caches live,
 and the Dynamo environment (file discovery here, the operator's Kubernetes discovery there).
+Every component that runs or describes the model reads the same checkpoint directory.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from ..core.dynamo import MAX_MESSAGE_SIZE
+from ..core.errors import GraphError
 from .graph import Component, Graph, Kind
 
 # Start order: each kind only talks to kinds before it.
@@ -24,13 +28,13 @@ MODULES: dict[Kind, str] = {
     "cache-shared": "mm_encoder.deploy.cache_tiers",
     "cache-router": "mm_encoder.deploy.cache_tiers",
     "cache-cluster": "mm_encoder.deploy.cache_tiers",
-    "engine": "mm_encoder.engines.reference",
+    "engine": "mm_encoder.engines.worker",
     "frontend": "mm_encoder.frontend",
 }
 STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
 DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
-READY_LINE = "engine ready"  # what a reference engine prints once registered (it serves no HTTP)
+READY_LINE = "engine ready"  # what an engine prints once registered (it serves no HTTP)
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,13 @@ class ComponentPlan:
     replicas: tuple[Replica, ...]
     env: dict[str, str]  # the Dynamo environment, then the graph's `env` (which wins)
     health_path: str | None  # GET on the replica's port that answers 200 once ready
-    uses: frozenset[str]  # "llm" (the LLM directory), "vision" (the checkpoint)
+    uses: frozenset[str]  # "model": it reads the checkpoint directory
 
 
 class Site(ABC):
     """Where a plan runs."""
 
-    llm_dir: str  # the LLM directory (config.json, tokenizer, chat template) as components see it
-    vision_dir: str | None  # the vision checkpoint directory, if the graph names one
+    checkpoint_dir: str  # the model's checkpoint directory as components see it
 
     @abstractmethod
     def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
@@ -91,7 +94,7 @@ class _Planner:
     def __init__(self, graph: Graph, site: Site):
         self.g, self.site = graph, site
         self.reach: dict[Kind, list[str]] = {}
-        self.vision = ["--checkpoint", site.vision_dir] if site.vision_dir else []
+        self.dtype = ["--dtype", graph.llm.dtype] if graph.llm.dtype else []
 
     def components(self) -> list[ComponentPlan]:
         out = []
@@ -103,13 +106,14 @@ class _Planner:
 
     def _component(self, name: str, c: Component) -> ComponentPlan:
         stock = self.g.stock_frontend
+        model = ("model",)
         argv, health, uses = {
-            "encoder": (self.encoder, "/ready", ("vision",) * bool(self.vision) + ("llm",) * stock),
+            "encoder": (self.encoder, "/ready", model),
             "cache-shared": (self.shared, "/_cache/health", ()),
             "cache-router": (self.router, "/_cache/health", ()),
             "cache-cluster": (self.cluster, "/_cache/health", ()),
-            "engine": (self.engine, None, ("llm", "vision") if self.g.inline_encoding and self.vision else ("llm",)),
-            "frontend": (self.frontend, "/v1/models", () if stock else ("llm",)),
+            "engine": (self.engine, None, model),
+            "frontend": (self.frontend, "/v1/models", () if stock else model),
         }[c.kind]
         replicas = tuple(
             Replica(replica_name(name, i, c.replicas), (*argv(name, i), *c.args),
@@ -139,10 +143,10 @@ class _Planner:
         return argv if tier == "router" else [*argv, "--cache-dir", cache_dir]
 
     def encoder(self, name: str, i: int) -> list[str]:
-        argv = ["--model", self.g.llm.vision_model, *self.vision, "--dynamo", "--namespace", self.g.namespace,
+        argv = ["--model", self.site.checkpoint_dir, *self.dtype, "--dynamo", "--namespace", self.g.namespace,
                 *self._http(name, "encoder", i)]
-        if self.g.stock_frontend:  # Dynamo's Encode worker for the LLM; its handles name the chain
-            argv += ["--stock-model-dir", self.site.llm_dir, "--stock-name", self.g.llm.name]
+        if self.g.stock_frontend:  # Dynamo's Encode worker for the model; its handles name the chain
+            argv += ["--stock-model-dir", self.site.checkpoint_dir, "--stock-name", self.g.llm.served_name]
             if self.chain():
                 argv += ["--handle-chain", self.chain()[0], "--handle-route", self.chain()[1]]
         return argv
@@ -160,11 +164,10 @@ class _Planner:
 
     def engine(self, name: str, i: int) -> list[str]:
         g = self.g
-        argv = ["--model-dir", self.site.llm_dir, "--name", g.llm.name, "--namespace", g.namespace,
-                "--block-size", str(g.block_size)]
-        if g.inline_encoding:  # the aggregated baseline: the engine encodes media itself
-            argv += ["--encoder-model", g.llm.vision_model]
-            argv += ["--encoder-checkpoint", self.site.vision_dir] if self.site.vision_dir else []
+        argv = ["--checkpoint", self.site.checkpoint_dir, *self.dtype, "--name", g.llm.served_name,
+                "--namespace", g.namespace, "--block-size", str(g.block_size)]
+        if g.inline_encoding:  # the aggregated baseline: the whole model, its own vision tower on pixels
+            argv += ["--encode-inline"]
         elif self.chain():  # the chain the engine trusts to fetch bodies from (handles name it)
             argv += ["--encoder-chain", self.chain()[0]]
         return argv + (["--frontend", "stock"] if g.stock_frontend else [])
@@ -185,7 +188,7 @@ class _Planner:
         g = self.g
         if g.stock_frontend:  # Dynamo's own: it discovers the model from the engines' and encoder's cards
             return [*self._http(name, "frontend", i), "--namespace", g.namespace]
-        argv = ["--model-dir", self.site.llm_dir, *self._http(name, "frontend", i), "--namespace", g.namespace,
+        argv = ["--model-dir", self.site.checkpoint_dir, *self._http(name, "frontend", i), "--namespace", g.namespace,
                 "--block-size", str(g.block_size)]
         if self.chain():
             url, route = self.chain()
@@ -198,25 +201,25 @@ def _pairs(flag: str, values: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class GeneratedLLM:
-    """The test LLM a graph without `llm.model_dir` serves: written by `make_model_dir` with these
-    arguments, the same on every site (so a frontend and its engines always agree)."""
+class GeneratedCheckpoint:
+    """The small random Kimi-K2.5 a graph without `llm.checkpoint` serves: written by
+    `engines.tiny_checkpoint` with these arguments, the same on every site (so every component
+    reads the same model). It loads torch, so it runs as its own process."""
 
-    vision_model: str
-    name: str
-    context_length: int
+    preset: str
+
+    MODULE = "mm_encoder.engines.tiny_checkpoint"
 
     @classmethod
-    def of(cls, graph: Graph) -> GeneratedLLM | None:
-        llm = graph.llm
-        return None if llm.model_dir else cls(llm.vision_model, llm.name, llm.context_length)
+    def of(cls, graph: Graph) -> GeneratedCheckpoint | None:
+        return None if graph.llm.checkpoint else cls(graph.llm.preset)
 
     def argv(self, target: str) -> list[str]:
-        """`python -m mm_encoder.engines.reference` arguments that write it into `target`."""
-        return ["--make-model-dir", target, "--model", self.vision_model, "--name", self.name,
-                "--context-length", str(self.context_length)]
+        """`python -m <MODULE>` arguments that write it into `target`."""
+        return [target, "--preset", self.preset]
 
-    def write(self, target) -> None:
-        from ..engines.model_dir import make_model_dir
-
-        make_model_dir(target, self.vision_model, name=self.name, context_length=self.context_length)
+    def write(self, target, python: str = sys.executable) -> None:
+        done = subprocess.run([python, "-m", self.MODULE, *self.argv(str(target))], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise GraphError(f"writing the generated {self.preset} checkpoint into {target} failed:\n"
+                             f"{done.stderr[-2000:]}")

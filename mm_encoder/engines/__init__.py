@@ -1,10 +1,12 @@
 """LLM engines that take token ids plus spliced media embeddings (never pixels).
 
-- `reference`: a small CPU causal LM in torch that registers with Dynamo as a chat model,
-  publishes KV events with media info, and lets the whole graph run without a GPU.
-- `vllm`: builds vLLM inputs from the same request (prompt token ids + precomputed embeddings),
-  for GPU deployments; vLLM itself is imported lazily.
+- `worker`: the engine process (`python -m mm_encoder.engines.worker --checkpoint DIR`): the
+  checkpoint's own language model through transformers (`llm`), serving Dynamo's generate endpoint
+  (`engine`), with prefix reuse (`prefix_cache`) and, for the aggregated baseline, the model's own
+  vision tower (`inline`).
+- `vllm`: builds vLLM inputs from the same request, for GPU deployments; vLLM is imported lazily.
 
 The request both take (frontend -> engine, msgpack over Dynamo RPC): `core.requests.EngineRequest`;
-`inputs` decodes and checks its media; `model_dir` writes the test LLM's directory (no torch).
+`inputs` decodes and checks its media; `tiny_checkpoint` writes a small random Kimi-K2.5 checkpoint
+(`model_dir`: its tokenizer and chat template, without torch).
 """

@@ -1,11 +1,11 @@
 """Dynamo's preprocessed request (what the stock `python -m dynamo.frontend` sends a worker) as an
 `EngineRequest`, and our answers as Dynamo's output chunks.
 
-The stock frontend renders the chat template (each media item is its prompt with one placeholder,
-see `engines.model_dir.CHAT_TEMPLATE`), tokenizes, and forwards the Encode worker's
-`encoder_result` (handles per modality). Here each one-placeholder item is expanded to its
-encoder token count with the same `Splicer` our own frontend uses, so both frontends give an
-engine the same token ids. Torch-free.
+The stock frontend renders the checkpoint's chat template (one placeholder per image, one video
+placeholder per video), tokenizes, and forwards the Encode worker's `encoder_result` (handles per
+modality). Here each item is expanded to its encoder rows with the same `Splicer` our own frontend
+uses (`expand_ids`), so both frontends give an engine the same token ids for images; a video's
+chunk prompts are tokenized on their own here. Torch-free.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def from_preprocessed(request: dict[str, Any], splicer: Splicer, context_length:
         raise BadRequest("token_ids must be a list of integers")
     params = SamplingParams.from_dynamo(request)
     handles = parse_encoder_result(request.get("encoder_result"))
-    segments, modalities = splicer.split_markers(token_ids)
+    modalities = splicer.media_order(token_ids)
     wanted = {m: modalities.count(m) for m in ("image", "video")}
     got = {m: len(handles.get(m, [])) for m in ("image", "video")}
     if sum(wanted.values()) and "encoder_result" not in request:
@@ -38,7 +38,7 @@ def from_preprocessed(request: dict[str, Any], splicer: Splicer, context_length:
                          f"encoder answered {got['image']} and {got['video']} items")
     queues = {m: list(hs) for m, hs in handles.items()}
     ordered = [queues[m].pop(0) for m in modalities]
-    spliced = splicer.splice_ids(segments, [(h.header.modality, h.num_tokens, h.header.timestamps) for h in ordered])
+    spliced = splicer.expand_ids(token_ids, [(h.header.modality, h.num_tokens, h.header.timestamps) for h in ordered])
     media = [MediaInput(h.to_dict(), list(spans)) for h, spans in zip(ordered, spliced.spans, strict=True)]
     room = context_length - len(spliced.token_ids)
     if room < 1:

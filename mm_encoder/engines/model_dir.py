@@ -1,99 +1,125 @@
-"""The directory a test LLM is served from, written without torch or downloads.
+"""The text side of a generated Kimi-K2.5 checkpoint directory, written without torch or downloads.
 
-`make_model_dir` writes what Dynamo, the frontend and the reference engine read: `config.json`
-(its hidden size is the projector output of the vision model it serves, so spliced embeddings
-go straight into `inputs_embeds`), a byte-level BPE `tokenizer.json` trained on a fixed corpus,
-`tokenizer_config.json` with a chat template, and `generation_config.json`. The same call, with
-the same arguments, writes the same directory everywhere (`mm-encoder serve`, the Kubernetes init
-container), so a frontend and its engines always agree.
+`write_text_files` writes what the frontend, Dynamo's stock frontend and the engines read besides
+weights: a byte-level BPE `tokenizer.json` trained on a fixed corpus with the family's special
+tokens, `tokenizer_config.json` with a chat template shaped like the family's own (OpenAI content
+parts as given; Kimi-K2.5: an image part writes the image prompt with one `<|media_pad|>`, a video
+part one `<|kimi_k25_video_placeholder|>`; GLM-4.xV: `<|begin_of_image|><|image|><|end_of_image|>`),
+and `generation_config.json`. The same call writes the same
+files everywhere, so a frontend and its engines always agree. The weights are
+`engines.tiny_checkpoint`'s.
 """
 
 from __future__ import annotations
 
+import base64
 import json
-import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.registry import DEFAULT_MODEL, get_spec
+from ..core.kimi_tokenizer import KIMI_PATTERN, TIKTOKEN_FILE
+from ..core.prompt import ChatTokenizer
 
-# Content is a string (this project's frontend renders media as its own sentinels) or a list of
-# OpenAI parts (Dynamo's stock frontend, which passes images as {"type": "image"}): each media part
-# becomes the model's own prompt for it with one placeholder, which the engine expands.
-CHAT_TEMPLATE = (
-    "{%- macro content(c) -%}"
-    "{%- if c is string -%}{{ c }}"
-    "{%- elif c is not none -%}{%- for p in c -%}"
-    "{%- if p['type'] == 'text' -%}{{ p['text'] }}"
-    "{%- elif p['type'] in ('image', 'image_url') -%}@IMAGE@"
-    "{%- elif p['type'] in ('video', 'video_url') -%}@VIDEO@"
+# Kimi-K2.5's chat template, reduced to what a chat needs: roles, text and media parts. Dynamo's
+# stock frontend passes media parts as {"type": "image"} / {"type": "video"}, OpenAI clients as
+# image_url / video_url; both render the same.
+KIMI_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content is not none -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{%- elif part['type'] in ('video', 'video_url') -%}<|kimi_k25_video_placeholder|>"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ content(m['content']) }}<|im_end|>"
-    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ content(m['content']) }}<|im_end|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ content(m['content']) }}<|im_end|>"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>"
     "{%- endif -%}"
+    "{{ render_content(m['content']) }}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
-CHAT_TOKENS = ["[BOS]", "[EOS]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
+# GLM-4.xV's: `[gMASK]<sop>`, a role tag and a newline per message, images between their markers.
+GLM_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for m in messages -%}<|{{ m['role'] }}|>\n"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- elif m['content'] is not none -%}{%- for part in m['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}<|begin_of_image|><|image|><|end_of_image|>"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A family's special tokens and chat template (the real vocabularies have the specials after
+    ~160k ordinary tokens; here they follow a small trained vocabulary)."""
+
+    template: str
+    specials: tuple[str, ...]
+    bos: str
+    eos: str  # what ends an assistant turn: generation_config's eos
+    pad: str
+
+
+FORMATS = {
+    "kimi_k25": ChatFormat(KIMI_TEMPLATE, (
+        "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+        "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<think>", "</think>", "[PAD]",
+        "<|kimi_k25_video_placeholder|>"), bos="[BOS]", eos="<|im_end|>", pad="[PAD]"),
+    "glm4v": ChatFormat(GLM_TEMPLATE, (
+        "<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|begin_of_image|>",
+        "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"),
+        bos="<sop>", eos="<|user|>", pad="<|endoftext|>"),
+}
 _CORPUS = """The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
 Describe the image in detail. What is in this picture? Compare the two images and the video.
 Large language models read tokens; a vision encoder turns pixels into embeddings first.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / = + * % # @ & |
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000; times 00:00:00.000 00:00:02.000.
+Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / = + * % # @ & |
 """
 
 
-def chat_template(prompt) -> str:
-    """The template for one model's prompts (`spec.prompt`): a video part gets its chunk prompt
-    without a timestamp, since chunks are known only once the video is encoded."""
-    return CHAT_TEMPLATE.replace("@IMAGE@", prompt.image).replace("@VIDEO@", prompt.video.format(timestamp=""))
+def write_text_files(path: str | Path, *, family: str = "kimi_k25", vocab_size: int = 1024,
+                     context_length: int = 32768) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json into `path`; returns
+    the special tokens' ids and `vocab_size` (the caller's config.json names the media tokens by id)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-
-def make_model_dir(path: str | Path, model: str = DEFAULT_MODEL, *, name: str | None = None, context_length: int = 4096,
-                   num_layers: int = 2, num_heads: int = 4, vocab_size: int = 1024, seed: int = 0) -> Path:
-    """Write a servable model directory for the vision model `model` (its width and prompt)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    spec = get_spec(model)
+    fmt = FORMATS[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    media_tokens = sorted(set(re.findall(r"<\|[^|]+\|>", spec.prompt.image + spec.prompt.video)))
-    specials = CHAT_TOKENS + [t for t in media_tokens if t not in CHAT_TOKENS]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if family == "kimi_k25":  # Kimi's split, then bytes as characters: what its tiktoken tokenizer does
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(fmt.specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.add_special_tokens(list(fmt.specials))  # after the trained vocabulary, as in the real ones
     tok.save(str(path / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in specials}
-    config = {
-        "model_type": "mm_encoder_reference_lm",
-        "architectures": ["ReferenceLM"],
-        "mm_encoder_model": spec.name,
-        "served_model_name": name or path.name,
-        "vocab_size": tok.get_vocab_size(),
-        "hidden_size": spec.projector.out_dim,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "intermediate_size": 4 * spec.projector.out_dim,
-        "max_position_embeddings": context_length,
-        "bos_token_id": ids["[BOS]"],
-        "eos_token_id": ids["[EOS]"],
-        "media_placeholder_token_id": ids[spec.prompt.placeholder],
-        "seed": seed,
-        "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["[EOS]"]}))
+    ids = {t: tok.token_to_id(t) for t in fmt.specials}
+    if family == "kimi_k25":  # the same vocabulary as Kimi releases it: base64(token bytes) and rank per line
+        bytes_of = ChatTokenizer.piece_bytes
+        ranks = sorted((i, t) for t, i in tok.get_vocab(with_added_tokens=False).items())
+        (path / TIKTOKEN_FILE).write_text("".join(f"{base64.b64encode(bytes_of(t)).decode()} {i}\n" for i, t in ranks))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids[fmt.bos], "eos_token_id": ids[fmt.eos], "pad_token_id": ids[fmt.pad]}, indent=2))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": chat_template(spec.prompt),
+        "bos_token": fmt.bos, "eos_token": fmt.eos, "pad_token": fmt.pad, "chat_template": fmt.template,
         "model_max_length": context_length, "tokenizer_class": "PreTrainedTokenizerFast",
         # every AddedToken field: Dynamo's Rust tokenizer loader refuses entries with fewer
         "added_tokens_decoder": {str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                               "single_word": False, "special": True} for t in specials},
+                                               "single_word": False, "special": True} for t in fmt.specials},
     }, indent=2))
-    return path
+    return {**ids, "vocab_size": tok.get_vocab_size()}

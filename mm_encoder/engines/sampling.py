@@ -80,3 +80,20 @@ class Sampler:
         if self._generator is None:
             self._generator = torch.Generator(device=x.device).manual_seed(self.seed)
         return int(torch.multinomial(torch.softmax(x, 0), 1, generator=self._generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, int, float]]]:
+    """The chosen token's log-probability under the model (its raw logits, before penalties and
+    temperature, as vLLM reports by default), and (rank, token, logprob) for the `top` most likely
+    tokens plus the chosen one at its own rank when it is not among them (Dynamo's and vLLM's
+    convention: a position lists the sampled token too)."""
+    lp = torch.log_softmax(logits.detach().reshape(-1).float(), 0)
+    chosen = float(lp[token])
+    ranked = []
+    if top:
+        best = torch.topk(lp, top)
+        ranked = [(r, t, v) for r, (t, v) in enumerate(zip(best.indices.tolist(), best.values.tolist(),
+                                                              strict=True), 1)]
+    if all(t != token for _, t, _ in ranked):
+        ranked.append((1 + int((lp > chosen).sum()), token, chosen))
+    return chosen, ranked

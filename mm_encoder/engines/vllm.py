@@ -1,4 +1,4 @@
-"""vLLM adapter for GPU deployments: the same `EngineRequest` as the reference engine (media by
+"""vLLM adapter for GPU deployments: the same `EngineRequest` as the transformers engine (media by
 handle, fetched here), handed to vLLM as prompt token ids plus precomputed embeddings, so vLLM
 never runs a vision tower.
 
@@ -93,7 +93,8 @@ def family_for(architectures: list[str] | tuple[str, ...], hf_config: Any = None
     for arch in architectures:
         if arch in PIXEL_ONLY:
             raise ValueError(f"{arch}: {PIXEL_ONLY[arch]}; it has no embeddings input, so this adapter cannot "
-                             "serve it (docs/vllm.md says what is missing). Use the reference engine.")
+                             "serve it (docs/vllm.md says what is missing). Use the transformers engine "
+                             "(python -m mm_encoder.engines.worker).")
         for fam in FAMILIES.values():
             if arch in fam.architectures:
                 return fam.with_config(hf_config) if hf_config is not None else fam

@@ -1,21 +1,21 @@
-"""OpenAI chat messages -> rendered prompt text around media items, and streamed text deltas back.
+"""OpenAI chat messages -> the checkpoint's chat template input, and streamed text deltas back.
 
-Media content parts are cut out before the chat template runs: each becomes a sentinel in the
-message text, the template renders plain strings (any model's template works), and the rendered
-text is split at the sentinels. The splice by length is `core.prompt.Splicer`.
+Messages reach the chat template as the client sent them (content as a string or as a list of
+parts: text, `image_url`, `video_url`), as the model's own template expects; the template writes
+each image's prompt with one placeholder and one placeholder per video, which `core.prompt.Splicer`
+expands to each item's rows. A client's text may not contain those placeholder tokens: they would
+claim media rows nothing fills.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import BadRequest, ModelDirError
+from ..core.errors import BadRequest
 from ..core.prompt import ChatTokenizer
 
-_SENTINEL = "\ue000{}\ue001"  # Unicode private use: never produced by tokenizers for real text
-_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 
 
 @dataclass(frozen=True)
@@ -24,55 +24,59 @@ class MediaRef:
     url: str
 
 
-def parse_messages(messages: Any, max_media: int) -> tuple[list[dict[str, str]], list[MediaRef]]:
-    """OpenAI messages -> messages with string content (media as sentinels) + the media items."""
+def parse_messages(messages: Any, max_media: int, reserved: tuple[str, ...] = ()
+                   ) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """OpenAI messages, checked, for the chat template (unchanged but for validation), and their
+    media items in order. Each part's type is one the template renders or a 400 that names it."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty list")
-    flat, media = [], []
+    media: list[MediaRef] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a `role`")
         content = m.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = _strip_sentinels(content)
-        elif isinstance(content, list):
-            pieces = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text":
-                    pieces.append(_strip_sentinels(str(part.get("text", ""))))
-                elif kind in ("image_url", "video_url"):
-                    ref = part.get(kind)
-                    url = ref.get("url") if isinstance(ref, dict) else ref
-                    if not isinstance(url, str) or not url:
-                        raise BadRequest(f"messages[{i}].content[{j}].{kind} needs a `url`")
-                    media.append(MediaRef("image" if kind == "image_url" else "video", url))
-                    if len(media) > max_media:
-                        raise BadRequest(f"at most {max_media} media items per request")
-                    pieces.append(_SENTINEL.format(len(media) - 1))
-                else:
-                    raise BadRequest(f"messages[{i}].content[{j}]: unsupported content part type {kind!r} "
-                                     "(text, image_url and video_url are)")
-            text = "".join(pieces)
-        else:
+        if content is None or isinstance(content, str):
+            _check_text(content or "", f"messages[{i}].content", reserved)
+            continue
+        if not isinstance(content, list):
             raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
-        flat.append({"role": m["role"], "content": text})
-    return flat, media
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{where}.text must be a string")
+                _check_text(part["text"], f"{where}.text", reserved)
+            elif kind in MEDIA_PARTS:
+                ref = part.get(kind)
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                if not isinstance(url, str) or not url:
+                    raise BadRequest(f"{where}.{kind} needs a `url`")
+                media.append(MediaRef(MEDIA_PARTS[kind], url))
+                if len(media) > max_media:
+                    raise BadRequest(f"at most {max_media} media items per request")
+            else:
+                raise BadRequest(f"{where}: unsupported content part type {kind!r} (text, image_url and video_url "
+                                 "are)")
+    return messages, media
 
 
-def _strip_sentinels(text: str) -> str:
-    return text.replace("\ue000", "").replace("\ue001", "")
+def _check_text(text: str, where: str, reserved: tuple[str, ...]) -> None:
+    for token in reserved:
+        if token in text:
+            raise BadRequest(f"{where} contains {token!r}, a token reserved for media the chat template places")
 
 
-def prompt_segments(tok: ChatTokenizer, messages: list[dict[str, str]], n_media: int) -> list[str]:
-    """The rendered prompt split at the media sentinels: n_media + 1 text segments, in order."""
-    parts = _SENTINEL_RE.split(tok.render(messages))
-    texts, order = parts[0::2], [int(x) for x in parts[1::2]]
-    if order != list(range(n_media)):
-        raise ModelDirError("the chat template dropped or reordered media items")
-    return texts
+def text_bytes(messages: list[dict[str, Any]]) -> int:
+    """The UTF-8 size of every text the client sent: a bound on the prompt's text tokens."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content.encode())
+        elif isinstance(content, list):
+            total += sum(len(p["text"].encode()) for p in content if p.get("type") == "text")
+    return total
 
 
 class IncrementalDetokenizer:

@@ -1,7 +1,8 @@
 """The chat processor that runs inside Dynamo's HTTP frontend (one per served model).
 
-Per request: parse messages -> render the chat template -> encode every media item (concurrently,
-through the cache chain or RPC) -> splice placeholders by length -> recount and cap max_tokens ->
+Per request: parse messages -> render the checkpoint's chat template over them as given -> encode
+every media item (concurrently, through the cache chain or RPC) -> expand each item's placeholder
+to its rows, as the model's processor does -> recount and cap max_tokens ->
 route on (tokens, [mm_hash]) with Dynamo's KvRouter -> send token ids + one handle per media item
 (`core.handle`) to the chosen engine over our own Dynamo endpoint -> stream OpenAI chunks back.
 The encoders answer this process with headers only and the engine fetches each body itself: no
@@ -34,7 +35,7 @@ from ..core.requests import EngineRequest, MediaInput
 from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..routing import MediaSpan, block_mm_infos
-from .chat import IncrementalDetokenizer, StopStrings, parse_messages, prompt_segments
+from .chat import IncrementalDetokenizer, StopStrings, parse_messages, text_bytes
 from .encoder_client import EncoderClient
 
 log = logging.getLogger("mm_encoder.frontend")
@@ -87,10 +88,10 @@ class MultimodalProcessor:
         self.draining = False  # set on SIGTERM: new requests get 503 while those in flight finish
         self.last_request = 0.0  # time.monotonic() of the latest request: when a drain may close connections
 
-    def check_text_size(self, messages: list[dict[str, str]]) -> None:
-        """Refuse, before tokenizing it, a prompt whose text cannot fit: every token is at most
+    def check_text_size(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse, before rendering it, a prompt whose text cannot fit: every token is at most
         `max_token_bytes` bytes, so more bytes than context x that is more tokens than the context."""
-        size = sum(len(m["content"].encode()) for m in messages)
+        size = text_bytes(messages)
         limit = self.limits.context_length * self.tok.max_token_bytes
         if size > limit:
             raise ContextOverflow(f"the prompt's text is {size} bytes: more than {self.limits.context_length} tokens "
@@ -132,12 +133,12 @@ class MultimodalProcessor:
         timings: dict[str, float] = {}
         try:
             params = SamplingParams.from_openai(request)
-            messages, media = parse_messages(request.get("messages"), self.limits.max_media)
+            messages, media = parse_messages(request.get("messages"), self.limits.max_media, self.splicer.reserved)
             self.check_text_size(messages)
             # rendering and tokenizing a long prompt takes seconds: off the loop, so others are not blocked
-            texts = await asyncio.to_thread(prompt_segments, self.tok, messages, len(media))
+            text = await asyncio.to_thread(self.tok.render, messages)
             if self.inline_media:
-                stream, prompt_tokens = await self._dispatch_inline(rid, params, texts, media)
+                stream, prompt_tokens = await self._dispatch_inline(rid, params, text, media, timings)
                 routed = True
             else:
                 if media:
@@ -148,7 +149,7 @@ class MultimodalProcessor:
                 timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
                 self.stats.media_items += len(media)
                 spliced = await asyncio.to_thread(
-                    self.splicer.splice, texts,
+                    self.splicer.expand_text, text,
                     [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded])
                 prompt_tokens = len(spliced.token_ids)
                 max_tokens = self.max_tokens_for(params, prompt_tokens)
@@ -203,6 +204,7 @@ class MultimodalProcessor:
                     timings["first_token_ms"] = (time.perf_counter() - t0) * 1e3
                     for stage, ms in (data.get("timings_ms") or {}).items():  # the engine's: fetch, decode, prefill
                         timings[f"engine_{stage}_ms"] = ms
+                    timings["reused_tokens"] = data.get("reused_tokens", 0)  # from the engine's prefix store
                     self.stats.media_requests_in_flight -= 1
                     first = False
                     if slot:
@@ -210,7 +212,7 @@ class MultimodalProcessor:
                         slot = False
                     await self._router_call(self.router.mark_prefill_complete, rid)
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
-                    prompt_tokens = data.get("prompt_tokens", 0)
+                    prompt_tokens = timings["prompt_tokens"] = data.get("prompt_tokens", 0)
                 finish = data.get("finish_reason")
                 delta = detok.push(data.get("token_ids", []))
                 if finish:
@@ -219,8 +221,9 @@ class MultimodalProcessor:
                 if matched:  # a stop string: the text ends before it, and so does generation
                     finish = "stop"
                 # one chunk per engine step, even when the new tokens decode to no text yet
+                logprobs = self._logprobs(data, params.top_logprobs) if params.logprobs else None
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
-                                  len(detok.ids))
+                                  len(detok.ids), logprobs)
                 if finish:
                     break
                 if context is not None and context.is_stopped():
@@ -244,10 +247,11 @@ class MultimodalProcessor:
         except Exception as e:  # Dynamo raises plain Exceptions here
             log.debug("request %s: router bookkeeping: %s", rid, e)
 
-    async def _dispatch_inline(self, rid: str, params: SamplingParams, texts: list[str], media) -> tuple:
-        """Aggregated baseline: route on the text alone and let the engine fetch, encode and splice."""
-        segments = [self.tok.encode(t) if t else [] for t in texts]
-        flat = [t for seg in segments for t in seg]
+    async def _dispatch_inline(self, rid: str, params: SamplingParams, text: str, media,
+                               timings: dict[str, float]) -> tuple:
+        """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
+        engine fetch, encode and expand."""
+        flat = await asyncio.to_thread(self.tok.encode, text)
         asked = params.max_tokens or self.limits.default_max_tokens
         try:
             worker_id, _, overlap = await self.router.best_worker(flat, request_id=rid)
@@ -256,9 +260,10 @@ class MultimodalProcessor:
         self.stats.routed[str(worker_id)] += 1
         self.stats.media_items += len(media)
         self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
-                                  "prompt_tokens": None, "media": [m.url[:64] for m in media]})
+                                  "prompt_tokens": None, "media": [m.url[:64] for m in media],
+                                  "timings": timings})  # the engine's timings and reused tokens, once known
         payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
-                                segments=segments, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
+                                prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
         stream = await self._send(payload.to_dict(), worker_id)
         self.stats.media_requests_in_flight += 1
         return stream, None
@@ -288,13 +293,32 @@ class MultimodalProcessor:
         if routed:
             await self._router_call(self.router.free, rid)
 
-    def _chunk(self, rid: str, created: int, delta: dict, finish: str | None, prompt: int, completion: int) -> dict:
+    def _logprobs(self, data: dict[str, Any], top: int) -> dict[str, Any]:
+        """The engine's logprobs for this step's tokens in OpenAI's form (`choices[].logprobs`): per
+        token its text, log-probability and bytes, and the `top` most likely tokens by rank (the
+        engine's per-position records, Dynamo's convention)."""
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            return {"token": self.tok.token_text(tid), "logprob": lp, "bytes": list(self.tok.token_bytes(tid))}
+
+        content = []
+        for tid, lp, position in zip(data.get("token_ids", []), data.get("log_probs") or [],
+                                     data.get("top_logprobs") or [], strict=False):
+            ranked = sorted((r for r in position if isinstance(r, dict)), key=lambda r: r.get("rank", 1 << 30))
+            alternatives = [entry(int(r["token_id"]), float(r["logprob"])) for r in ranked[:top]]
+            content.append({**entry(tid, lp), "top_logprobs": alternatives})
+        return {"content": content}
+
+    def _chunk(self, rid: str, created: int, delta: dict, finish: str | None, prompt: int, completion: int,
+               logprobs: dict[str, Any] | None = None) -> dict:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         chunk = {
             "id": f"chatcmpl-{rid}",
             "object": "chat.completion.chunk",
             "created": created,
             "model": self.served_name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "choices": [choice],
         }
         if finish:
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,

@@ -18,12 +18,12 @@ runtime from the process's environment (the launcher passes its own).
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
+from ..core.card import ModelCard
 from ..core.dynamo import GENERATE_ENDPOINT, endpoint_path, make_runtime
 from ..core.prompt import ChatTokenizer
-from ..core.registry import DEFAULT_MODEL, get_spec
+from ..core.registry import get_spec
 from .encoder_client import EncoderClient
 from .processor import Limits, MultimodalProcessor
 from .settings import FrontendSettings
@@ -53,29 +53,28 @@ class ProcessorFactory:
         s = self.s
         # Dynamo hands a provider no runtime: one from the same environment (DYN_DISCOVERY_BACKEND, ...)
         runtime = self.runtime = self.runtime or make_runtime(asyncio.get_running_loop())
-        config = json.loads((s.model_dir / "config.json").read_text())
+        card = ModelCard.read(s.model_dir)
         engine_path = endpoint_path(s.namespace, s.engine_component, GENERATE_ENDPOINT)
         use_rpc = s.encoder_rpc and not s.inline_media
         rpc = await runtime.endpoint(endpoint_path(s.namespace)).client() if use_rpc else None
-        spec = get_spec(config.get("mm_encoder_model", DEFAULT_MODEL))
+        spec = get_spec(card.spec_name)
         if not s.inline_media:
             self.encoder = EncoderClient(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc,
                                          timeout_s=s.encoder_timeout_s, namespace=s.namespace if use_rpc else None,
                                          send_bodies=s.media_transport == "body")
-        eos = config.get("eos_token_id")
         return {
-            "config": config, "spec": spec, "tokenizer": ChatTokenizer(s.model_dir, s.allow_remote_code),
+            "card": card, "spec": spec, "tokenizer": ChatTokenizer(s.model_dir, s.allow_remote_code),
             "engine_client": await runtime.endpoint(engine_path).client(),
             "router": KvRouter(runtime.endpoint(engine_path), s.block_size, KvRouterConfig()),
-            "eos": eos if isinstance(eos, list) else [eos] if eos is not None else [],
-            "limits": Limits(context_length=int(config.get("max_position_embeddings", 4096)),
+            "eos": card.eos_token_ids,
+            "limits": Limits(context_length=card.context_length,
                              default_max_tokens=s.default_max_tokens, max_media=s.max_media,
                              max_inflight_media=s.max_inflight_media, max_inflight_requests=s.max_inflight_requests),
         }
 
     async def processor(self, name: str | None = None) -> MultimodalProcessor:
         p = await self.parts()
-        name = str(name or p["config"].get("served_model_name") or self.s.model_dir.name)
+        name = str(name or self.s.model_dir.resolve().name)
         if name not in self.processors:
             self.processors[name] = MultimodalProcessor(
                 served_name=name, spec=p["spec"], tokenizer=p["tokenizer"], encoder=self.encoder,

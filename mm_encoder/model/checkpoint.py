@@ -5,12 +5,17 @@ The loader reads `model.safetensors.index.json`, keeps only names under the towe
 prefixes, and opens only the shards that hold them. Every mismatch (missing, unexpected,
 mis-shaped, absent shard) is collected and reported in one `CheckpointError`, each tensor named as
 the checkpoint names it (or would: a missing tensor gets the checkpoint's own naming scheme).
+
+Three spellings of the MoonViT tower load into the same weights (`HF_SAVED`, `HF_NATIVE`): the
+release's, what transformers' `save_pretrained` writes, and transformers' in-memory names, whose
+split q/k/v are fused back into `wqkv` with its RoPE row permutation undone.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,9 +84,47 @@ class LoadReport:
     bytes: int = 0
 
 
-# Where checkpoints keep vision tensors (MoonViT, Kimi projectors, GLM-4.xV's `model.visual.*`): a
-# tensor under one of these that we do not load is reported by name, never dropped.
-VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "model.visual.", "visual.")
+# Where checkpoints keep vision tensors (MoonViT, Kimi projectors, transformers' `model.vision_tower.*`,
+# GLM-4.xV's `model.visual.*`): a tensor under one of these that we do not load is reported by name, never dropped.
+VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.mm_projector.", "model.visual.", "visual.")
+
+
+class _Rule:
+    """Our name prefix <-> a checkpoint's (`{i}`: a block index); `part` k of 3: a slice of our fused wqkv."""
+
+    def __init__(self, ours: str, theirs: str, part: int | None = None):
+        self.ours, self.theirs, self.part = ours, theirs, part
+        self._re = {s: re.compile(re.escape(s).replace(r"\{i\}", r"(\d+)")) for s in (ours, theirs)}
+
+    def apply(self, name: str, backwards: bool = False) -> str | None:
+        src, dst = (self.ours, self.theirs) if backwards else (self.theirs, self.ours)
+        m = self._re[src].match(name)
+        return None if m is None else (dst.replace("{i}", m[1]) if m.groups() else dst) + name[m.end() :]
+
+
+_BLOCK, _LAYER = "vision_tower.encoder.blocks.{i}.", "model.vision_tower.layers.{i}."
+# What `Kimi_K25ForConditionalGeneration.save_pretrained` (transformers 5.24) writes: the release's names,
+# except two its reverse renames miss: `encoder.` in front of the patch conv, `model.` in front of pre_norm.
+HF_SAVED = (_Rule("vision_tower.patch_embed.proj.", "vision_tower.encoder.patch_embed.proj."),
+            _Rule("mm_projector.pre_norm.", "model.mm_projector.pre_norm."))
+# transformers' in-memory names (`model.state_dict()`): renamed modules, q/k/v split, q/k rows permuted.
+HF_NATIVE = (
+    _Rule("vision_tower.patch_embed.pos_emb.weight", "model.vision_tower.patch_embed.pos_emb.position_embeddings"),
+    _Rule("vision_tower.patch_embed.", "model.vision_tower.patch_embed."),
+    *(_Rule(_BLOCK + o, _LAYER + t) for o, t in [("norm0.", "norm1."), ("norm1.", "norm2."), ("wo.", "attn.proj."),
+                                                   ("mlp.fc0.", "mlp.fc1."), ("mlp.fc1.", "mlp.fc2.")]),
+    *(_Rule(_BLOCK + "wqkv.", _LAYER + f"attn.{x}_proj.", k) for k, x in enumerate("qkv")),
+    _Rule("vision_tower.encoder.final_layernorm.", "model.vision_tower.final_layernorm."),
+)
+_HEADS = {rules: tuple({r.theirs.split("{")[0] for r in rules}) for rules in (HF_NATIVE, HF_SAVED)}  # cheap pre-test
+
+
+def unpermute_rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo transformers' `PermuteForRope` on q or k rows: per head it moves the two rows of each RoPE
+    pair (2i, 2i+1) to i and half + i (rotate-half layout); our RoPE rotates interleaved pairs, the
+    release's order."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 @dataclass
@@ -92,17 +135,25 @@ class _Naming:
     projectors: dict[str, dict[str, str]]  # checkpoint prefix -> suffix renames (theirs -> ours)
     stacked: dict[str, tuple[str, ...]]
     projector: str  # the prefix used to name tensors the checkpoint lacks
+    layout: tuple[_Rule, ...] = ()  # the tower's spelling, to name tensors the checkpoint lacks
 
     @classmethod
     def of(cls, model: VisionModel, names: list[str]) -> _Naming:
         spec, proj = model.spec, model.mm_projector
         prefixes = {spec.weights.projector: {}, **proj.checkpoint_names}
         prefixes = dict(sorted(prefixes.items(), key=lambda kv: -len(kv[0])))  # longest prefix first
-        used = [p for p in prefixes if any(n.startswith(p) for n in names)]
-        return cls(spec.weights.tower, prefixes, dict(proj.stacked), used[0] if used else spec.weights.projector)
+        counts = {p: sum(n.startswith(p) for n in names) for p in prefixes}
+        used = max(prefixes, key=counts.__getitem__) if any(counts.values()) else spec.weights.projector
+        layout = next((rules for rules, heads in _HEADS.items() if any(n.startswith(heads) for n in names)), ())
+        return cls(spec.weights.tower, prefixes, dict(proj.stacked), used, layout)
 
-    def ours(self, name: str) -> list[str] | None:
-        """Checkpoint name -> our names (several for a stacked tensor), or None when not ours."""
+    def ours(self, name: str) -> list[str] | tuple[str, int] | None:
+        """Checkpoint name -> our names (several for a stacked tensor), (our name, part) for a piece of
+        a fused one, or None when not ours."""
+        for rules, heads in _HEADS.items():
+            for rule in rules if name.startswith(heads) else ():
+                if (mine := rule.apply(name)) is not None:
+                    return [mine] if rule.part is None else (mine, rule.part)
         if name.startswith(self.tower):
             return ["vision_tower." + name[len(self.tower) :]]
         for prefix, renames in self.projectors.items():
@@ -119,20 +170,26 @@ class _Naming:
             return ["mm_projector." + rest]
         return None
 
-    def theirs(self, ours: str) -> str:
-        """Our name -> the name this checkpoint would give it (for tensors it lacks)."""
+    def theirs(self, ours: str) -> list[str]:
+        """Our name -> the name(s) this checkpoint would give it (for tensors it lacks): one per part."""
+        found = [(r.part, t) for r in self.layout if (t := r.apply(ours, backwards=True)) is not None]
+        if found:
+            return [t for k, t in found if k is not None] or [found[0][1]]
         head, rest = ours.split(".", 1)
         if head == "vision_tower":
-            return self.tower + rest
+            return [self.tower + rest]
         for theirs, mine in self.projectors[self.projector].items():
             if rest.startswith(mine):
-                return self.projector + theirs + rest[len(mine) :]
-        return self.projector + rest
+                return [self.projector + theirs + rest[len(mine) :]]
+        return [self.projector + rest]
 
 
-def _plan(names: dict[str, str], naming: _Naming, problems: list[str]) -> dict[str, list[tuple[str, list[str]]]]:
+_Entry = tuple[str, "list[str] | tuple[str, int]"]  # (checkpoint name, what it maps onto: see _Naming.ours)
+
+
+def _plan(names: dict[str, str], naming: _Naming, problems: list[str]) -> dict[str, list[_Entry]]:
     """Shard -> [(checkpoint name, our names)]; vision tensors that map to nothing are problems."""
-    by_shard: dict[str, list[tuple[str, list[str]]]] = {}
+    by_shard: dict[str, list[_Entry]] = {}
     for name, shard in names.items():
         ours = naming.ours(name)
         if ours is not None:
@@ -143,19 +200,52 @@ def _plan(names: dict[str, str], naming: _Naming, problems: list[str]) -> dict[s
 
 
 def _read(f, name: str, ours: list[str], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
-          problems: list[str]) -> dict[str, torch.Tensor]:
-    """One checkpoint tensor -> our tensors (split when stacked); a mismatch names the checkpoint's tensor."""
+          problems: list[str], part: int | None = None) -> dict[str, torch.Tensor]:
+    """One checkpoint tensor -> our tensors (split when stacked; a third of ours when a `part`); a
+    mismatch names the checkpoint's tensor."""
     if any(o not in expected for o in ours):
         problems.append(f"unexpected tensor {name}")
         return {}
     shapes = [expected[o] for o in ours]
     want = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(ours) > 1 else shapes[0]
+    want = want if part is None else (want[0] // 3, *want[1:])
     shape = tuple(f.get_slice(name).get_shape())
     if shape != want:
         problems.append(f"tensor {name} has shape {list(shape)}, expected {list(want)}")
         return {}
     t = f.get_tensor(name).to(dtype)
     return dict(zip(ours, t.split([s[0] for s in shapes]), strict=True)) if len(ours) > 1 else {ours[0]: t}
+
+
+def _targets(entries: list[_Entry], parts: dict | None = None) -> list[str]:
+    """Our names the entries map onto; with `parts`, their fused parts are marked as reported (unread)."""
+    for name, ours in entries if parts is not None else ():
+        if isinstance(ours, tuple):
+            parts.setdefault(ours[0], {}).setdefault(ours[1], (name, None))
+    return [o for _, ours in entries for o in ([ours[0]] if isinstance(ours, tuple) else ours)]
+
+
+def _read_part(f, name: str, target: tuple[str, int], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+               problems: list[str], parts: dict, heads: int) -> None:
+    """One of transformers' q/k/v tensors: checked against a third of our wqkv; q and k lose their RoPE
+    permutation (exact: rows are only reordered)."""
+    o, k = target
+    if k in parts.setdefault(o, {}):
+        problems.append(f"tensors {parts[o][k][0]} and {name} are the same weight ({o}, part {k})")
+    t = _read(f, name, [o], expected, dtype, problems, part=k).get(o)
+    parts[o][k] = (name, None if t is None else unpermute_rope(t, heads) if k < 2 else t)
+
+
+def _fuse(parts: dict, tensors: dict[str, torch.Tensor], source: dict[str, str], naming: _Naming,
+          problems: list[str]) -> None:
+    """Concatenate each fused tensor's parts ([q | k | v] rows); a part the checkpoint lacks is named."""
+    for o, got in parts.items():
+        if o in source:
+            problems.append(f"tensors {source[o]} and {got[min(got)][0]} are the same weight ({o})")
+        problems += [f"missing tensor {naming.theirs(o)[k]}" for k in range(3) if k not in got]
+        if len(got) == 3 and all(t is not None for _, t in got.values()):
+            tensors[o] = torch.cat([got[k][1] for k in range(3)])
+            source[o] = got[0][0]
 
 
 def checkpoint_files(ckpt: Path) -> dict[str, str]:
@@ -182,28 +272,33 @@ def load_checkpoint(model: VisionModel, ckpt: Path, device: torch.device, dtype:
     tensors: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # our name -> the checkpoint tensor it came from
     accounted: set[str] = set()  # expected names already reported or loaded
+    parts: dict[str, dict[int, tuple[str, torch.Tensor | None]]] = {}  # fused name -> part -> (source, tensor)
     report = LoadReport()
     for shard, entries in sorted(by_shard.items()):
         path = ckpt / shard
         if not path.is_file():
             problems.append(f"shard {shard} (holds {len(entries)} vision tensors) is missing")
-            accounted.update(o for _, ours in entries for o in ours)
+            accounted.update(_targets(entries, parts))
             continue
         report.shards_opened.append(shard)
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name, ours in entries:
-                    accounted.update(o for o in ours if o in expected)
+                    accounted.update(o for o in _targets([(name, ours)]) if o in expected)
+                    if isinstance(ours, tuple):  # a part of a fused tensor: q, k or v of wqkv
+                        _read_part(f, name, ours, expected, dtype, problems, parts, spec.tower.num_heads)
+                        continue
                     for o, t in _read(f, name, ours, expected, dtype, problems).items():
                         if o in source:
                             problems.append(f"tensors {source[o]} and {name} are the same weight ({o})")
                         source[o] = name
                         tensors[o] = t
-                        report.bytes += t.numel() * t.element_size()
         except Exception as e:  # safetensors raises several types for a bad file
             problems.append(f"shard {shard} cannot be read: {e}")
-            accounted.update(o for _, ours in entries for o in ours)
-    problems += [f"missing tensor {naming.theirs(m)}" for m in sorted(set(expected) - accounted)]
+            accounted.update(_targets(entries, parts))
+    _fuse(parts, tensors, source, naming, problems)
+    report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    problems += [f"missing tensor {t}" for m in sorted(set(expected) - accounted) for t in naming.theirs(m)]
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} does not match model {spec.name}:\n  " + "\n  ".join(problems))
     model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True, assign=True)

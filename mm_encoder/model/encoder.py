@@ -176,6 +176,17 @@ class Encoder:
         log.info("model %s ready on %s/%s in %.0f ms", spec.name, dev, str(dt).removeprefix("torch."), _ms(t0))
         return cls(spec, model, device=dev, dtype=dt, load_report=report, **kwargs)
 
+    @classmethod
+    def without_weights(cls, checkpoint: str | Path, *, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None, **kwargs) -> Encoder:
+        """A checkpoint's preprocessing, identity and limits with no weights read (the model stays on
+        the meta device, so `forward` cannot run): for a process whose vision tower is another's,
+        as the aggregated engine runs the model's own."""
+        dev = torch.device(device) if device is not None else default_device()
+        dt = parse_dtype(dtype) if dtype is not None else default_dtype(dev)
+        spec = spec_for_checkpoint(Path(checkpoint), None)
+        return cls(spec, build_empty(spec), device=dev, dtype=dt, **kwargs)
+
     def configured(self, *, limits: MediaLimits | None = None, batch_max_patches: int | None = None) -> Encoder:
         """This encoder (the same weights, not a copy of them) with other limits or batch cap."""
         if (limits is None or limits == self.limits) and batch_max_patches in (None, self.batch_max_patches):

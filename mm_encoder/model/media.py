@@ -16,7 +16,9 @@ Decoded pixels in flight are bounded process-wide (`DECODE_BUDGET`): decoding ru
 pool, and a per-image cap alone lets N requests hold N times it. Prepared patches waiting for their
 forward are bounded the same way (`PREPARED_BUDGET`, `max_prepared_patches`).
 Videos (PyAV): sampled at min(fps, native fps) with evenly spaced frame indices, cut into chunks
-of `chunk` frames; a short last chunk repeats its last frame so every chunk has t = chunk. The
+of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
+video processor passes it and vLLM's grids count it: padding it with repeats of its last frame
+gives the same token count but other embeddings (the frame mean and time embedding change). The
 work a video asks for (sampled frames x patches per frame) is checked against
 `max_video_patches` before decoding; `iter_video` decodes chunk by chunk, so memory does not grow
 with the video's length.
@@ -329,16 +331,14 @@ def sample_indices(n_frames: int, native_fps: float, target_fps: float) -> list[
 
 def _check_video_work(sampled: int, width: int, height: int, cfg: PreprocessConfig, limits: MediaLimits,
                       patch: int) -> None:
-    """Refuse a video whose sampled frames (padded to whole chunks) x patches per frame exceed
-    `max_video_patches`: that, not bytes or seconds, is what decoding and the forward cost."""
+    """Refuse a video whose sampled frames x patches per frame exceed `max_video_patches`: that, not
+    bytes or seconds, is what decoding and the forward cost."""
     if width <= 0 or height <= 0 or sampled <= 0:
         return
-    k = cfg.video_chunk_frames
-    frames = math.ceil(sampled / k) * k
     gh, gw = padded_grid(*resize_target(width, height, cfg.in_patch_limit_each_frame, cfg, patch), patch)
-    if frames * gh * gw > limits.max_video_patches:
-        raise MediaError("too_large", f"video needs {frames} sampled frames ({width}x{height}) x {gh * gw} patches = "
-                                      f"{frames * gh * gw} patches; the limit is {limits.max_video_patches}")
+    if sampled * gh * gw > limits.max_video_patches:
+        raise MediaError("too_large", f"video needs {sampled} sampled frames ({width}x{height}) x {gh * gw} patches "
+                                      f"= {sampled * gh * gw} patches; the limit is {limits.max_video_patches}")
 
 
 def _header_checks(container, stream, native_fps: float, cfg: PreprocessConfig, limits: MediaLimits,
@@ -412,7 +412,8 @@ def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_h
 
 def _decode_chunks(container, stream, wanted: set[int], native_fps: float, cfg: PreprocessConfig,
                    limits: MediaLimits, source_hash: str | None, patch: int) -> Iterator[VideoChunk]:
-    """Pass 2: decode, convert only the sampled frames, and yield every `k` of them as a chunk."""
+    """Pass 2: decode, convert only the sampled frames, and yield every `k` of them as a chunk (the
+    last one with what is left: 1 to k frames)."""
     k, last = cfg.video_chunk_frames, max(wanted, default=-1)
     container.seek(0)
     part: list[torch.Tensor] = []
@@ -439,7 +440,6 @@ def _decode_chunks(container, stream, wanted: set[int], native_fps: float, cfg: 
                 yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
                 part, index = [], index + 1
         if part:
-            part += [part[-1]] * (k - len(part))
             yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
             index += 1
     if index == 0:

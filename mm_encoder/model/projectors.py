@@ -69,6 +69,7 @@ class PatchMerger(Projector):
     checkpoint_names: ClassVar[dict[str, dict[str, str]]] = {
         "mm_projector.": {},
         "multi_modal_projector.": {"linear_1.": "proj.0.", "linear_2.": "proj.2."},  # Kimi-VL
+        "model.mm_projector.": {"in_proj.": "proj.0.", "out_proj.": "proj.2."},  # transformers' in memory
     }
 
     def __init__(self, tower: TowerConfig, cfg: ProjectorConfig):

@@ -1,5 +1,5 @@
-"""The soak (`make soak`; not collected by pytest): the EPD graph under `mm-encoder serve --restart`,
-loaded on loopback, bounded in count and time.
+"""The soak (`make soak`; not collected by pytest): the EPD graph under `mm-encoder serve --restart`
+(the generated tiny Kimi-K2.5 checkpoint), loaded on loopback, bounded in count and time.
 
     python tests/reliability/soak.py [--load-s 60] [--fault-s 20] [--quick] [--json PATH]
 
@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from media_factory import image_bytes, natural_image  # noqa: E402
 from nginx_fixtures import free_port  # noqa: E402
-from serve_fixtures import Served  # noqa: E402
+from serve_fixtures import MODEL, Served  # noqa: E402
 
 DEADLINE_S = 60.0
 KINDS = ("ok", "refused", "unclean", "unreachable", "lost", "hung")
@@ -52,7 +52,7 @@ HOT = [image_bytes(natural_image(112, 84, seed=s)) for s in range(8)]  # repeate
 def body(i: int) -> bytes:
     data = HOT[i % len(HOT)] if i % 2 else image_bytes(natural_image(112, 84, seed=10_000 + i))  # misses
     url = "data:image/png;base64," + base64.b64encode(data).decode()
-    return json.dumps({"model": "mm-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
+    return json.dumps({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
 
 

@@ -1,15 +1,14 @@
-"""Faults of whole components under `mm-encoder serve` (real processes on loopback): what a
-SIGKILL leaves behind, and what `serve` says about it."""
+"""Faults of whole components under `mm-encoder serve` (real processes on loopback, the generated
+tiny Kimi-K2.5 checkpoint): what a SIGKILL leaves behind, and what `serve` says about it."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import pytest
 from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import IMAGE_TOKENS, TEXT_TOKENS, Served, chat
+from serve_fixtures import MODEL, Served, chat, sample_tokens
 
 from mm_encoder.deploy.local import leftover_pids
 
@@ -25,13 +24,12 @@ def test_9_a_shard_master_killed_leaves_no_orphan_and_serve_checks_every_session
     served = Served("graphs/epd.yaml", run_dir, port, "--restart")
     try:
         served.wait_for("ready: OpenAI base URL", 240)
-        state = json.loads((run_dir / "state.json").read_text())
-        master = next(c["pid"] for c in state["components"] if c["name"] == "shared-0")
+        master = served.component("shared-0")["pid"]
         assert len(leftover_pids({master})) > 1  # the master and its workers share its session
         os.kill(master, signal.SIGKILL)  # the master alone
         served.wait_for("shared-0 restarted", 60)
         assert leftover_pids({master}) == []  # nothing of the old shard is left
-        assert chat(port)["usage"]["prompt_tokens"] == IMAGE_TOKENS + TEXT_TOKENS
+        assert chat(port)["usage"]["prompt_tokens"] == sample_tokens(run_dir / "checkpoint" / MODEL)
     finally:
         if served.proc.poll() is None:
             served.stop()

@@ -1,5 +1,6 @@
 """Issue 13: hostile media that stayed inside the byte and duration limits yet cost memory, or
-data that is missing yet was accepted. Each test names the defect it pins down."""
+data that is missing yet was accepted. Each test names the defect it pins down. The encoder is the
+tiny Kimi-K2.5 checkpoint's vision tower (`ckpt_encoder`), as the encode worker serves it."""
 
 from __future__ import annotations
 
@@ -55,13 +56,13 @@ def budget(monkeypatch) -> media.Budget:
 
 _PEAK_SCRIPT = r"""
 import gc, json, resource, sys
-sys.path[:0] = sys.argv[1:]
+sys.path[:0] = sys.argv[2:]
 from test_hostile_media import static_video
 from mm_encoder import Encoder
 from mm_encoder.core.spec import PreprocessConfig
 import torch
 torch.set_num_threads(1)
-enc = Encoder.from_pretrained("tiny")
+enc = Encoder.from_pretrained(sys.argv[1], dtype="fp32")  # the tiny Kimi-K2.5 checkpoint's vision tower
 cfg = PreprocessConfig(in_patch_limit_each_frame=64)  # tiny pixel_values: what remains is frames
 out = {}
 for seconds in (10, 40):
@@ -75,7 +76,7 @@ print(json.dumps(out))
 """
 
 
-def test_1_video_peak_memory_does_not_grow_with_duration():
+def test_1_video_peak_memory_does_not_grow_with_duration(checkpoint):
     """A 1024x1024 still video, 10 s then 40 s at 2 fps (20 then 80 sampled frames of 3 MiB): the
     old decoder held every sampled frame (+180 MiB for the longer one); chunk by chunk, the peak
     grows only by the extra pixel_values kept (~1.4 MiB here)."""
@@ -83,8 +84,8 @@ def test_1_video_peak_memory_does_not_grow_with_duration():
     # A fixed mmap threshold: glibc's dynamic one lets freed 3 MiB frames be reused from a fragmented
     # heap, and the peak then measures the allocator's luck (flaky by ~40 MiB), not what is held.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
-    run = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(here), str(here.parent)], capture_output=True,
-                         text=True, timeout=120, env=env)
+    run = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(checkpoint), str(here), str(here.parent)],
+                         capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     peaks = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
     assert peaks[10]["chunks"] == 5 and peaks[40]["chunks"] == 20
@@ -120,13 +121,13 @@ def test_1_default_patch_limit_admits_a_normal_video():
         media._check_video_work(500, 1280, 720, CFG, LIMITS, 14)
 
 
-def test_1_prepare_media_streams_chunks(tiny):
+def test_1_prepare_media_streams_chunks(ckpt_encoder):
     """The encoder consumes `iter_video` one chunk at a time (no list of every chunk's frames)."""
     chunks = media.iter_video(static_video(4), CFG, LIMITS)
     first = next(chunks)
     assert first.frames.shape == (4, 256, 256, 3)
     chunks.close()
-    prepared = tiny.prepare_media(static_video(4))
+    prepared = ckpt_encoder.prepare_media(static_video(4))
     assert [p.grid for p in prepared] == [(4, 20, 20)] * 2
     assert all(p.timings_ms["decode"] > 0 for p in prepared)
 
@@ -242,8 +243,8 @@ def test_2_budget_wait_is_bounded_then_503(budget):
 # --- 4. the per-processor identity table ------------------------------------------------------
 
 
-def test_4_identity_table_is_bounded(tiny):
-    enc = tiny.configured(batch_max_patches=tiny.batch_max_patches + 1)  # a copy: the same table
+def test_4_identity_table_is_bounded(ckpt_encoder):
+    enc = ckpt_encoder.configured(batch_max_patches=ckpt_encoder.batch_max_patches + 1)  # a copy, the same table
     for i in range(20_000):
         cfg = PreprocessConfig(video_fps=1.0 + i / 1000)
         identity = enc.identity(cfg)
@@ -287,9 +288,9 @@ def test_png_metadata_zlib_bomb_is_corrupt(kind):
     assert err.code == "corrupt" and "MAX_TEXT_CHUNK" in err.message
 
 
-def test_encoder_paths_surface_the_new_refusals(tiny, budget):
-    assert refused(tiny.prepare_media, lying_jpeg(4000, 4000)).code == "corrupt"
-    small = tiny.configured(limits=MediaLimits(max_video_patches=1000))
+def test_encoder_paths_surface_the_new_refusals(ckpt_encoder, budget):
+    assert refused(ckpt_encoder.prepare_media, lying_jpeg(4000, 4000)).code == "corrupt"
+    small = ckpt_encoder.configured(limits=MediaLimits(max_video_patches=1000))
     err = refused(small.prepare_media, static_video(4))
     assert err.code == "too_large" and "8 sampled frames" in err.message
     assert budget.high_water == 0
@@ -298,7 +299,7 @@ def test_encoder_paths_surface_the_new_refusals(tiny, budget):
 # --- prepared patches held process-wide (beyond issue 13: a queue of long videos) ---------------
 
 
-def test_prepared_patches_are_bounded_across_requests_and_released_with_their_tensors(monkeypatch):
+def test_prepared_patches_are_bounded_across_requests_and_released_with_their_tensors(monkeypatch, checkpoint):
     """Found with bench/hostile_memory.py: a 600 s video holds ~1.7 GB of prepared patches until its
     forward, and `--max-pending` (64 requests) alone would let 64 of them wait at once."""
     import gc
@@ -307,7 +308,8 @@ def test_prepared_patches_are_bounded_across_requests_and_released_with_their_te
 
     fresh = media.Budget("prepared patches", "prepared_capacity", "too_large")
     monkeypatch.setattr(media, "PREPARED_BUDGET", fresh)
-    enc = Encoder.from_pretrained("tiny", limits=MediaLimits(max_prepared_patches=100, decode_wait_s=0.05))
+    enc = Encoder.from_pretrained(checkpoint, dtype="fp32",
+                                  limits=MediaLimits(max_prepared_patches=100, decode_wait_s=0.05))
     png = image_bytes(natural_image(112, 84, seed=3), "PNG")  # 6 x 8 = 48 patches
     first, second = enc.prepare_media(png), enc.prepare_media(png)
     assert fresh.in_use == 96

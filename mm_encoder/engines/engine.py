@@ -1,0 +1,255 @@
+"""The engine: a checkpoint's own language model serving `<namespace>.engine.generate`.
+
+One request's way through it, each step owned here once:
+- `generate` (this project's frontend: `core.requests.EngineRequest`, media by handle) or
+  `generate_dynamo` (Dynamo's stock frontend: a preprocessed request whose one-placeholder media
+  items are expanded here from the Encode worker's handles, `engines.dynamo_request`), or, in the
+  aggregated baseline, the rendered prompt plus media URLs (`engines.inline`: fetched, preprocessed
+  and run through the model's own vision tower here);
+- the media rows: each body fetched by handle and checked (`engines.inputs`);
+- `prefill` on the engine thread: the longest stored prefix of the prompt's blocks is reused
+  (`engines.prefix_cache`), the rest embedded with the media rows written over their placeholder
+  positions and run through the model (`engines.llm`); KV events tell the router what is held;
+- `decode`: one token per step with the KV cache, sampled (`engines.sampling`), streamed, until a
+  stop, `max_tokens` or the caller cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
+from ..core.handle import HandleResolver, MediaHandle
+from ..core.prompt import Splicer
+from ..core.requests import EngineRequest
+from ..core.sampling import SamplingParams
+from ..routing import MediaSpan, block_mm_infos, to_signed64
+from .dynamo_request import chunk as dynamo_chunk
+from .dynamo_request import from_preprocessed
+from .inputs import fetch_bodies, media_rows
+from .llm import LanguageModel
+from .prefix_cache import PrefixCache
+from .sampling import Sampler, token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Placed:
+    """One media item in a prompt: what routing, KV events and M-RoPE positions need of it."""
+
+    mm_hash: str
+    modality: str
+    spans: list[tuple[int, int]]  # (offset, rows) per image or video chunk
+    grids: list[list[int]]  # (t, h, w) per image or chunk, in patches before the 2x2 merge
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    rows: list[tuple[int, torch.Tensor]]  # (offset, rows) to write over the placeholder embeddings
+    media: list[Placed] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    token: int
+    finish: str | None
+    logprob: float | None = None
+    top: list[tuple[int, int, float]] | None = None  # (rank, token, logprob), the chosen token included
+
+    def fields(self, tok) -> dict[str, Any]:
+        """Dynamo's output fields for logprobs: `log_probs` per token, and per token a position's
+        records `{rank, token_id, token, logprob, bytes}` (what Dynamo's frontends read)."""
+        if self.logprob is None:
+            return {}
+        position = [{"rank": r, "token_id": t, "token": tok.token_text(t), "logprob": v,
+                     "bytes": list(tok.token_bytes(t))} for r, t, v in self.top or []]
+        return {"log_probs": [self.logprob], "top_logprobs": [position]}
+
+
+class Engine:
+    """The model, its prefix store and KV-event bookkeeping; `handle` is the Dynamo handler."""
+
+    def __init__(self, lm: LanguageModel, *, splicer: Splicer, block_size: int = 16, publisher=None,
+                 resolver: HandleResolver | None = None, prefix_tokens: int = 1 << 16, inline=None):
+        self.lm = lm
+        self.splicer = splicer
+        self.block_size = block_size
+        self.publisher = publisher
+        self.resolver = resolver or HandleResolver()
+        self.prefix = PrefixCache(block_size, prefix_tokens)
+        self.inline = inline  # engines.inline.InlineMedia: the aggregated baseline encodes media itself
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mm-engine")
+        self.requests = 0
+
+    @property
+    def context_length(self) -> int:
+        return self.lm.context_length
+
+    # --- model work (engine thread) ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt) -> tuple[torch.Tensor, Any, torch.Tensor | None, int]:
+        """The prompt's last logits, its KV cache, its next M-RoPE position (None: plain RoPE) and
+        how many of its tokens came from the prefix store."""
+        ids = prompt.token_ids
+        hashes, infos = self._block_hashes(prompt)
+        reuse = self.prefix.match(hashes, len(ids))
+        start = reuse.tokens
+        x = self.lm.embed(ids[start:]).clone()
+        for offset, rows in prompt.rows:
+            lo = max(offset, start)
+            if lo < offset + rows.shape[0]:
+                x[lo - start : offset + rows.shape[0] - start] = rows[lo - offset :].to(x.dtype)
+        positions = self.lm.positions(ids, [(m.modality, m.spans, m.grids) for m in prompt.media])
+        logits, cache = self.lm.forward(x, reuse.cache, None if positions is None else positions[:, start:])
+        stored, removed = self.prefix.add(hashes, cache)
+        self._publish(ids, hashes, infos, stored, removed)
+        nxt = None if positions is None else positions.max() + 1
+        return logits, cache, nxt, start
+
+    @torch.inference_mode()
+    def step(self, token: int, cache, position: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        x = self.lm.embed([token])
+        pos = None if position is None else position.reshape(1, 1).expand(3, 1)
+        return self.lm.forward(x, cache, pos)
+
+    # --- KV events: what the prefix store holds, hashed as the router hashes ----------------
+
+    def _block_hashes(self, prompt: Prompt) -> tuple[list[int], list | None]:
+        n_full = len(prompt.token_ids) // self.block_size
+        if n_full == 0:
+            return [], None
+        from dynamo.llm import compute_block_hash_for_seq
+
+        n = n_full * self.block_size
+        spans = [_clip(MediaSpan(m.mm_hash, tuple(tuple(s) for s in m.spans)), n) for m in prompt.media]
+        infos = block_mm_infos(n, self.block_size, spans)
+        return [to_signed64(h) for h in compute_block_hash_for_seq(prompt.token_ids[:n], self.block_size, infos)], infos
+
+    def _publish(self, ids: list[int], hashes: list[int], infos, stored: list[int], removed: list[int]) -> None:
+        if self.publisher is None:
+            return
+        if stored:
+            n = len(hashes) * self.block_size
+            self.publisher.publish_stored(ids[:n], [self.block_size] * len(hashes), hashes, None, infos)
+        if removed:
+            self.publisher.publish_removed(removed)
+
+    # --- the handler -------------------------------------------------------------------------
+
+    def handle(self, request: Any, context=None) -> AsyncIterator[dict[str, Any]]:
+        """Dynamo's preprocessed request (it has `stop_conditions`; from the stock frontend) or ours
+        (`EngineRequest`), told apart by shape, so either frontend can serve it."""
+        if isinstance(request, dict) and "stop_conditions" in request:
+            return self.generate_dynamo(request, context)
+        return self.generate(request, context)
+
+    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        """Our frontend's `EngineRequest`. A refusal before the first token is one `{"error": ...}`
+        item with the error's code and status."""
+        timings: dict[str, float] = {}
+        try:
+            req = EngineRequest.from_dict(request)
+            params = SamplingParams.from_dict(req.sampling)
+            if req.prompt is not None:  # the aggregated baseline: media by URL, encoded here
+                if self.inline is None:
+                    raise BadRequest("this engine does not encode media; start it with --encode-inline")
+                prompt = await self.inline.prompt(req, self.splicer, self._pool, timings)
+                req.token_ids = prompt.token_ids
+                req.max_tokens = min(req.max_tokens, self._room(len(prompt.token_ids)))
+            else:
+                self.check_fits(len(req.token_ids), req.max_tokens)  # before any fetch
+                prompt = await self.media_prompt(req, timings)
+        except MMEncoderError as e:
+            yield e.to_dict(status=True)
+            return
+        first = True
+        t0 = time.perf_counter()
+        async for step, reused in self.decode(prompt, req.max_tokens, params, req.eos_token_ids, context):
+            item = {"token_ids": [step.token], "finish_reason": step.finish, **step.fields(self.splicer.tok)}
+            if first:  # what this engine spent before the first token: the frontend's /mm/stats
+                item["prompt_tokens"] = len(prompt.token_ids)
+                item["reused_tokens"] = reused
+                item["timings_ms"] = {**timings, "prefill": (time.perf_counter() - t0) * 1e3}
+                first = False
+            yield item
+
+    async def media_prompt(self, req: EngineRequest, timings: dict[str, float]) -> Prompt:
+        """Every item's body fetched by handle and checked, then its rows decoded (engine thread)."""
+        t0 = time.perf_counter()
+        bodies = await fetch_bodies(req, self.resolver)
+        t1 = time.perf_counter()
+        rows = await asyncio.get_running_loop().run_in_executor(self._pool, media_rows, req, bodies,
+                                                                self.lm.hidden_size)
+        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        placed = []
+        for item in req.media:
+            header = MediaHandle.parse(item.handle).header
+            grids = [list(g) for g in header.grid_thws]
+            placed.append(Placed(header.mm_hash, header.modality, list(item.spans), grids))
+        return Prompt(req.token_ids, rows, placed)
+
+    async def generate_dynamo(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        """Dynamo's preprocessed request from the stock frontend: Dynamo's output chunks, the last
+        with the expanded prompt's length as `completion_usage.prompt_tokens`."""
+        from ..core.dynamo import worker_error
+
+        try:
+            req = from_preprocessed(request, self.splicer, self.context_length,
+                                    context.id() if context is not None else None)
+            self.check_fits(len(req.token_ids), req.max_tokens)
+            prompt = await self.media_prompt(req, {})
+        except MMEncoderError as e:
+            raise worker_error(e) from None
+        params = SamplingParams.from_dict(req.sampling)
+        n = 0
+        async for step, _ in self.decode(prompt, req.max_tokens, params, req.eos_token_ids, context):
+            n += 1
+            yield {**dynamo_chunk(step.token, step.finish, len(prompt.token_ids), n), **step.fields(self.splicer.tok)}
+
+    def _room(self, prompt_tokens: int) -> int:
+        room = self.context_length - prompt_tokens
+        if room < 1:
+            raise ContextOverflow(f"the prompt is {prompt_tokens} tokens after expanding its media; the model's "
+                                  f"context length is {self.context_length}")
+        return room
+
+    def check_fits(self, prompt: int, max_tokens: int) -> None:
+        if prompt + max_tokens > self.context_length:
+            raise ContextOverflow(f"prompt {prompt} + max_tokens {max_tokens} exceeds the context length "
+                                  f"{self.context_length}")
+
+    async def decode(self, prompt: Prompt, max_tokens: int, params: SamplingParams, eos_token_ids: list[int],
+                     context=None) -> AsyncIterator[tuple[Step, int]]:
+        """Prefill, then one step per token until a stop, max_tokens or the caller stops; each
+        step with how many prompt tokens the prefix store supplied."""
+        loop = asyncio.get_running_loop()
+        self.requests += 1
+        logits, cache, position, reused = await loop.run_in_executor(self._pool, self.prefill, prompt)
+        prompt.rows = []  # the rows are in the cache now
+        sampler = Sampler(params, eos_token_ids)
+        for i in range(max_tokens):
+            token = sampler.next(logits)
+            finish = sampler.stop_reason(token) or ("length" if i == max_tokens - 1 else None)
+            lp = token_logprobs(logits, token, params.top_logprobs) if params.logprobs else (None, None)
+            yield Step(token, finish, *lp), reused
+            if finish is not None or (context is not None and context.is_stopped()):
+                return
+            logits, cache = await loop.run_in_executor(self._pool, self.step, token, cache, position)
+            position = None if position is None else position + 1
+
+
+def _clip(span: MediaSpan, n: int) -> MediaSpan:
+    """Media spans limited to the first n tokens (the full blocks)."""
+    kept = tuple((o, min(l_, n - o)) for o, l_ in span.spans if o < n)
+    return MediaSpan(span.mm_hash, kept)

@@ -1,0 +1,120 @@
+"""The engine worker: a checkpoint's own language model behind Dynamo, through transformers.
+
+    python -m mm_encoder.engines.worker --checkpoint DIR [--dtype fp32|bf16] [--device cpu|cuda]
+    python -m mm_encoder.engines.worker --checkpoint DIR --encode-inline     # the aggregated baseline
+
+It registers `<namespace>.engine.generate` as a chat model (the checkpoint directory is its model
+card: config, tokenizer, chat template) and takes either frontend's request: ours
+(`core.requests.EngineRequest`, media by handle) or Dynamo's preprocessed request from the stock
+`python -m dynamo.frontend` (`--frontend stock` registers the card that makes the stock frontend
+call the Encode worker first). It loads only the language-model shards; with `--encode-inline`
+it loads the whole model and runs the model's own vision tower (`engines.inline`). KV events
+for what its prefix store holds go to Dynamo's router (`engines.engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
+from ..core.handle import HandleResolver
+from ..core.process import parse_settings, run, stop_on_signals
+from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
+from ..core.registry import get_spec
+from ..core.spec import HF_MODEL_TYPES
+
+log = logging.getLogger(__name__)
+READY = "mm-encoder engine ready"
+
+
+class EngineSettings(BaseSettings):
+    """Every option from the command line or `MM_ENGINE_<OPTION>`."""
+
+    model_config = SettingsConfigDict(env_prefix="MM_ENGINE_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_prog_name="python -m mm_encoder.engines.worker", extra="ignore",
+                                      frozen=True)
+
+    checkpoint: Path = Field(description="the model's checkpoint directory (config.json, safetensors shards, "
+                                         "tokenizer, chat template)")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="the language model's dtype")
+    device: str | None = Field(None, description="cpu or cuda[:N] (default: cuda when available)")
+    name: str | None = Field(None, description="served model name (default: the checkpoint directory's name)")
+    namespace: str = Field(NAMESPACE, description="Dynamo namespace")
+    block_size: int = Field(BLOCK_SIZE, ge=1, description="KV block size (the router hashes by it)")
+    prefix_cache_tokens: int = Field(1 << 16, ge=0, description="prompt KV kept for reuse, in tokens (0: none)")
+    encode_inline: bool = Field(False, description="the aggregated baseline: load the whole model and encode "
+                                                   "media here with its own vision tower (no encode worker)")
+    encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
+                                           "(none: Dynamo RPC to the encode workers only)")
+    frontend: Literal["mm", "stock"] = Field(
+        "mm", description="mm: serve this project's frontend (EngineRequest); stock: Dynamo's own frontend "
+                          "(preprocessed requests, media via its Encode worker)")
+
+
+def spec_name(config: dict[str, Any]) -> str:
+    """The registry model that says how this checkpoint's prompts place media."""
+    return HF_MODEL_TYPES.get(config.get("model_type"), "kimi-k2.5-vision")
+
+
+def build_engine(s: EngineSettings, publisher=None, rpc=None):
+    """The engine for `s` (loads the model): importable, so tests run it in-process."""
+    import torch
+
+    from .engine import Engine
+    from .inline import InlineMedia
+    from .llm import LanguageModel
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
+    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    lm = LanguageModel.load(s.checkpoint, device=device, dtype=dtype, monolithic=s.encode_inline)
+    splicer = Splicer(ChatTokenizer(s.checkpoint), get_spec(spec_name(lm.config)).prompt)
+    inline = InlineMedia(s.checkpoint, lm) if s.encode_inline else None
+    return Engine(lm, splicer=splicer, block_size=s.block_size, publisher=publisher, inline=inline,
+                  resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens)
+
+
+async def serve(s: EngineSettings) -> None:
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+    stop = stop_on_signals()
+    runtime = make_runtime(asyncio.get_running_loop())
+    path = endpoint_path(s.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
+    endpoint = runtime.endpoint(path)
+    rpc = None if s.encode_inline else await runtime.endpoint(endpoint_path(s.namespace)).client()
+    engine = await asyncio.to_thread(build_engine, s, None, rpc)
+    engine.publisher = KvEventPublisher(endpoint, kv_block_size=s.block_size)
+    name = s.name or s.checkpoint.resolve().name
+    serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle, graceful_shutdown=True))
+    stock: dict[str, Any] = {}
+    if s.frontend == "stock":  # Dynamo's frontend calls the Encode worker first and forwards its result here
+        rc = ModelRuntimeConfig()
+        rc.set_engine_specific("encoder_result_handoff", "true")
+        stock = {"runtime_config": rc, "needs": [[WorkerType.Encode]]}
+    await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(s.checkpoint), name,
+                         worker_type=WorkerType.Aggregated, kv_cache_block_size=s.block_size, **stock)
+    lm = engine.lm
+    print(f"{READY}: model={name} family={lm.family.name} dtype={s.dtype} device={lm.device} "
+          f"endpoint={path} instance={endpoint.connection_id()} inline={s.encode_inline}", flush=True)
+    await stop.wait()
+    runtime.shutdown()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(serving, 30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = parse_settings(EngineSettings, argv, check=lambda s: check_model_dir(s.checkpoint, "--checkpoint"))
+    if s is None:
+        return 2
+    return run(serve(s))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

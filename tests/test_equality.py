@@ -1,0 +1,211 @@
+"""The disaggregated answer is the monolithic model's answer.
+
+A tiny Kimi-K2.5 is written by transformers' own classes (`Kimi_K25ForConditionalGeneration`,
+`save_pretrained`: config.json in transformers' format, sharded tensors in its spelling of the
+released layout), with every parameter random. `mm-encoder serve graphs/epd.yaml --checkpoint DIR
+--dtype fp32` (encode worker, cache tiers, two engines, frontend; real processes) and
+`graphs/agg.yaml` on the same directory answer chat requests; the reference is transformers'
+`generate` on the whole model from pixels, in this process, with nothing of this project's in its
+path but the pixels (transformers' image processors need torchvision, which does not install here):
+its chat template rendering is transformers' `apply_chat_template`, the placeholder expansion is
+transformers' processor's rule written as a string, the tokenizer is transformers'.
+For images of several sizes, two images in one prompt and a video whose last chunk is short, the
+greedy tokens are equal (each token's bytes, from the response's logprobs) and
+`usage.prompt_tokens` is the expanded prompt's length.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+
+import pytest
+import torch
+from media_factory import image_bytes, natural_image, video_bytes
+from nginx_fixtures import free_port, require_nginx
+from serve_fixtures import Served
+
+pytest.importorskip("dynamo.llm")
+pytestmark = pytest.mark.slow  # two whole graphs of subprocesses
+
+MAX_TOKENS = 8
+IMAGES = {"small": (112, 84), "medium": (300, 200), "large": (640, 480)}
+VIDEO_PROMPT = "Describe the clip."
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (transformers initialises biases to zero, which would hide a wrong one)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen) * 0.05
+            p.copy_(noise + 1.0 if "norm" in name and name.endswith("weight") else noise)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A checkpoint directory written by transformers' own classes, plus the tokenizer and chat template."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    from mm_encoder.engines.model_dir import write_text_files
+    from mm_encoder.engines.tiny_checkpoint import PRESETS, text_config
+
+    path = tmp_path_factory.mktemp("hf") / "kimi-k2.5-hf"
+    ids = write_text_files(path)
+    text = text_config(PRESETS["tiny"], ids)
+    cfg = Kimi_K25Config(
+        text_config=text, projection_hidden_size=64, image_token_id=ids["<|media_pad|>"],
+        video_token_id=ids["<|kimi_k25_video_placeholder|>"], tie_word_embeddings=False, pad_token_id=ids["[PAD]"],
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+                       "pos_emb_height": 64, "pos_emb_width": 64,
+                       "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}})
+    torch.manual_seed(0)
+    model = Kimi_K25ForConditionalGeneration(cfg).eval()
+    _randomize(model, 1)
+    model.save_pretrained(path, max_shard_size="1MB")
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.startswith("language_model.model.blocks.") for n in names)  # transformers' spelling, not ours
+    assert any(n.startswith("vision_tower.encoder.blocks.") and n.endswith("wqkv.weight") for n in names)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(hf_checkpoint):
+    """transformers' whole model, its tokenizer (template included) and this project's preprocessing."""
+    from transformers import AutoTokenizer, Kimi_K25ForConditionalGeneration
+
+    from mm_encoder.model.encoder import Encoder
+
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    return model, tok, Encoder.without_weights(hf_checkpoint, device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def graphs(hf_checkpoint, tmp_path_factory):
+    require_nginx()
+    ports = {"epd": free_port(), "agg": free_port()}
+    served = {}
+    try:
+        for name, port in ports.items():
+            served[name] = Served(f"graphs/{name}.yaml", tmp_path_factory.mktemp(name), port, "--checkpoint",
+                                  str(hf_checkpoint), "--dtype", "fp32")
+        for s in served.values():
+            s.wait_for("ready: OpenAI base URL", 300)
+        yield ports
+    finally:
+        for s in served.values():
+            s.stop()
+
+
+def _data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _chat(port: int, content: list[dict]) -> dict:
+    body = {"model": "kimi-k2.5-hf", "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 1,
+            "messages": [{"role": "user", "content": content}]}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _expected(reference, content: list[dict], media: list[bytes]) -> tuple[list[int], int]:
+    """transformers' greedy tokens and prompt length for `content`, from pixels."""
+    model, tok, pre = reference
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                   tokenize=False)
+    images, videos = [], []
+    for data in media:
+        prepared = pre.prepare_media(data)
+        (videos if prepared[0].modality == "video" else images).append(prepared)
+    pad, video_token = "<|media_pad|>", "<|kimi_k25_video_placeholder|>"
+    head, *rest = text.split(pad)
+    assert len(rest) == len(images)
+    text = head + "".join(pad * p[0].num_tokens + r for p, r in zip(images, rest, strict=True))
+    head, *rest = text.split(video_token)
+    assert len(rest) == len(videos)
+    chunks = ["".join(f"{c.timestamp}<|media_begin|>video<|media_content|>{video_token * c.num_tokens}<|media_end|>"
+                      for c in v) for v in videos]
+    text = head + "".join(c + r for c, r in zip(chunks, rest, strict=True))
+    input_ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    kwargs = {}
+    if images:
+        flat = [p for ps in images for p in ps]
+        kwargs |= {"pixel_values": torch.cat([p.pixel_values for p in flat]),
+                   "image_grid_thw": torch.tensor([list(p.grid) for p in flat])}
+    if videos:
+        flat = [c for v in videos for c in v]
+        kwargs |= {"pixel_values_videos": torch.cat([c.pixel_values for c in flat]),
+                   "video_grid_thw": torch.tensor([list(c.grid) for c in flat])}
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, **kwargs)
+    return out[0, input_ids.shape[1] :].tolist(), input_ids.shape[1]
+
+
+def _answer_bytes(reply: dict) -> list[bytes]:
+    return [bytes(e["bytes"]) for e in reply["choices"][0]["logprobs"]["content"]]
+
+
+def _check(reply: dict, reference, tokens: list[int], prompt_len: int) -> None:
+    _, tok, _ = reference
+    from mm_encoder.core.prompt import ChatTokenizer
+
+    ours = ChatTokenizer(tok.name_or_path)
+    assert reply["usage"]["prompt_tokens"] == prompt_len
+    assert reply["usage"]["completion_tokens"] == len(tokens) == MAX_TOKENS
+    assert _answer_bytes(reply) == [ours.token_bytes(t) for t in tokens]
+    assert reply["choices"][0]["message"]["content"] == tok.decode(tokens, skip_special_tokens=True)
+
+
+CASES = {
+    **{f"image-{k}": ([("text", "What is in this image?"), ("image", v)]) for k, v in IMAGES.items()},
+    "two-images": [("text", "Compare"), ("image", IMAGES["small"]), ("text", "with"), ("image", IMAGES["medium"])],
+    "video": [("text", VIDEO_PROMPT), ("video", None)],
+}
+
+
+def _content(case: list[tuple]) -> tuple[list[dict], list[bytes]]:
+    content, media = [], []
+    for i, (kind, arg) in enumerate(case):
+        if kind == "text":
+            content.append({"type": "text", "text": arg})
+        elif kind == "image":
+            data = image_bytes(natural_image(*arg, seed=i))
+            media.append(data)
+            content.append({"type": "image_url", "image_url": {"url": _data_url(data, "image/png")}})
+        else:  # 5 frames at 2 fps sampled: chunks of 4 and 1 (the short last chunk keeps t = 1)
+            data = video_bytes(width=112, height=84, frames=25, fps=10)
+            media.append(data)
+            content.append({"type": "video_url", "video_url": {"url": _data_url(data, "video/mp4")}})
+    return content, media
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_epd_and_agg_answer_what_transformers_generate_answers(case, graphs, reference):
+    content, media = _content(CASES[case])
+    tokens, prompt_len = _expected(reference, content, media)
+    for name in ("epd", "agg"):
+        _check(_chat(graphs[name], content), reference, tokens, prompt_len)
+
+
+def test_video_has_a_short_last_chunk(reference):
+    _, _, pre = reference
+    _, media = _content(CASES["video"])
+    assert [p.grid[0] for p in pre.prepare_media(media[0])] == [4, 1]
+
+
+def test_a_repeated_image_reuses_its_prefix_on_the_engine_that_holds_it(graphs):
+    content, _ = _content([("text", "Again:"), ("image", (200, 150))])
+    first, second = _chat(graphs["epd"], content), _chat(graphs["epd"], content)
+    assert _answer_bytes(first) == _answer_bytes(second)
+    with urllib.request.urlopen(f"http://127.0.0.1:{graphs['epd']}/mm/stats", timeout=30) as r:
+        recent = json.loads(r.read())["processors"][0]["recent"][-2:]
+    assert recent[0]["worker_id"] == recent[1]["worker_id"]
+    assert recent[0]["timings"]["reused_tokens"] == 0
+    full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16 * 16
+    assert recent[1]["timings"]["reused_tokens"] == full_blocks > 0
+    assert recent[1]["overlap_blocks"] >= full_blocks // 16
