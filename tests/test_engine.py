@@ -159,7 +159,7 @@ def test_bf16_agrees_with_fp32_to_the_parity_gate(checkpoint, ckpt_encoder):
     image = image_bytes(natural_image(280, 196, seed=4))
     bf16 = Encoder.from_pretrained(checkpoint, dtype="bf16")
     a, b = ckpt_encoder.encode_file(image)[0].embeds.float(), bf16.encode_file(image)[0].embeds.float()
-    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() >= 0.999
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() >= 0.9994  # the parity gate (measured 0.99998)
     prompt32 = _prompt(checkpoint, "kimi-k2.5-vision", ckpt_encoder, ["What is it?", ""], [image])
     prompt16 = _prompt(checkpoint, "kimi-k2.5-vision", bf16, ["What is it?", ""], [image])
     spl = Splicer(ChatTokenizer(checkpoint), get_spec("kimi-k2.5-vision").prompt)
@@ -167,7 +167,7 @@ def test_bf16_agrees_with_fp32_to_the_parity_gate(checkpoint, ckpt_encoder):
     e16 = Engine(LanguageModel.load(checkpoint, dtype=torch.bfloat16), splicer=spl, prefix_tokens=0)
     l32, *_ = e32.prefill(prompt32)
     l16, *_ = e16.prefill(prompt16)
-    assert torch.nn.functional.cosine_similarity(l32.float(), l16.float(), dim=0) >= 0.99
+    assert torch.nn.functional.cosine_similarity(l32.float(), l16.float(), dim=0) >= 0.999  # measured 0.99997
 
 
 def test_families_without_an_engine_are_refused_with_what_serves_them(tmp_path, checkpoint):
