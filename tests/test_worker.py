@@ -322,3 +322,25 @@ def test_batch_composition_does_not_change_bits_on_cpu(tiny):
     for batch in ([items[1], items[0]], [items[0], items[1]]):
         outputs = tiny.forward(batch)[0]
         assert torch.equal(outputs[[p is items[0] for p in batch].index(True)], alone)
+
+
+async def test_a_request_for_another_checkpoints_revision_is_refused(checkpoint, ckpt_encoder, session):
+    """The frontend reads its checkpoint's revision (`ModelCard`: a content id of config.json and the
+    tensor index) exactly as the encode worker computes its own; a request naming another revision
+    (a frontend pointed at another checkpoint) is a 409, never another model's embeddings, and the
+    tiers' cache key differs with the revision, so a cache never answers for another checkpoint."""
+    from mm_encoder.core.card import ModelCard
+    from mm_encoder.core.handle import Source
+
+    revision = ModelCard.read(checkpoint).revision
+    assert revision == ckpt_encoder.spec.revision and revision.startswith("ckpt-")
+    async with run_worker(ckpt_encoder) as w:
+        ok = {"model": "kimi-k2.5-vision", "url": data_url(PNG), "revision": revision}
+        status, _, body = await post_json(session, w, ok)
+        assert status == 200, body
+        status, _, body = await post_json(session, w, {**ok, "revision": "ckpt-0000000000000000"})
+    assert status == 409 and json.loads(body)["error"]["code"] == "revision_mismatch"
+    a = Source(model="kimi-k2.5-vision", url="https://m.test/a.png", revision=revision)
+    assert a.key() != a.model_copy(update={"revision": "ckpt-0000000000000000"}).key()
+    assert a.model_copy(update={"revision": None}).key() == Source(model="kimi-k2.5-vision",
+                                                                     url="https://m.test/a.png").key()

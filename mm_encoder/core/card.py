@@ -1,5 +1,7 @@
 """What a checkpoint directory says about serving it, read without torch: which registry model
-places its media in prompts, its context length, the tokens that end a turn.
+places its media in prompts, its context length, the tokens that end a turn, and its revision
+(a content id of its config and tensor index: the encode worker computes the same one, and the
+encode requests and cache keys carry it, so a cache never answers for another checkpoint).
 
 The frontend reads this from the same directory the engines load their weights from (one
 checkpoint, one truth): `config.json` (`model_type`, the text model's `max_position_embeddings`)
@@ -14,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelDirError
-from .spec import HF_MODEL_TYPES
+from .spec import HF_MODEL_TYPES, file_revision
+
+INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class ModelCard:
     spec_name: str  # the registry model: preprocessing and media prompts
     context_length: int
     eos_token_ids: list[int]
+    revision: str  # `checkpoint_revision`: what the encode worker serving this checkpoint calls its revision
 
     @classmethod
     def read(cls, path: str | Path) -> ModelCard:
@@ -39,7 +44,30 @@ class ModelCard:
             raise ModelDirError(f"{path}/config.json: no max_position_embeddings (the context length)")
         eos = _json(path / "generation_config.json").get("eos_token_id", text.get("eos_token_id"))
         eos_ids = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-        return cls(path, model_type, HF_MODEL_TYPES[model_type], context, [int(t) for t in eos_ids])
+        return cls(path, model_type, HF_MODEL_TYPES[model_type], context, [int(t) for t in eos_ids],
+                   checkpoint_revision(path))
+
+
+def index_bytes(ckpt: Path) -> bytes:
+    """The tensor index: `model.safetensors.index.json`, or a single file's safetensors header
+    (names, dtypes, shapes, offsets); b"" without either."""
+    if (ckpt / INDEX_FILE).is_file():
+        return (ckpt / INDEX_FILE).read_bytes()
+    single = ckpt / SINGLE_FILE
+    if single.is_file():
+        with single.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return f.read(min(n, 100_000_000))
+    return b""
+
+
+def checkpoint_revision(ckpt: Path) -> str:
+    """A checkpoint's content id: its config.json and tensor index (not the weights: hashing 500 GB
+    at start-up is not an option; a checkpoint whose weights change keeps its names and shapes)."""
+    config = ckpt / "config.json"
+    if not config.is_file():
+        return file_revision(index_bytes(ckpt))
+    return file_revision(config.read_bytes(), index_bytes(ckpt))
 
 
 def _json(path: Path, required: bool = False) -> dict[str, Any]:

@@ -83,6 +83,13 @@ class UnknownModelError(MMEncoderError, KeyError):
         self.served = served
 
 
+class RevisionMismatch(MMEncoderError):
+    """The caller expects another revision of the model than this worker serves (another checkpoint)."""
+
+    code = "revision_mismatch"
+    http_status = 409
+
+
 class RequestTooLarge(MMEncoderError):
     code = "request_too_large"
     http_status = 413

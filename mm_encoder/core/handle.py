@@ -41,10 +41,13 @@ ROUTE = re.compile(r"[a-z]+(,[a-z]+){0,3}")  # X-Cache-Route: the tier names to 
 MAX_HEADER_BYTES = 64 << 10
 
 
-def cache_key(model: str, processor: dict | None, url: str, scope: str, modality: str | None = None) -> str:
-    """The tiers' key for one item: everything the encoder's answer depends on, nothing else."""
+def cache_key(model: str, processor: dict | None, url: str, scope: str, modality: str | None = None,
+              revision: str | None = None) -> str:
+    """The tiers' key for one item: everything the encoder's answer depends on, nothing else (the
+    model's revision, when the request names one: another checkpoint is another answer)."""
     ref = url if url[:5].lower() != "data:" else "sha256:" + hashlib.sha256(url.encode()).hexdigest()
-    doc = json.dumps([model, processor or {}, ref, scope, modality], sort_keys=True, separators=(",", ":"))
+    parts = [model, processor or {}, ref, scope, modality] + ([revision] if revision else [])
+    doc = json.dumps(parts, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
@@ -64,13 +67,14 @@ class Source(BaseModel):
     modality: Literal["image", "video"] | None = None
     scope: str = Field("", max_length=256)
     processor: ProcessorOverrides | None = None
+    revision: str | None = Field(None, max_length=64)  # the checkpoint's; the encoder refuses another
 
     def request(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
 
     def key(self) -> str:
         processor = self.processor.model_dump(exclude_none=True) if self.processor else None
-        return cache_key(self.model, processor, self.url, self.scope, self.modality)
+        return cache_key(self.model, processor, self.url, self.scope, self.modality, self.revision)
 
 
 class MediaHandle(BaseModel):

@@ -54,6 +54,8 @@ class EncodeRequest(BaseModel):
     modality: Literal["image", "video"] | None = None  # None: sniffed from the bytes
     processor: ProcessorOverrides | None = None
     scope: str = Field("", max_length=256, strict=True, description="tenant: URL aliases never answer across scopes")
+    revision: str | None = Field(None, max_length=64, strict=True,
+                                 description="the model revision the caller expects (its checkpoint's): 409 if not")
 
     @model_validator(mode="after")
     def _one_source(self) -> EncodeRequest:

@@ -32,8 +32,9 @@ class Encoded:
 class EncoderClient:
     def __init__(self, model: str, *, http_url: str | None = None, route: str = "cluster,shared",
                  rpc_client=None, timeout_s: float = 600.0, scope: str = "", namespace: str | None = None,
-                 send_bodies: bool = False):
+                 send_bodies: bool = False, revision: str | None = None):
         self.model = model
+        self.revision = revision  # the checkpoint's: an encoder serving another refuses, a tier never mixes them
         self.send_bodies = send_bodies
         self.scope = scope
         self.chain = EncoderChain(http_url=http_url, route=route, rpc_client=rpc_client, timeout_s=timeout_s)
@@ -57,7 +58,7 @@ class EncoderClient:
 
     async def embed(self, item: MediaRef, scope: str = "") -> Encoded:
         self.calls += 1
-        source = Source(model=self.model, url=item.url, modality=item.modality, scope=scope)
+        source = Source(model=self.model, url=item.url, modality=item.modality, scope=scope, revision=self.revision)
         body = None
         if self.send_bodies:
             body, where = await self.chain.fetch(source)

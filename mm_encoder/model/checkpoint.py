@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..core.card import index_bytes
 from ..core.errors import CheckpointError
 from ..core.registry import get_spec
 from ..core.spec import HF_MODEL_TYPES, Grid, ModelSpec, file_revision, preprocess_from_hf, spec_from_hf_config
@@ -321,7 +322,7 @@ def spec_for_checkpoint(ckpt: Path, named: ModelSpec | None) -> ModelSpec:
     if not config_path.is_file():
         if named is None:
             raise CheckpointError(f"{ckpt}: no config.json, so the model is unknown; pass a model name too")
-        spec = named.model_copy(update={"revision": file_revision(_index_bytes(ckpt))})
+        spec = named.model_copy(update={"revision": file_revision(index_bytes(ckpt))})
         return _with_processor(spec, ckpt)
     raw = config_path.read_bytes()
     config = json.loads(raw)
@@ -334,7 +335,7 @@ def spec_for_checkpoint(ckpt: Path, named: ModelSpec | None) -> ModelSpec:
             )
         base = get_spec(HF_MODEL_TYPES[model_type])
     try:
-        spec = spec_from_hf_config(config, base, file_revision(raw, _index_bytes(ckpt)))
+        spec = spec_from_hf_config(config, base, file_revision(raw, index_bytes(ckpt)))
     except CheckpointError as e:
         raise CheckpointError(f"{config_path}: {e.message}") from None
     if named is not None and (spec.tower, spec.projector) != (named.tower, named.projector):
@@ -360,14 +361,3 @@ def _with_processor(spec: ModelSpec, ckpt: Path) -> ModelSpec:
         return spec.model_copy(update={"preprocess": preprocess_from_hf(doc, spec.preprocess, spec.tower)})
     except CheckpointError as e:
         raise CheckpointError(f"{ckpt}: {e.message}") from None
-
-
-def _index_bytes(ckpt: Path) -> bytes:
-    if (ckpt / INDEX_FILE).is_file():
-        return (ckpt / INDEX_FILE).read_bytes()
-    single = ckpt / SINGLE_FILE
-    if single.is_file():
-        with single.open("rb") as f:  # the safetensors header: names, dtypes, shapes, offsets
-            n = int.from_bytes(f.read(8), "little")
-            return f.read(min(n, 100_000_000))
-    return b""

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..core import wire
-from ..core.errors import Draining, MediaError, Overloaded, UnknownModelError
+from ..core.errors import Draining, MediaError, Overloaded, RevisionMismatch, UnknownModelError
 from ..core.requests import EncodeReply, EncodeRequest
 from ..core.spec import PreprocessConfig
 from ..fetch import Fetcher
@@ -120,9 +120,12 @@ class EncodeService:
 
     # --- the request path --------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
+    def check_model(self, name: str, revision: str | None = None) -> None:
         if name.lower() not in self.served_names:
             raise UnknownModelError(name, sorted(self.encoder.spec.served_names))
+        if revision is not None and revision != self.encoder.spec.revision:
+            raise RevisionMismatch(f"model {name} here is revision {self.encoder.spec.revision}, the request expects "
+                                   f"{revision}: the frontend and this encoder read different checkpoints")
 
     async def handle(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
         t0 = time.perf_counter()
@@ -152,7 +155,7 @@ class EncodeService:
         return result
 
     async def _answer(self, req: EncodeRequest) -> EncodeResult:
-        self.check_model(req.model)
+        self.check_model(req.model, req.revision)
         cfg = req.processor.apply(self.encoder.spec.preprocess) if req.processor else self.encoder.spec.preprocess
         if req.data is not None:
             return await self._from_bytes(req.data, req.modality, cfg, {})

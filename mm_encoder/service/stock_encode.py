@@ -94,8 +94,9 @@ class StockEncoder:
         yield {"token_ids": [], "index": 0, "finish_reason": "stop", "encoder_result": result}
 
     async def handles(self, items: list[tuple[str, str]]) -> dict[str, list[MediaHandle]]:
-        model = self.service.encoder.spec.name
-        sources = [Source(model=model, url=url, modality=modality) for modality, url in items]
+        spec = self.service.encoder.spec
+        sources = [Source(model=spec.name, url=url, modality=modality, revision=spec.revision)
+                   for modality, url in items]
         results = await gather_or_cancel(self.service.handle(EncodeRequest(**s.request()), "dynamo") for s in sources)
         out: dict[str, list[MediaHandle]] = {}
         for source, r in zip(sources, results, strict=True):
