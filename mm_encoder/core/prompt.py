@@ -141,7 +141,8 @@ class Splicer:
         # the tokenizer's ids, not the spec's placeholder_id: a small test vocabulary differs from the real one
         self.placeholder_id = tokenizer.token_id(prompt.placeholder)
         self.video_id = tokenizer.token_id(prompt.video_placeholder) if prompt.video_placeholder else None
-        self.run_ids = {"image": self.placeholder_id, "video": self.video_id}
+        # run token id -> the modality its rows belong to (an image's placeholder, a video chunk's)
+        self._kinds = {self.placeholder_id: "image", **({self.video_id: "video"} if self.video_id is not None else {})}
         self._around: dict[str, tuple[list[int], list[int]]] = {}
 
     @property
@@ -151,8 +152,7 @@ class Splicer:
 
     def media_order(self, token_ids: list[int]) -> list[str]:
         """The modality of each media item a one-placeholder-per-item prompt holds, in order."""
-        kinds = {self.placeholder_id: "image", self.video_id: "video"}
-        return [kinds[t] for t in token_ids if t in kinds]
+        return [self._kinds[t] for t in token_ids if t in self._kinds]
 
     def expand_text(self, text: str, media: list[MediaItem]) -> Spliced:
         """The rendered template (one placeholder per item) -> token ids with every item's rows."""
@@ -194,31 +194,32 @@ class Splicer:
     def _expand(self, ids: list[int], media: list[MediaItem], error: type[MMEncoderError]) -> Spliced:
         """Each run token (one per image, one per video chunk) -> its rows; the runs must be the items'."""
         runs = [(m, n) for m, counts, _ in media for n in counts]
+
+        def mismatch() -> MMEncoderError:
+            return error(f"the prompt's media placeholders ({self._describe(ids)}) do not match its media items "
+                         f"({', '.join(m for m, _, _ in media) or 'none'})")
+
         out: list[int] = []
         offsets: list[int] = []
-        kinds = {v: k for k, v in self.run_ids.items() if v is not None}
         for tid in ids:
-            kind = kinds.get(tid)
+            kind = self._kinds.get(tid)
             if kind is None:
                 out.append(tid)
                 continue
             i = len(offsets)
             if i >= len(runs) or runs[i][0] != kind:
-                raise error(f"the prompt's media placeholders ({self._describe(ids)}) do not match its media items "
-                            f"({', '.join(m for m, _, _ in media) or 'none'})")
+                raise mismatch()
             offsets.append(len(out))
             out.extend([tid] * runs[i][1])
         if len(offsets) != len(runs):
-            raise error(f"the prompt's media placeholders ({self._describe(ids)}) do not match its media items "
-                        f"({', '.join(m for m, _, _ in media) or 'none'})")
+            raise mismatch()
         spans, k = [], 0
         for _, counts, _ in media:
             spans.append([(offsets[k + j], n) for j, n in enumerate(counts)])
             k += len(counts)
         return Spliced(out, spans)
-
     def _describe(self, ids: list[int]) -> str:
-        order = [("image" if t == self.placeholder_id else "video chunk") for t in ids if t in self.run_ids.values()]
+        order = [self._kinds[t].replace("video", "video chunk") for t in ids if t in self._kinds]
         return ", ".join(order) or "none"
 
     def _pre_post(self, text: str) -> tuple[list[int], list[int]]:

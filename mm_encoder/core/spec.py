@@ -162,11 +162,6 @@ class PromptConfig(_Frozen):
     placeholder_id: int | None = None
     video_placeholder: str | None = None
 
-    @property
-    def run_tokens(self) -> dict[str, str]:
-        """modality -> the token repeated once per embedding row of that modality."""
-        return {"image": self.placeholder, "video": self.video_placeholder or self.placeholder}
-
 
 class WeightNames(_Frozen):
     """Checkpoint prefixes of the two parts that the encoder loads."""

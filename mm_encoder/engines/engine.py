@@ -27,14 +27,14 @@ from typing import Any
 import torch
 
 from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
-from ..core.handle import HandleResolver, MediaHandle
+from ..core.handle import HandleResolver
 from ..core.prompt import Splicer
 from ..core.requests import EngineRequest
 from ..core.sampling import SamplingParams
 from ..routing import MediaSpan, block_mm_infos, to_signed64
 from .dynamo_request import chunk as dynamo_chunk
 from .dynamo_request import from_preprocessed
-from .inputs import fetch_bodies, media_rows
+from .inputs import check_spans, fetch_bodies, media_rows
 from .llm import LanguageModel
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, token_logprobs
@@ -187,16 +187,14 @@ class Engine:
     async def media_prompt(self, req: EngineRequest, timings: dict[str, float]) -> Prompt:
         """Every item's body fetched by handle and checked, then its rows decoded (engine thread)."""
         t0 = time.perf_counter()
-        bodies = await fetch_bodies(req, self.resolver)
+        handles = [check_spans(item, req.token_ids) for item in req.media]  # before any fetch
+        bodies = await fetch_bodies(req, self.resolver, handles)
         t1 = time.perf_counter()
         rows = await asyncio.get_running_loop().run_in_executor(self._pool, media_rows, req, bodies,
                                                                 self.lm.hidden_size)
         timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
-        placed = []
-        for item in req.media:
-            header = MediaHandle.parse(item.handle).header
-            grids = [list(g) for g in header.grid_thws]
-            placed.append(Placed(header.mm_hash, header.modality, list(item.spans), grids))
+        placed = [Placed(h.mm_hash, h.header.modality, list(item.spans), [list(g) for g in h.header.grid_thws])
+                  for h, item in zip(handles, req.media, strict=True)]
         return Prompt(req.token_ids, rows, placed)
 
     async def generate_dynamo(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:

@@ -27,9 +27,11 @@ def check_spans(item: MediaInput, token_ids: list[int] | None) -> MediaHandle:
     return handle
 
 
-async def fetch_bodies(req: EngineRequest, resolver: HandleResolver) -> list[bytes]:
-    """Every item's wire-v1 body, fetched concurrently; the first failure cancels the rest."""
-    handles = [check_spans(item, req.token_ids) for item in req.media]
+async def fetch_bodies(req: EngineRequest, resolver: HandleResolver,
+                       handles: list[MediaHandle] | None = None) -> list[bytes]:
+    """Every item's wire-v1 body, fetched concurrently; the first failure cancels the rest.
+    `handles`: the items' handles when the caller has checked them already (`check_spans`)."""
+    handles = handles or [check_spans(item, req.token_ids) for item in req.media]
     return await gather_or_cancel(_given(h, item.body) if item.body is not None else resolver.body(h)
                                   for h, item in zip(handles, req.media, strict=True))
 

@@ -109,7 +109,8 @@ class LanguageModel:
         self.family, self.config, self.lm = family, config, lm
         self.device, self.dtype = device, dtype
         self.monolithic = monolithic  # the whole transformers model (vision tower too): the aggregated baseline
-        text = hf_config(config, family).text_config
+        self.hf_config = hf_config(config, family)
+        text = self.hf_config.text_config
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
         self.context_length: int = text.max_position_embeddings
@@ -179,8 +180,7 @@ class LanguageModel:
 
             from transformers.models.glm4v.modeling_glm4v import Glm4vModel
 
-            cfg = hf_config(self.config, self.family)
-            owner = SimpleNamespace(config=cfg)
+            owner = SimpleNamespace(config=self.hf_config)
             owner.get_vision_position_ids = Glm4vModel.get_vision_position_ids.__get__(owner)
             self._rope_index = lambda ids, types, grids: Glm4vModel.get_rope_index(
                 owner, ids, types, image_grid_thw=grids)

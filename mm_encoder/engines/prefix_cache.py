@@ -87,12 +87,11 @@ class PrefixCache:
 
 
 def _cut(cache, n: int):
-    """A private copy of a transformers KV cache holding its first `n` positions only."""
-    cache = copy.deepcopy(cache)
-    extra = cache.get_seq_length() - n
-    if extra > 0:
-        cache.crop(-extra)  # transformers 5: a negative count of positions to drop
-        for layer in cache.layers:  # own the kept positions, not views of the whole copy
-            if getattr(layer, "keys", None) is not None:
-                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-    return cache
+    """A private copy of a transformers KV cache holding its first `n` positions: each layer's keys
+    and values are copied once, cut (not the whole cache, then cut)."""
+    memo: dict[int, object] = {}
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "shape"):
+                memo[id(t)] = t[..., :n, :].clone()
+    return copy.deepcopy(cache, memo)

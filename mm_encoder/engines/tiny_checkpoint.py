@@ -95,6 +95,13 @@ def text_config(preset: Preset, ids: dict[str, int]) -> dict[str, Any]:
             "eos_token_id": ids["[EOS]"], "pad_token_id": ids["[PAD]"]}
 
 
+def _moonvit_vt(v: dict[str, Any]) -> dict[str, Any]:
+    """The MoonViT tower in the release's `vt_*` keys (Kimi-K2.5's original format, glm-5.2-vision's)."""
+    return {"vt_hidden_size": v["hidden_size"], "vt_intermediate_size": v["intermediate_size"],
+            "vt_num_attention_heads": v["num_heads"], "vt_num_hidden_layers": v["num_layers"], "patch_size": 14,
+            "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4, "merge_kernel_size": [2, 2]}
+
+
 def glm_config_json(preset: Preset, ids: dict[str, int]) -> dict[str, Any]:
     """GLM-4.1V's config.json with a MoonViT tower under its merger (`vt_*` keys, as glm-5.2-vision states it)."""
     v, text = preset.vision, text_config(preset, ids)
@@ -104,12 +111,8 @@ def glm_config_json(preset: Preset, ids: dict[str, int]) -> dict[str, Any]:
         "image_start_token_id": ids["<|begin_of_image|>"], "image_end_token_id": ids["<|end_of_image|>"],
         "video_start_token_id": ids["<|begin_of_video|>"], "video_end_token_id": ids["<|end_of_video|>"],
         "text_config": text,
-        "vision_config": {
-            "vt_hidden_size": v["hidden_size"], "vt_intermediate_size": v["intermediate_size"],
-            "vt_num_attention_heads": v["num_heads"], "vt_num_hidden_layers": v["num_layers"], "patch_size": 14,
-            "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4, "merge_kernel_size": [2, 2],
-            "out_hidden_size": text["hidden_size"], "intermediate_size": 2 * text["hidden_size"], "hidden_act": "silu",
-        },
+        "vision_config": {**_moonvit_vt(v), "out_hidden_size": text["hidden_size"],
+                          "intermediate_size": 2 * text["hidden_size"], "hidden_act": "silu"},
     }
 
 
@@ -122,10 +125,7 @@ def config_json(preset: Preset, ids: dict[str, int], fmt: str) -> dict[str, Any]
             "media_placeholder_token_id": ids["<|media_pad|>"], "pad_token_id": ids["[PAD]"],
             "tie_word_embeddings": False, "text_config": {**text, "model_type": "kimi_k2"},
             "vision_config": {
-                "vt_hidden_size": v["hidden_size"], "vt_intermediate_size": v["intermediate_size"],
-                "vt_num_attention_heads": v["num_heads"], "vt_num_hidden_layers": v["num_layers"], "patch_size": 14,
-                "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
-                "pos_emb_type": "divided_fixed", "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+                **_moonvit_vt(v), "pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool",
                 "mm_projector_type": "patchmerger", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
                 "mm_hidden_size": v["hidden_size"], "text_hidden_size": text["hidden_size"],
                 "video_attn_type": "spatial_temporal",

@@ -24,12 +24,12 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..core.card import ModelCard
 from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
 from ..core.handle import HandleResolver
 from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec
-from ..core.spec import HF_MODEL_TYPES
 
 log = logging.getLogger(__name__)
 READY = "mm-encoder engine ready"
@@ -59,11 +59,6 @@ class EngineSettings(BaseSettings):
                           "(preprocessed requests, media via its Encode worker)")
 
 
-def spec_name(config: dict[str, Any]) -> str:
-    """The registry model that says how this checkpoint's prompts place media."""
-    return HF_MODEL_TYPES.get(config.get("model_type"), "kimi-k2.5-vision")
-
-
 def build_engine(s: EngineSettings, publisher=None, rpc=None):
     """The engine for `s` (loads the model): importable, so tests run it in-process."""
     import torch
@@ -75,7 +70,8 @@ def build_engine(s: EngineSettings, publisher=None, rpc=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
     device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lm = LanguageModel.load(s.checkpoint, device=device, dtype=dtype, monolithic=s.encode_inline)
-    splicer = Splicer(ChatTokenizer(s.checkpoint), get_spec(spec_name(lm.config)).prompt)
+    # the registry model that says how this checkpoint's prompts place media, as the frontend reads it
+    splicer = Splicer(ChatTokenizer(s.checkpoint), get_spec(ModelCard.read(s.checkpoint).spec_name).prompt)
     inline = InlineMedia(s.checkpoint, lm) if s.encode_inline else None
     return Engine(lm, splicer=splicer, block_size=s.block_size, publisher=publisher, inline=inline,
                   resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens)

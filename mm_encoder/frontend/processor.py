@@ -295,17 +295,23 @@ class MultimodalProcessor:
 
     def _logprobs(self, data: dict[str, Any], top: int) -> dict[str, Any]:
         """The engine's logprobs for this step's tokens in OpenAI's form (`choices[].logprobs`): per
-        token its text, log-probability and bytes, and the `top` most likely tokens by rank (the
-        engine's per-position records, Dynamo's convention)."""
-        def entry(tid: int, lp: float) -> dict[str, Any]:
-            return {"token": self.tok.token_text(tid), "logprob": lp, "bytes": list(self.tok.token_bytes(tid))}
+        token its text, log-probability and bytes, and the `top` most likely tokens by rank. The
+        engine's per-position records (Dynamo's convention: the chosen token among them) carry each
+        token's text and bytes; a token without them is decoded here."""
+        def entry(record: dict[str, Any]) -> dict[str, Any]:
+            tid = int(record["token_id"])
+            text, raw = record.get("token"), record.get("bytes")
+            return {"token": text if isinstance(text, str) else self.tok.token_text(tid),
+                    "logprob": float(record["logprob"]),
+                    "bytes": raw if isinstance(raw, list) else list(self.tok.token_bytes(tid))}
 
         content = []
         for tid, lp, position in zip(data.get("token_ids", []), data.get("log_probs") or [],
                                      data.get("top_logprobs") or [], strict=False):
             ranked = sorted((r for r in position if isinstance(r, dict)), key=lambda r: r.get("rank", 1 << 30))
-            alternatives = [entry(int(r["token_id"]), float(r["logprob"])) for r in ranked[:top]]
-            content.append({**entry(tid, lp), "top_logprobs": alternatives})
+            chosen = next((r for r in ranked if r.get("token_id") == tid), {})
+            content.append({**entry({**chosen, "token_id": tid, "logprob": lp}),
+                            "top_logprobs": [entry(r) for r in ranked[:top]]})
         return {"content": content}
 
     def _chunk(self, rid: str, created: int, delta: dict, finish: str | None, prompt: int, completion: int,
