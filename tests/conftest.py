@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -9,6 +11,11 @@ from mm_encoder import Encoder, ModelSpec
 from mm_encoder.model.checkpoint import VisionModel, build_empty, init_random
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# tests/vllm/ runs on vLLM's code, in vLLM's own virtualenv (`make test-vllm`); the project's venv has no vLLM.
+# (tests/ is on sys.path: tests/vllm/ itself would be found as a namespace package, which has no origin)
+_vllm = importlib.util.find_spec("vllm")
+collect_ignore = [] if _vllm is not None and _vllm.origin is not None else ["vllm"]
 
 
 @pytest.fixture(scope="session")

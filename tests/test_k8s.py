@@ -128,7 +128,8 @@ def test_graph_deployment_has_the_crd_shape(name):
         assert comp["runtimeVersionOverride"] == k8s.DYNAMO_VERSION
         main = main_of(comp)
         assert main["image"] == graph.image
-        assert main["command"] == ["python", "-m", "dynamo.frontend" if c.stock else MODULES[c.kind]]
+        module = "dynamo.frontend" if c.stock else "mm_encoder.engines.vllm" if c.backend == "vllm" else MODULES[c.kind]
+        assert main["command"] == ["python", "-m", module]
         assert all(isinstance(a, str) for a in main["args"])
         env = env_of(comp)
         # bodies fetched over RPC (the chain's fallback) are the embeddings' size; the frontend sends handles

@@ -116,13 +116,15 @@ def test_every_model_reader_names_the_one_checkpoint_directory(graph, site, tmp_
     and our frontend (`--model-dir`) all name the site's one checkpoint directory, and exactly those
     components say they use the `model` volume; the cache tiers and Dynamo's stock frontend read none."""
     s = sites(graph, tmp_path)[site]
-    expected_dir = str(tmp_path / "checkpoint" / GENERATED_NAME) if site == "local" else MODEL_DIR
+    generated = graph.llm.served_name  # kimi-k2.5-<preset>
+    expected_dir = str(tmp_path / "checkpoint" / generated) if site == "local" else MODEL_DIR
     assert s.checkpoint_dir == expected_dir
     for c in plan(graph, s):
         reads = c.kind in MODEL_FLAGS and not c.component.stock
         assert c.uses == (frozenset({"model"}) if reads else frozenset()), c.name
+        flags = ("--model",) if c.component.backend == "vllm" else MODEL_FLAGS.get(c.kind, ())  # vLLM's spelling
         for r in c.replicas:
-            named = [v for flag in MODEL_FLAGS.get(c.kind, ()) for v in opt(r.argv, flag)]
+            named = [v for flag in flags for v in opt(r.argv, flag)]
             assert set(named) == ({expected_dir} if reads else set()), (r.name, r.argv)
             want = 2 if c.kind == "encoder" and graph.stock_frontend else 1
             assert len(named) == (want if reads else 0), (r.name, r.argv)
@@ -160,7 +162,8 @@ def test_dtype_reaches_the_encoders_and_engines_only_when_the_graph_sets_it(grap
         for c in plan(g, s):
             for r in c.replicas:
                 runs_model = c.kind in ("encoder", "engine")
-                assert opt(r.argv, "--dtype") == ([dtype] if dtype and runs_model else []), (r.name, r.argv)
+                want = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype) if c.component.backend == "vllm" else dtype
+                assert opt(r.argv, "--dtype") == ([want] if dtype and runs_model else []), (r.name, r.argv)
 
 
 def test_real_parsers_take_the_dtype_and_checkpoint(tmp_path):
@@ -226,7 +229,7 @@ def test_served_name_rules(tmp_path, monkeypatch):
     ("vision_model", "tiny", "llm.vision_model: Extra inputs are not permitted"),
     ("context_length", 4096, "llm.context_length: Extra inputs are not permitted"),
     ("dtype", "fp16", "llm.dtype: Input should be 'fp32' or 'bf16'"),
-    ("preset", "huge", "llm.preset: Input should be 'tiny' or 'small'"),
+    ("preset", "huge", "llm.preset: Input should be 'tiny', 'small' or 'vllm-tiny'"),
 ])
 def test_old_and_bad_llm_keys_are_refused_by_path(tmp_path, key, value, message):
     """The strict schema refuses the old pair's keys (and values outside the new ones), naming the key path."""
@@ -264,3 +267,57 @@ def test_the_generated_checkpoint_is_one_call_on_both_sites(tmp_path):
     with pytest.raises(GraphError) as e:
         gen.write(tmp_path / "ckpt", python=failing)
     assert e.value.message == f"writing the generated tiny checkpoint into {tmp_path / 'ckpt'} failed:\nno space left\n"
+
+
+def test_a_vllm_engine_runs_the_adapter_with_vllms_flags_under_its_own_python(tmp_path):
+    """`backend: vllm`: the engine is `python -m mm_encoder.engines.vllm` with the checkpoint as vLLM's
+    `--model`, the router's block size, the dtype in vLLM's spelling, the chain the frontend's handles
+    name, then the graph's `args` (vLLM's own flags); `python` is the interpreter serve runs it with."""
+    g = load_graph(GRAPHS / "epd-vllm.yaml")
+    s = LocalSite(g, tmp_path)
+    by_kind = {c.kind: c for c in plan(g, s)}
+    engine, frontend = by_kind["engine"], by_kind["frontend"]
+    argv = engine.replicas[0].argv
+    assert engine.module == "mm_encoder.engines.vllm"
+    assert opt(argv, "--model") == [s.checkpoint_dir] and opt(argv, "--name") == ["kimi-k2.5-vllm-tiny"]
+    assert opt(argv, "--block-size") == ["32"] and opt(argv, "--dtype") == ["float32"]
+    assert opt(argv, "--encoder-chain") == opt(frontend.replicas[0].argv, "--encoder-http")
+    assert argv[-len(g.components["engine"].args):] == g.components["engine"].args
+    assert engine.component.python == ".venv-vllm/bin/python"
+    assert engine.env["VLLM_MLA_DISABLE"] == "1"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"frontend": {"backend": "vllm"}}, "`backend` names an engine's implementation"),
+    ({"frontend": {"stock": True}}, "the vLLM engine takes this project's frontend's requests"),
+    ({"encoder": None, "cluster": None}, "the vLLM engine takes this project's frontend's requests"),
+])
+def test_a_vllm_engine_needs_our_frontend_and_an_encoder(tmp_path, change, message):
+    """vLLM's engine takes media by handle from this project's frontend: a stock frontend (preprocessed
+    requests) or no encoder (media by URL) is refused when the graph is read, as is `backend` elsewhere."""
+    doc = yaml.safe_load((GRAPHS / "epd-vllm.yaml").read_text())
+    for name, update in change.items():
+        if update is None:
+            del doc["components"][name]
+        else:
+            doc["components"][name].update(update)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(GraphError) as e:
+        load_graph(path)
+    assert message in str(e.value)
+
+
+def test_serve_refuses_a_component_python_that_is_not_there(tmp_path, capsys):
+    """A graph's `python` that does not exist is refused before anything starts, saying what builds it."""
+    from mm_encoder.deploy.local import main
+
+    doc = yaml.safe_load((GRAPHS / "epd-vllm.yaml").read_text())
+    doc["components"]["engine"]["python"] = str(tmp_path / "no-venv" / "bin" / "python")
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main([str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"component engine: python {tmp_path}/no-venv/bin/python is not an executable here" in err
+    assert "make vllm-venv" in err
+    assert not (tmp_path / "run").exists()

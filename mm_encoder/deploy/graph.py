@@ -48,6 +48,11 @@ class Component(_Strict):
     resources: dict[str, dict[str, str]] = Field(default_factory=dict)  # Kubernetes only
     # frontend only: run Dynamo's own `python -m dynamo.frontend` (media through our Encode worker)
     stock: bool = False
+    # engine only: the transformers engine (engines/worker.py) or vLLM (engines/vllm.py; `args` are vLLM's)
+    backend: Literal["transformers", "vllm"] = "transformers"
+    # `serve` only: the interpreter this component runs under (vLLM lives in its own virtualenv:
+    # `make vllm-venv`); a relative path is taken from the working directory. Kubernetes: the image's.
+    python: str | None = None
 
 
 class LLM(_Strict):
@@ -57,7 +62,7 @@ class LLM(_Strict):
 
     checkpoint: str | None = None
     name: str | None = None  # the served model name (default: the checkpoint directory's name)
-    preset: Literal["tiny", "small"] = "tiny"  # the generated checkpoint's size, without `checkpoint`
+    preset: Literal["tiny", "small", "vllm-tiny"] = "tiny"  # the generated checkpoint's size, without `checkpoint`
     dtype: Literal["fp32", "bf16"] | None = None  # every component that runs a model (None: each one's default)
 
     @property
@@ -111,6 +116,12 @@ class Graph(_Strict):
             raise ValueError("a graph has exactly one frontend")
         if any(c.stock and c.kind != "frontend" for c in self.components.values()):
             raise ValueError("`stock: true` names Dynamo's own frontend: only a frontend component takes it")
+        if any(c.backend != "transformers" and c.kind != "engine" for c in self.components.values()):
+            raise ValueError("`backend` names an engine's implementation: only an engine component takes it")
+        vllm = any(c.backend == "vllm" for _, c in self.of_kind("engine"))
+        if vllm and (self.stock_frontend or self.inline_encoding):
+            raise ValueError("the vLLM engine takes this project's frontend's requests with media by handle: "
+                             "no stock frontend, and an encoder component")
         if self.stock_frontend and self.inline_encoding:
             raise ValueError("Dynamo's stock frontend sends media to an Encode worker: add an encoder component")
         if "engine" not in kinds:

@@ -111,7 +111,8 @@ class Proc:
 
     @property
     def cmd(self) -> list[str]:
-        return [PY, "-m", self.component.module, *self.replica.argv]
+        python = self.component.component.python
+        return [os.path.abspath(python) if python else PY, "-m", self.component.module, *self.replica.argv]
 
     @property
     def url(self) -> str | None:
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the graph's llm.checkpoint, else a generated tiny Kimi-K2.5)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="dtype of every component that runs a model "
                    "(default: the graph's llm.dtype)")
-    p.add_argument("--preset", choices=("tiny", "small"), help="without a checkpoint: the generated Kimi-K2.5's "
+    p.add_argument("--preset", choices=("tiny", "small", "vllm-tiny"),
+                   help="without a checkpoint: the generated Kimi-K2.5's "
                    "size (default: the graph's llm.preset)")
     args = p.parse_args(argv)
     try:
@@ -329,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
                              ("dtype", args.dtype), ("preset", args.preset)) if v}
     if llm:
         graph = graph.model_copy(update={"llm": graph.llm.model_copy(update=llm)})
+    for name, c in graph.components.items():  # an interpreter of the graph's own (vLLM's virtualenv)
+        if c.python and not os.access(c.python, os.X_OK):
+            print(f"error: component {name}: python {c.python} is not an executable here"
+                  + (" (make vllm-venv builds it)" if c.backend == "vllm" else ""), file=sys.stderr)
+            return 2
     run_dir = args.run_dir or Path(f"/tmp/mm-encoder-{graph.name}")
     runner = GraphRunner(graph, run_dir, restart=args.restart)
 

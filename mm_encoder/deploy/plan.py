@@ -31,6 +31,8 @@ MODULES: dict[Kind, str] = {
     "engine": "mm_encoder.engines.worker",
     "frontend": "mm_encoder.frontend",
 }
+VLLM_ENGINE = "mm_encoder.engines.vllm"  # an engine with `backend: vllm`
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
 DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
@@ -129,7 +131,7 @@ class _Planner:
                 env["DYN_DISCOVERY_BACKEND"] = rt.discovery
         if c.kind in BODY_KINDS:  # a body fetched over RPC (the chain's fallback) is the embeddings' size
             env["DYN_TCP_MAX_MESSAGE_SIZE"] = str(MAX_MESSAGE_SIZE)
-        module = STOCK_FRONTEND if c.stock else MODULES[c.kind]
+        module = STOCK_FRONTEND if c.stock else VLLM_ENGINE if c.backend == "vllm" else MODULES[c.kind]
         return ComponentPlan(name, c.kind, c, module, replicas, {**env, **c.env}, health, frozenset(uses))
 
     def _http(self, name: str, kind: Kind, i: int) -> list[str]:
@@ -164,6 +166,11 @@ class _Planner:
 
     def engine(self, name: str, i: int) -> list[str]:
         g = self.g
+        if g.components[name].backend == "vllm":  # the dtype in vLLM's spelling; the graph's `args` are vLLM's flags
+            dtype = ["--dtype", VLLM_DTYPES[g.llm.dtype]] if g.llm.dtype else []
+            argv = ["--model", self.site.checkpoint_dir, "--name", g.llm.served_name, "--namespace", g.namespace,
+                    "--block-size", str(g.block_size), *dtype]
+            return argv + (["--encoder-chain", self.chain()[0]] if self.chain() else [])
         argv = ["--checkpoint", self.site.checkpoint_dir, *self.dtype, "--name", g.llm.served_name,
                 "--namespace", g.namespace, "--block-size", str(g.block_size)]
         if g.inline_encoding:  # the aggregated baseline: the whole model, its own vision tower on pixels

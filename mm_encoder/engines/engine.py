@@ -37,7 +37,7 @@ from .dynamo_request import from_preprocessed
 from .inputs import check_spans, fetch_bodies, media_rows
 from .llm import LanguageModel
 from .prefix_cache import PrefixCache
-from .sampling import Sampler, token_logprobs
+from .sampling import Sampler, Step, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -57,23 +57,6 @@ class Prompt:
     token_ids: list[int]
     rows: list[tuple[int, torch.Tensor]]  # (offset, rows) to write over the placeholder embeddings
     media: list[Placed] = field(default_factory=list)
-
-
-@dataclass
-class Step:
-    token: int
-    finish: str | None
-    logprob: float | None = None
-    top: list[tuple[int, int, float]] | None = None  # (rank, token, logprob), the chosen token included
-
-    def fields(self, tok) -> dict[str, Any]:
-        """Dynamo's output fields for logprobs: `log_probs` per token, and per token a position's
-        records `{rank, token_id, token, logprob, bytes}` (what Dynamo's frontends read)."""
-        if self.logprob is None:
-            return {}
-        position = [{"rank": r, "token_id": t, "token": tok.token_text(t), "logprob": v,
-                     "bytes": list(tok.token_bytes(t))} for r, t, v in self.top or []]
-        return {"log_probs": [self.logprob], "top_logprobs": [position]}
 
 
 class Engine:

