@@ -196,6 +196,8 @@ class VllmEngine:
                 inp = None  # vLLM holds the embeddings now
                 comp = out.outputs[0]  # cumulative output (vLLM's default RequestOutputKind)
                 new = list(comp.token_ids[sent:])
+                if not new and comp.finish_reason:  # a finish without a token (vLLM's own abort): still said
+                    yield {"token_ids": [], "finish_reason": comp.finish_reason}
                 for i, token in enumerate(new):
                     last = i == len(new) - 1
                     item = {"token_ids": [token], "finish_reason": comp.finish_reason if last else None,
