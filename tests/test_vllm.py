@@ -277,8 +277,9 @@ def test_family_table():
     assert str(e.value) == (
         "no known embeddings input in vLLM for ['LlamaForCausalLM']; supported: ['Glm4vForConditionalGeneration', "
         "'Glm4vMoeForConditionalGeneration', 'Glm5NextForConditionalGeneration', 'KimiK25ForConditionalGeneration', "
-        "'KimiVLForConditionalGeneration', 'Kimi_K25ForConditionalGeneration', 'Qwen2VLForConditionalGeneration', 'Qwen2_5_VLForConditionalGeneration', "
-        "'Qwen3VLForConditionalGeneration', 'Qwen3VLMoeForConditionalGeneration']")
+        "'KimiVLForConditionalGeneration', 'Kimi_K25ForConditionalGeneration', 'Qwen2VLForConditionalGeneration', "
+        "'Qwen2_5_VLForConditionalGeneration', 'Qwen3VLForConditionalGeneration', "
+        "'Qwen3VLMoeForConditionalGeneration']")
 
 
 def test_read_config(tmp_path):
