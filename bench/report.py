@@ -54,6 +54,7 @@ MODULES: dict[str, str] = {
     "worker": "bench/worker.py",
     "cache": "bench/cache.py",
     "frontend": "bench/frontend.py",
+    "frontends": "bench/frontends.py",
     "engine": "bench/engine.py",
     "graphs": "bench/graphs.py",
     "discovery": "bench/discovery.py",

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "bench" / "report.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MODULES = ["encoder", "parity", "wire", "worker", "cache", "frontend", "engine", "graphs", "discovery",
+MODULES = ["encoder", "parity", "wire", "worker", "cache", "frontend", "frontends", "engine", "graphs", "discovery",
            "hostile_memory", "soak"]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import urllib.request
+from collections import Counter
 
 import pytest
 import torch
@@ -209,3 +210,26 @@ def test_a_repeated_image_reuses_its_prefix_on_the_engine_that_holds_it(graphs):
     full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16 * 16
     assert recent[1]["timings"]["reused_tokens"] == full_blocks > 0
     assert recent[1]["overlap_blocks"] >= full_blocks // 16
+
+
+def test_identical_concurrent_prompts_spread_over_the_engines(graphs):
+    """Eight identical prompts at once (no prefix cached yet): the router counts each in-flight copy
+    as load (`router_assume_kv_reuse` off: an engine shares a prefix only once its prefill is done),
+    and the engines publish their load, so both engines take some instead of one taking all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "kimi-k2.5-hf", "max_tokens": 16, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "the same words, eight times at once"}]}
+
+    def one(_):
+        req = urllib.request.Request(f"http://127.0.0.1:{graphs['epd']}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(8))) == [16] * 8
+    with urllib.request.urlopen(f"http://127.0.0.1:{graphs['epd']}/mm/stats", timeout=30) as r:
+        recent = json.loads(r.read())["processors"][0]["recent"][-8:]
+    per_engine = sorted(Counter(x["worker_id"] for x in recent).values())
+    assert len(per_engine) == 2 and per_engine[0] >= 2, per_engine

@@ -38,6 +38,7 @@ from .inputs import check_spans, fetch_bodies, media_rows
 from .llm import LanguageModel
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, Step, token_logprobs
+from .stream import batched
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,15 @@ class Engine:
     """The model, its prefix store and KV-event bookkeeping; `handle` is the Dynamo handler."""
 
     def __init__(self, lm: LanguageModel, *, splicer: Splicer, block_size: int = 16, publisher=None,
-                 resolver: HandleResolver | None = None, prefix_tokens: int = 1 << 16, inline=None):
+                 resolver: HandleResolver | None = None, prefix_tokens: int = 1 << 16, inline=None,
+                 stream_interval_s: float = 0.0):
         self.lm = lm
         self.splicer = splicer
         self.block_size = block_size
         self.publisher = publisher
+        self.stream_interval_s = stream_interval_s  # our frontend's requests: tokens per item (engines.stream)
+        self.metrics = None  # Dynamo's WorkerMetricsPublisher, when serving: the load the KV router reads
+        self._active: dict[object, int] = {}  # request -> prompt + max_tokens
         self.resolver = resolver or HandleResolver()
         self.prefix = PrefixCache(block_size, prefix_tokens)
         self.inline = inline  # engines.inline.InlineMedia: the aggregated baseline encodes media itself
@@ -137,9 +142,13 @@ class Engine:
             return self.generate_dynamo(request, context)
         return self.generate(request, context)
 
-    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
-        """Our frontend's `EngineRequest`. A refusal before the first token is one `{"error": ...}`
-        item with the error's code and status."""
+    def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        """Our frontend's `EngineRequest`: the tokens ready within `stream_interval_s` of the last
+        item go out in one item (`engines.stream`). A refusal before the first token is one
+        `{"error": ...}` item with the error's code and status."""
+        return batched(self._items(request, context), self.stream_interval_s)
+
+    async def _items(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         timings: dict[str, float] = {}
         try:
             req = EngineRequest.from_dict(request)
@@ -216,18 +225,38 @@ class Engine:
         step with how many prompt tokens the prefix store supplied."""
         loop = asyncio.get_running_loop()
         self.requests += 1
-        logits, cache, position, reused = await loop.run_in_executor(self._pool, self.prefill, prompt)
-        prompt.rows = []  # the rows are in the cache now
-        sampler = Sampler(params, eos_token_ids)
-        for i in range(max_tokens):
-            token = sampler.next(logits)
-            finish = sampler.stop_reason(token) or ("length" if i == max_tokens - 1 else None)
-            lp = token_logprobs(logits, token, params.top_logprobs) if params.logprobs else (None, None)
-            yield Step(token, finish, *lp), reused
-            if finish is not None or (context is not None and context.is_stopped()):
-                return
-            logits, cache = await loop.run_in_executor(self._pool, self.step, token, cache, position)
-            position = None if position is None else position + 1
+        key = object()
+        self._active[key] = len(prompt.token_ids) + max_tokens  # what its KV may grow to
+        self._publish_load()
+        try:
+            logits, cache, position, reused = await loop.run_in_executor(self._pool, self.prefill, prompt)
+            prompt.rows = []  # the rows are in the cache now
+            sampler = Sampler(params, eos_token_ids)
+            for i in range(max_tokens):
+                token = sampler.next(logits)
+                finish = sampler.stop_reason(token) or ("length" if i == max_tokens - 1 else None)
+                lp = token_logprobs(logits, token, params.top_logprobs) if params.logprobs else (None, None)
+                yield Step(token, finish, *lp), reused
+                if finish is not None or (context is not None and context.is_stopped()):
+                    return
+                logits, cache = await loop.run_in_executor(self._pool, self.step, token, cache, position)
+                position = None if position is None else position + 1
+        finally:
+            del self._active[key]
+            self._publish_load()
+
+    def _publish_load(self) -> None:
+        """The load Dynamo's KV router reads (its `WorkerMetricsPublisher`): the blocks the requests in
+        flight hold or will (prompt + max_tokens), and those plus the prefix store's, on every
+        admission and finish."""
+        if self.metrics is None:
+            return
+        active = sum(-(-n // self.block_size) for n in self._active.values())
+        try:
+            self.metrics.publish(active_decode_blocks=active,
+                                 kv_used_blocks=active + self.prefix.tokens // self.block_size)
+        except Exception as e:  # load reports are advisory: never fail a request over one
+            log.debug("load not published: %s", e)
 
 
 def _clip(span: MediaSpan, n: int) -> MediaSpan:

@@ -44,6 +44,7 @@ from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..routing import MediaSpan, block_mm_infos
 from .inputs import fetch_bodies
 from .sampling import Step
+from .stream import batched
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
 from .vllm_kv import KvRelay
 
@@ -137,7 +138,7 @@ class VllmEngine:
 
     def __init__(self, engine: Any, resolver: HandleResolver, family: Family, *, block_size: int,
                  max_model_len: int, dtype: torch.dtype, relay: KvRelay | None = None,
-                 tokenizer: Callable[[], Any] | None = None):
+                 tokenizer: Callable[[], Any] | None = None, stream_interval_s: float = 0.0):
         self.engine = engine
         self.resolver = resolver
         self.family = family
@@ -145,6 +146,7 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.relay = relay
+        self.stream_interval_s = stream_interval_s
         self._tokenizer = tokenizer  # for logprob records' text and bytes, loaded on first use
         self._tok = None
 
@@ -172,7 +174,11 @@ class VllmEngine:
                                 block_mm_infos(len(mixed.token_ids), self.block_size, media))
         return embeds_input(mixed.embeds, prompt_token_ids=mixed.token_ids, is_token_ids=mixed.is_token_ids)
 
-    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+    def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+        """The tokens ready within `stream_interval_s` of the last item go out in one item (`engines.stream`)."""
+        return batched(self._items(request, context), self.stream_interval_s)
+
+    async def _items(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         from vllm import SamplingParams as VllmSampling
 
         timings: dict[str, float] = {}
@@ -269,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     p.add_argument("--kv-events-endpoint", default=None, help="where vLLM publishes KV events (default: an ipc "
                                                               "socket of this process)")
     p.add_argument("--encoder-chain", action="append", default=[], help="cache chain URL handles may name")
+    p.add_argument("--stream-interval-ms", type=float, default=20.0,
+                   help="tokens generated within this many ms of the last item go out in one item (0: each alone)")
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     try:
@@ -308,13 +316,15 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
             relaying = asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"), relay))
         handler = VllmEngine(llm, HandleResolver(args.encoder_chain, rpc), family, block_size=args.block_size,
                              max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
-                             tokenizer=lambda: ChatTokenizer(args.model))
+                             tokenizer=lambda: ChatTokenizer(args.model),
+                             stream_interval_s=args.stream_interval_ms / 1e3)
         serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate, graceful_shutdown=True))
         await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, args.model, name,
                              worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size)
         print(f"{READY}: model={name} family={family.name} route={family.route} dtype={mc.dtype} "
               f"prefix_caching={bool(engine_args.enable_prefix_caching)} kv_events={relay is not None} "
-              f"endpoint={path} instance={endpoint.connection_id()}", flush=True)
+              f"endpoint={path} instance={endpoint.connection_id()} stream_interval_ms={args.stream_interval_ms:g}",
+              flush=True)
         await stop.wait()
         if relay is not None:
             relaying.cancel()

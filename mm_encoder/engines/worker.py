@@ -54,6 +54,9 @@ class EngineSettings(BaseSettings):
                                                    "media here with its own vision tower (no encode worker)")
     encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
                                            "(none: Dynamo RPC to the encode workers only)")
+    stream_interval_ms: float = Field(
+        20.0, ge=0, description="our frontend's requests: tokens generated within this many ms of the last item "
+                                "go out in one item (0: one item per token); the first two are never held")
     frontend: Literal["mm", "stock"] = Field(
         "mm", description="mm: serve this project's frontend (EngineRequest); stock: Dynamo's own frontend "
                           "(preprocessed requests, media via its Encode worker)")
@@ -74,11 +77,20 @@ def build_engine(s: EngineSettings, publisher=None, rpc=None):
     splicer = Splicer(ChatTokenizer(s.checkpoint), get_spec(ModelCard.read(s.checkpoint).spec_name).prompt)
     inline = InlineMedia(s.checkpoint, lm) if s.encode_inline else None
     return Engine(lm, splicer=splicer, block_size=s.block_size, publisher=publisher, inline=inline,
-                  resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens)
+                  resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens,
+                  stream_interval_s=s.stream_interval_ms / 1e3)
 
 
 async def serve(s: EngineSettings) -> None:
-    from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+    from dynamo.llm import (
+        KvEventPublisher,
+        ModelInput,
+        ModelRuntimeConfig,
+        ModelType,
+        WorkerMetricsPublisher,
+        WorkerType,
+        register_model,
+    )
 
     stop = stop_on_signals()
     runtime = make_runtime(asyncio.get_running_loop())
@@ -87,6 +99,9 @@ async def serve(s: EngineSettings) -> None:
     rpc = None if s.encode_inline else await runtime.endpoint(endpoint_path(s.namespace)).client()
     engine = await asyncio.to_thread(build_engine, s, None, rpc)
     engine.publisher = KvEventPublisher(endpoint, kv_block_size=s.block_size)
+    metrics = WorkerMetricsPublisher()
+    await metrics.create_endpoint(endpoint)
+    engine.metrics = metrics
     name = s.name or s.checkpoint.resolve().name
     serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle, graceful_shutdown=True))
     stock: dict[str, Any] = {}
@@ -98,7 +113,8 @@ async def serve(s: EngineSettings) -> None:
                          worker_type=WorkerType.Aggregated, kv_cache_block_size=s.block_size, **stock)
     lm = engine.lm
     print(f"{READY}: model={name} family={lm.family.name} dtype={s.dtype} device={lm.device} "
-          f"endpoint={path} instance={endpoint.connection_id()} inline={s.encode_inline}", flush=True)
+          f"endpoint={path} instance={endpoint.connection_id()} inline={s.encode_inline} "
+          f"stream_interval_ms={s.stream_interval_ms:g}", flush=True)
     await stop.wait()
     runtime.shutdown()
     with contextlib.suppress(Exception):

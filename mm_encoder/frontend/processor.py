@@ -39,6 +39,9 @@ from .chat import IncrementalDetokenizer, StopStrings, parse_messages, text_byte
 from .encoder_client import EncoderClient
 
 log = logging.getLogger("mm_encoder.frontend")
+# Prompts with at most this much text are rendered and tokenized on the event loop (well under a
+# millisecond); longer ones in a thread, so one long prompt does not stall every other request.
+INLINE_TEXT_BYTES = 4096
 
 
 @dataclass
@@ -88,14 +91,15 @@ class MultimodalProcessor:
         self.draining = False  # set on SIGTERM: new requests get 503 while those in flight finish
         self.last_request = 0.0  # time.monotonic() of the latest request: when a drain may close connections
 
-    def check_text_size(self, messages: list[dict[str, Any]]) -> None:
-        """Refuse, before rendering it, a prompt whose text cannot fit: every token is at most
-        `max_token_bytes` bytes, so more bytes than context x that is more tokens than the context."""
+    def check_text_size(self, messages: list[dict[str, Any]]) -> int:
+        """The text's size in bytes; refused, before rendering it, if it cannot fit: every token is
+        at most `max_token_bytes` bytes, so more bytes than context x that is more tokens than the context."""
         size = text_bytes(messages)
         limit = self.limits.context_length * self.tok.max_token_bytes
         if size > limit:
             raise ContextOverflow(f"the prompt's text is {size} bytes: more than {self.limits.context_length} tokens "
                                   f"of at most {self.tok.max_token_bytes} bytes each, the model's context length")
+        return size
 
     def max_tokens_for(self, params: SamplingParams, prompt_tokens: int) -> int:
         """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
@@ -134,9 +138,11 @@ class MultimodalProcessor:
         try:
             params = SamplingParams.from_openai(request)
             messages, media = parse_messages(request.get("messages"), self.limits.max_media, self.splicer.reserved)
-            self.check_text_size(messages)
-            # rendering and tokenizing a long prompt takes seconds: off the loop, so others are not blocked
-            text = await asyncio.to_thread(self.tok.render, messages)
+            size = self.check_text_size(messages)
+            # rendering and tokenizing a long prompt takes seconds: off the loop, so others are not
+            # blocked; a short one takes less than the hop to a thread and back
+            inline = size <= INLINE_TEXT_BYTES
+            text = self.tok.render(messages) if inline else await asyncio.to_thread(self.tok.render, messages)
             if self.inline_media:
                 stream, prompt_tokens = await self._dispatch_inline(rid, params, text, media, timings)
                 routed = True
@@ -148,9 +154,9 @@ class MultimodalProcessor:
                 encoded = await self.encoder.embed_all(media) if media else []
                 timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
                 self.stats.media_items += len(media)
-                spliced = await asyncio.to_thread(
-                    self.splicer.expand_text, text,
-                    [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded])
+                grids = [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded]
+                spliced = (self.splicer.expand_text(text, grids) if inline and not encoded
+                           else await asyncio.to_thread(self.splicer.expand_text, text, grids))
                 prompt_tokens = len(spliced.token_ids)
                 max_tokens = self.max_tokens_for(params, prompt_tokens)
                 spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
@@ -214,13 +220,11 @@ class MultimodalProcessor:
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
                     prompt_tokens = timings["prompt_tokens"] = data.get("prompt_tokens", 0)
                 finish = data.get("finish_reason")
-                delta = detok.push(data.get("token_ids", []))
-                if finish:
-                    delta += detok.flush()
-                delta, matched = stops.push(delta, final=bool(finish))
+                delta, used, matched = _text(detok, stops, data.get("token_ids", []), bool(finish))
                 if matched:  # a stop string: the text ends before it, and so does generation
                     finish = "stop"
-                # one chunk per engine step, even when the new tokens decode to no text yet
+                    data = _first_tokens(data, used)
+                # one chunk per engine item (the tokens the engine had ready), even when they decode to no text yet
                 logprobs = self._logprobs(data, params.top_logprobs) if params.logprobs else None
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
                                   len(detok.ids), logprobs)
@@ -349,6 +353,30 @@ class MultimodalProcessor:
             "media_requests_in_flight": s.media_requests_in_flight,
             "recent": list(s.recent),
         }
+
+
+def _text(detok: IncrementalDetokenizer, stops: StopStrings, tokens: list[int], final: bool) -> tuple[str, int, bool]:
+    """(text, tokens used, whether a stop string ended it) for one engine item. With stop strings,
+    token by token, so generation ends at the token that completed one, as if each token had come
+    alone (usage and logprobs count no token after it); without, the whole item at once."""
+    if not stops.stops or len(tokens) <= 1:
+        delta = detok.push(tokens) + (detok.flush() if final else "")
+        delta, matched = stops.push(delta, final=final)
+        return delta, len(tokens), matched
+    parts = []
+    for i, token in enumerate(tokens):
+        last = final and i == len(tokens) - 1
+        delta = detok.push([token]) + (detok.flush() if last else "")
+        delta, matched = stops.push(delta, final=last)
+        parts.append(delta)
+        if matched:
+            return "".join(parts), i + 1, True
+    return "".join(parts), len(tokens), False
+
+
+def _first_tokens(data: dict[str, Any], n: int) -> dict[str, Any]:
+    """An engine item cut to its first n tokens (and their logprob records)."""
+    return {**data, **{k: data[k][:n] for k in ("token_ids", "log_probs", "top_logprobs") if k in data}}
 
 
 async def _engine_items(stream):

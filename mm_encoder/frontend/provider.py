@@ -65,7 +65,8 @@ class ProcessorFactory:
         return {
             "card": card, "spec": spec, "tokenizer": ChatTokenizer(s.model_dir, s.allow_remote_code),
             "engine_client": await runtime.endpoint(engine_path).client(),
-            "router": KvRouter(runtime.endpoint(engine_path), s.block_size, KvRouterConfig()),
+            "router": KvRouter(runtime.endpoint(engine_path), s.block_size,
+                               KvRouterConfig(router_assume_kv_reuse=s.router_assume_kv_reuse)),
             "eos": card.eos_token_ids,
             "limits": Limits(context_length=card.context_length,
                              default_max_tokens=s.default_max_tokens, max_media=s.max_media,

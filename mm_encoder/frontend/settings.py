@@ -45,6 +45,10 @@ class FrontendSettings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long the drain may last: requests in "
                                    "flight finish, new ones get 503, then clients' open connections are "
                                    "closed once idle for 1 s")
+    router_assume_kv_reuse: bool = Field(
+        False, description="let Dynamo's KV router count identical in-flight prompts as sharing KV blocks; the "
+                           "engines here share a prefix only once its prefill is done, so off: identical "
+                           "concurrent prompts then load (and spread over) engines like any others")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
     log_level: str = Field("INFO")
