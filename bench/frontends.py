@@ -542,7 +542,8 @@ def _findings(result: dict) -> list[str]:
     if empty and ttft.get("ours") and first.get("ours"):
         out.append(f"- Finding: TTFT. In {empty} of {total} single requests ours' first chunk carried no text (the "
                    "role with empty text: here the first token is part of a UTF-8 character), so the first text "
-                   "came with the engine's next item, held up to the stream interval; to the first chunk of "
+                   "came with the engine's next item (the engines send their first two items unheld, "
+                   "engines/stream.py); to the first chunk of "
                    f"any kind ours took {first['ours']['median']:.1f} ms, stock "
                    f"{first['stock']['median']:.1f} ms (stock's first chunk, the role alone, had no text in "
                    f"{no_text.get('stock', '-')} of {total}; its tokens come one per item, so its first text follows "
