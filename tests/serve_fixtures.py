@@ -55,6 +55,12 @@ def chat(port: int, content=None, **fields) -> dict:
         return json.loads(r.read())
 
 
+def frontend_stats(port: int) -> dict:
+    """The frontend's processor stats (GET /mm/stats): counters and the recent routing decisions."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/mm/stats", timeout=30) as r:
+        return json.loads(r.read())["processors"][0]
+
+
 def image_rows(data: bytes) -> int:
     """An encoded image's rows from its size alone (K2.5 policy)."""
     from PIL import Image
@@ -169,6 +175,22 @@ class Served:
         assert "no processes left" in self.text, self.text
         assert leftover_pids(groups) == []
         return self.text
+
+
+@contextlib.contextmanager
+def serving(graphs: dict[str, str], tmp_path_factory, *extra: str, timeout: float = 300):
+    """Each graph (name -> YAML path) under `mm-encoder serve ... *extra` on its own free port, all
+    started at once and ready; every one stopped at the end. Yields name -> port."""
+    served: dict[str, Served] = {}
+    try:
+        for name, graph in graphs.items():
+            served[name] = Served(graph, tmp_path_factory.mktemp(name), free_port(), *extra)
+        for s in served.values():
+            s.wait_for("ready: OpenAI base URL", timeout)
+        yield {name: s.port for name, s in served.items()}
+    finally:
+        for s in served.values():
+            s.stop()
 
 
 class Graph:

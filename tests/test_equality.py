@@ -24,8 +24,8 @@ from collections import Counter
 import pytest
 import torch
 from media_factory import image_bytes, natural_image, video_bytes
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import Served
+from nginx_fixtures import require_nginx
+from serve_fixtures import frontend_stats, serving
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs of subprocesses
@@ -86,18 +86,9 @@ def reference(hf_checkpoint):
 @pytest.fixture(scope="module")
 def graphs(hf_checkpoint, tmp_path_factory):
     require_nginx()
-    ports = {"epd": free_port(), "agg": free_port()}
-    served = {}
-    try:
-        for name, port in ports.items():
-            served[name] = Served(f"graphs/{name}.yaml", tmp_path_factory.mktemp(name), port, "--checkpoint",
-                                  str(hf_checkpoint), "--dtype", "fp32")
-        for s in served.values():
-            s.wait_for("ready: OpenAI base URL", 300)
+    with serving({name: f"graphs/{name}.yaml" for name in ("epd", "agg")}, tmp_path_factory, "--checkpoint",
+                 str(hf_checkpoint), "--dtype", "fp32") as ports:
         yield ports
-    finally:
-        for s in served.values():
-            s.stop()
 
 
 def _data_url(data: bytes, mime: str) -> str:
@@ -203,8 +194,7 @@ def test_a_repeated_image_reuses_its_prefix_on_the_engine_that_holds_it(graphs):
     content, _ = _content([("text", "Again:"), ("image", (200, 150))])
     first, second = _chat(graphs["epd"], content), _chat(graphs["epd"], content)
     assert _answer_bytes(first) == _answer_bytes(second)
-    with urllib.request.urlopen(f"http://127.0.0.1:{graphs['epd']}/mm/stats", timeout=30) as r:
-        recent = json.loads(r.read())["processors"][0]["recent"][-2:]
+    recent = frontend_stats(graphs["epd"])["recent"][-2:]
     assert recent[0]["worker_id"] == recent[1]["worker_id"]
     assert recent[0]["timings"]["reused_tokens"] == 0
     full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16 * 16
@@ -229,7 +219,6 @@ def test_identical_concurrent_prompts_spread_over_the_engines(graphs):
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(8))) == [16] * 8
-    with urllib.request.urlopen(f"http://127.0.0.1:{graphs['epd']}/mm/stats", timeout=30) as r:
-        recent = json.loads(r.read())["processors"][0]["recent"][-8:]
+    recent = frontend_stats(graphs["epd"])["recent"][-8:]
     per_engine = sorted(Counter(x["worker_id"] for x in recent).values())
     assert len(per_engine) == 2 and per_engine[0] >= 2, per_engine

@@ -6,7 +6,6 @@ checkpoint's language model in two engines, the frontend)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,17 +15,12 @@ import urllib.request
 import pytest
 from media_factory import k25_image_tokens
 from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, sample_tokens
+from serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, frontend_stats, sample_tokens
 
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy.graph import load_graph
 from mm_encoder.deploy.local import listeners
 from mm_encoder.deploy.status import collect
-
-
-def frontend_stats(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/mm/stats", timeout=30) as r:
-        return json.loads(r.read())["processors"][0]
 
 
 @pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

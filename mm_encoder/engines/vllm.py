@@ -42,7 +42,7 @@ from ..core.handle import HandleResolver
 from ..core.requests import EngineRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..routing import MediaSpan, block_mm_infos
-from .inputs import fetch_bodies
+from .inputs import check_spans, fetch_bodies
 from .sampling import Step
 from .stream import batched
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
@@ -155,9 +155,10 @@ class VllmEngine:
         from vllm.inputs import embeds_input, tokens_input
 
         t0 = time.perf_counter()
-        bodies = await fetch_bodies(req, self.resolver)
+        handles = [check_spans(media, req.token_ids) for media in req.media]  # once, before any fetch
+        bodies = await fetch_bodies(req, self.resolver, handles)
         t1 = time.perf_counter()
-        spans = await asyncio.to_thread(items, req, bodies, self.family)
+        spans = await asyncio.to_thread(items, req, bodies, self.family, handles)
         timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         if not spans:
             return tokens_input(req.token_ids)

@@ -30,6 +30,7 @@ import torch
 
 from ..core import wire
 from ..core.errors import BadRequest
+from ..core.handle import MediaHandle
 from ..core.requests import EngineRequest
 from .inputs import check_spans
 
@@ -130,13 +131,16 @@ class Item:
     uuid: str
 
 
-def items(req: EngineRequest, bodies: list[bytes], family: Family) -> list[Item]:
+def items(req: EngineRequest, bodies: list[bytes], family: Family, handles: list[MediaHandle] | None = None
+          ) -> list[Item]:
     """Each span of each item with its rows, in prompt order, checked against the model: one
-    placeholder run as long as its rows, the width the model takes (before vLLM, whose engine
-    core would crash on it), and for the "mm" route the family's token and row count per grid."""
+    placeholder run as long as its rows (`handles`: already checked by the caller), the width the
+    model takes (before vLLM, whose engine core would crash on it), and for the "mm" route the
+    family's token and row count per grid."""
+    if handles is None:
+        handles = [check_spans(media, req.token_ids) for media in req.media]
     out = []
     for media, body in zip(req.media, bodies, strict=True):
-        check_spans(media, req.token_ids)
         msg = wire.decode(body)
         if family.width is not None and msg.shape[1] != family.width:
             raise BadRequest(f"media {media.mm_hash[:12]}: embeddings are {msg.shape[1]} wide; vLLM's "
