@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -169,25 +170,31 @@ def check_ignore_eos(port: int, model: str) -> dict:
     return out
 
 
-def ttft(port: int, model: str, n: int) -> tuple[float, float, bool] | None:
-    """Seconds to the first streamed chunk of any kind and to the first with content, and whether
-    those are one chunk, for one request (prompt number `n`); None on failure."""
+def ttft(port: int, model: str, n: int) -> tuple[float, float, bool, float, list[float]] | None:
+    """For one streamed request (prompt number `n`): seconds to the first chunk of any kind and to the
+    first with content, whether those are one chunk, seconds to the last chunk, and the gaps between
+    chunks with content (what batching tokens into items does to inter-token latency); None on failure."""
     payload = json.loads(json.dumps(body(model, "text", TTFT_TOKENS, True)).replace("@@N@@", f"ttft-{n}"))
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    chunk = content = None
+    chunk = content = last = None
+    texts: list[float] = []
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             for line in r:
-                if content is None and line.startswith(b"data: {"):
-                    chunk = chunk if chunk is not None else time.perf_counter() - t0
+                if line.startswith(b"data: {"):
+                    last = time.perf_counter() - t0
+                    chunk = chunk if chunk is not None else last
                     choices = json.loads(line[6:]).get("choices") or [{}]
                     if (choices[0].get("delta") or {}).get("content"):
-                        content = time.perf_counter() - t0
+                        texts.append(last)
+                        content = content if content is not None else last
     except (OSError, ValueError):
         return None
-    return None if content is None else (chunk, content, chunk == content)
+    if content is None:
+        return None
+    return chunk, content, chunk == content, last, [b - a for a, b in itertools.pairwise(texts)]
 
 
 def wrk(port: int, script: Path, concurrency: int, seconds: int,
@@ -242,6 +249,29 @@ def cpu_by_group() -> dict[int, int]:
 
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def switches(pid: int) -> int:
+    """Context switches (voluntary + involuntary) so far, summed over the process's threads: each is
+    one thread handing another the work of a request, the cost of crossing between threads."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in text.splitlines() if "ctxt_switches:" in line)
+    return total
+
+
+def threads(pid: int) -> dict[str, int]:
+    """The process's threads by name (Dynamo's runtime: tokio-rt-worker; the processor: python)."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            out[name] = out.get(name, 0) + 1
+    return out
 
 
 class Setup:
@@ -346,11 +376,12 @@ def measure_cell(setup: Setup, script: Path, concurrency: int, warmup: int, dura
 
     def sample(t0: float) -> None:
         time.sleep(max(0.0, t0 + LEAD - time.perf_counter()))
-        n0 = completed(setup.port)
+        n0, x0 = completed(setup.port), switches(setup.groups["frontend"][0])
         c0, w0 = setup.cpu(cpu_by_group()), time.perf_counter()
         time.sleep(max(0.0, w0 + duration - time.perf_counter()))
         c1, w1 = setup.cpu(cpu_by_group()), time.perf_counter()
-        window.update(n=completed(setup.port) - n0, s=w1 - w0, cpu={k: c1[k] - c0[k] for k in c1})
+        window.update(n=completed(setup.port) - n0, s=w1 - w0, cpu={k: c1[k] - c0[k] for k in c1},
+                      switches=switches(setup.groups["frontend"][0]) - x0)
 
     r = wrk(setup.port, script, concurrency, LEAD + duration + TAIL, during=sample)
     n = window["n"]
@@ -360,6 +391,7 @@ def measure_cell(setup: Setup, script: Path, concurrency: int, warmup: int, dura
             "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3, "errors": errors,
             "first_error": r["first_bad"] or warm["first_bad"] or None,
             "chunks_per_response": r["chunks"] / r["requests"] if r["requests"] else None,
+            "frontend_switches_per_request": window["switches"] / n if n else None,
             "cpu_ms_per_request": {k: v * 1e3 / n if n else None for k, v in window["cpu"].items()}}
 
 
@@ -368,7 +400,8 @@ def summarize(rounds: list[dict]) -> dict:
         v = [x for x in values if x is not None]
         return stats.summary(v) if v else None
 
-    out = {k: s(r[k] for r in rounds) for k in ("rps", "p50_ms", "p99_ms", "chunks_per_response")}
+    out = {k: s(r.get(k) for r in rounds)
+           for k in ("rps", "p50_ms", "p99_ms", "chunks_per_response", "frontend_switches_per_request")}
     out["cpu_ms_per_request"] = {k: s(r["cpu_ms_per_request"][k] for r in rounds)
                                  for k in rounds[0]["cpu_ms_per_request"]}
     out["requests"] = sum(r["requests"] for r in rounds)
@@ -411,6 +444,7 @@ def measure(args, work: Path) -> dict:
                                    else "graphs/epd-stock.yaml + frontend args --router-mode kv",
                                    "frontend": s.frontend_cmd, "startup_s": round(s.startup_s, 1),
                                    "engines_stream_interval": s.stream_interval(),
+                                   "frontend_threads": threads(s.groups["frontend"][0]),
                                    "ignore_eos": check_ignore_eos(s.port, model)}
             print(f"{name}: up in {s.startup_s:.0f} s ({s.frontend_cmd}); engines' stream interval "
                   f"{out['setups'][name]['engines_stream_interval']}; ignore_eos {out['setups'][name]['ignore_eos']}",
@@ -429,7 +463,7 @@ def measure(args, work: Path) -> dict:
             scripts[cell].write_text(LUA.replace("@@BODY@@", json.dumps(body(model, prompt, tokens, stream)))
                                      .replace("@@TOKENS@@", str(tokens)))
         raw: dict[str, dict[str, list[dict]]] = {c[0]: {n: [] for n in SETUPS} for c in CELLS}
-        ttfts: dict[str, list[tuple[float, float, bool]]] = {n: [] for n in SETUPS}
+        ttfts: dict[str, list[tuple[float, float, bool, float, list[float]]]] = {n: [] for n in SETUPS}
         ttft_failed = dict.fromkeys(SETUPS, 0)
         for rnd in range(args.rounds):
             order = [*SETUPS[rnd % 3:], *SETUPS[:rnd % 3]]
@@ -479,6 +513,9 @@ def measure(args, work: Path) -> dict:
             "ttft_ms": {n: stats.summary(x[1] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
             "first_chunk_ms": {n: stats.summary(x[0] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
             "first_chunk_without_text": {n: sum(1 for x in v if not x[2]) for n, v in ttfts.items()},
+            "last_chunk_ms": {n: stats.summary(x[3] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
+            "text_chunk_gap_ms": {n: stats.summary(g * 1e3 for x in v for g in x[4]) if any(x[4] for x in v)
+                                  else None for n, v in ttfts.items()},
             "ttft_failed": ttft_failed}
     return out
 
@@ -585,11 +622,15 @@ def section(result: dict, plots: Path) -> str:
         lines.append(f"| {c['label']} | {' | '.join(cpu)} | {_r(r['stock']['frontend_cpu'])} | "
                      f"{_r(r['stock-kv']['frontend_cpu'])} | {' | '.join(rps)} | {_r(r['stock']['rps'])} | "
                      f"{_r(r['stock-kv']['rps'])} |")
-    for key, what in (("ttft_ms", "first chunk with content"), ("first_chunk_ms", "first chunk of any kind")):
+    for key, what in (("ttft_ms", "first chunk with content"), ("first_chunk_ms", "first chunk of any kind"),
+                      ("last_chunk_ms", "last chunk (the whole answer)"),
+                      ("text_chunk_gap_ms", "gap between chunks with content (inter-token latency as delivered)")):
+        if key not in result:
+            continue
         ttft = result[key]
         tm = {n: ttft[n]["median"] if ttft[n] else None for n in SETUPS}
-        lines.append(f"| TTFT at c=1, streamed, 16 tokens: {what} (ms, median (min-max) of "
-                     f"{cfg['ttft_n'] * cfg['rounds']}) | " + " | ".join(_f(ttft[n], 1) for n in SETUPS)
+        lines.append(f"| c=1, streamed, 16 tokens: {what} (ms, median (min-max) of "
+                     f"{cfg['ttft_n'] * cfg['rounds']} requests) | " + " | ".join(_f(ttft[n], 1) for n in SETUPS)
                      + f" | {_r(_div(tm['ours'], tm['stock']))} | {_r(_div(tm['ours'], tm['stock-kv']))} | | | | | |")
     tok = result["cpu_us_per_token"]
     for mode, label in (("non_streamed", "non-streamed"), ("streamed", "streamed")):
@@ -603,14 +644,14 @@ def section(result: dict, plots: Path) -> str:
         "(medians over the rounds):",
         "",
         "| cell | concurrency | p50 ms | p99 ms | engines CPU ms/req | rest CPU ms/req | SSE chunks per response | "
-        "requests | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "frontend thread switches per request | requests | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def trio(c: dict, key, digits: int = 1) -> str:
         vals = []
         for n in SETUPS:
-            v = c["setups"][n][key] if isinstance(key, str) else c["setups"][n][key[0]][key[1]]
+            v = c["setups"][n].get(key) if isinstance(key, str) else c["setups"][n][key[0]][key[1]]
             vals.append("-" if v is None else f"{v['median']:,.{digits}f}")
         return " / ".join(vals)
 
@@ -618,7 +659,8 @@ def section(result: dict, plots: Path) -> str:
         chunks = trio(c, "chunks_per_response") if c["stream"] else "-"
         lines.append(f"| {c['label']} | {c['concurrency']} | {trio(c, 'p50_ms')} | {trio(c, 'p99_ms')} | "
                      f"{trio(c, ('cpu_ms_per_request', 'engines'), 2)} | {trio(c, ('cpu_ms_per_request', 'rest'), 2)} "
-                     f"| {chunks} | {' / '.join(str(c['setups'][n]['requests']) for n in SETUPS)} | "
+                     f"| {chunks} | {trio(c, 'frontend_switches_per_request', 0)} | "
+                     f"{' / '.join(str(c['setups'][n]['requests']) for n in SETUPS)} | "
                      f"{' / '.join(str(c['setups'][n]['errors']) for n in SETUPS)} |")
     eng = {n: tok[n]["non_streamed"]["engines"] for n in SETUPS}
     ie = setups["ours"]["ignore_eos"]
@@ -650,7 +692,9 @@ def section(result: dict, plots: Path) -> str:
         f"- The engines' `--stream-interval-ms`: {', '.join(sorted(intervals))} (from their ready lines; "
         "\"1 token per item\" when they print none). The engines merge tokens into one item for our frontend's "
         "requests only (`engines/engine.py` `generate`; the stock frontend's requests go through "
-        "`generate_dynamo`, a token per item). SSE chunks per streamed 16-token response (the role and usage "
+        "`generate_dynamo`, a token per item); for a non-streamed request without stop strings our frontend asks "
+        "for the first token alone and the rest at the finish (`EngineRequest.stream` false: two items per "
+        "answer). SSE chunks per streamed 16-token response (the role and usage "
         f"chunks included): {_chunks(stream16['ours'])} ours, {_chunks(stream16['stock'])} stock, "
         f"{_chunks(stream16['stock-kv'])} stock-kv. Fewer than one per token in stock: a token that ends "
         "mid-character waits for the next one.",
@@ -658,6 +702,12 @@ def section(result: dict, plots: Path) -> str:
         "(every replica runs in its own session). Engines: both engines; rest: encode worker, nginx tiers, NATS. "
         "Frontend CPU per generated token: (CPU at 128 tokens - at 1) / 127; engines, non-streamed: "
         + ", ".join(f"{n} {_us(eng[n])}" for n in SETUPS) + ".",
+        "- Frontend threads at start: " + "; ".join(
+            f"{n} " + ", ".join(f"{k} {v}" for k, v in sorted(setups[n].get("frontend_threads", {}).items()))
+            for n in SETUPS) + ". Ours runs Dynamo's runtime with 1 worker thread (`--runtime-threads`, default "
+        "1): its processor runs on the one Python thread, and every further Rust worker only adds thread "
+        "switches per request; the stock frontend keeps Dynamo's default. Thread switches per request: the "
+        "frontend process's voluntary + involuntary context switches (/proc/PID/task/*/status) over the window.",
         "- Idle frontend CPU (all three graphs idle, before the cells): "
         + ", ".join(f"{n} {idle[n]:.1f} ms/s" for n in SETUPS) + ".",
         f"- Machine: {m.get('cores')} cores, {m.get('cpu')}; load average at start {result.get('loadavg', '-')}; "

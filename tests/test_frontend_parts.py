@@ -72,6 +72,23 @@ def processor(tok, **limits) -> MultimodalProcessor:
 # --- routing --------------------------------------------------------------------------------------
 
 
+def test_the_runtime_threads_option_sets_dynamos_variable_and_honours_one_already_set(checkpoint):
+    """`--runtime-threads N` wins; unset, a DYN_RUNTIME_NUM_WORKER_THREADS the operator set stays,
+    and without either the runtime gets 1 worker thread."""
+    from mm_encoder.frontend.__main__ import RUNTIME_THREADS, set_runtime_threads
+    from mm_encoder.frontend.settings import FrontendSettings
+
+    def env_after(args: list[str], env: dict[str, str]) -> dict[str, str]:
+        set_runtime_threads(FrontendSettings(_cli_parse_args=["--model-dir", str(checkpoint), *args]), env)
+        return env
+
+    assert env_after([], {}) == {RUNTIME_THREADS: "1"}
+    assert env_after([], {RUNTIME_THREADS: "4"}) == {RUNTIME_THREADS: "4"}
+    assert env_after(["--runtime-threads", "3"], {RUNTIME_THREADS: "4"}) == {RUNTIME_THREADS: "3"}
+    with pytest.raises(ValueError):
+        FrontendSettings(_cli_parse_args=["--model-dir", str(checkpoint), "--runtime-threads", "0"])
+
+
 def test_block_mm_infos_marks_exactly_the_blocks_an_item_covers():
     assert block_mm_infos(40, 16, []) is None  # text only: routes as before
     infos = block_mm_infos(40, 16, [MediaSpan(H1, ((10, 12),)), MediaSpan(H2, ((30, 5),))])
@@ -368,6 +385,30 @@ async def test_frontend_holds_no_embeddings(ckpt_encoder, checkpoint, tok, tmp_p
         assert engine.resolver.fetches == 1
         assert [n < len(url) + 4096 for n in proc.engine_client.sizes] == [True]  # the data URL once, no embeddings
         assert proc.stats.media_requests_in_flight == 0
+
+
+async def test_a_non_streamed_answer_comes_in_two_engine_items(ckpt_encoder, checkpoint, tok, tmp_path, monkeypatch):
+    """A client that reads the answer at once gains nothing from interim items: the engine sends the
+    first token alone (the router learns the prefill is done) and the rest at the finish. Streamed,
+    or with stop strings (which this processor finds, and may end generation early), the engine's
+    interval applies: its first two items alone, then what each interval holds. The answer is the
+    same either way."""
+    async with engine_beside_worker(ckpt_encoder, checkpoint, tmp_path, monkeypatch) as (rt, rpc, _):
+        proc = await processor_beside(rt, rpc, tok, MeasuredClient)
+        base = {"model": SERVED, "max_tokens": 12, "ignore_eos": True, "logprobs": True,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_url(3)}}]}]}
+        answers = {}
+        for name, extra in (("whole", {}), ("streamed", {"stream": True}), ("stop", {"stop": ["\x00never"]})):
+            chunks = [c async for c in proc.generate({**base, **extra})]
+            tokens = [len(c["choices"][0]["logprobs"]["content"]) for c in chunks]
+            answers[name] = (tokens, "".join(c["choices"][0]["delta"]["content"] for c in chunks),
+                             chunks[-1]["usage"]["completion_tokens"])
+    assert [p.get("stream", True) for p in proc.engine_client.payloads] == [False, True, True]
+    assert answers["whole"][0] == [1, 11]
+    for name in ("streamed", "stop"):
+        assert answers[name][0][:2] == [1, 1] and sum(answers[name][0]) == 12
+    assert answers["whole"][1:] == answers["streamed"][1:] == answers["stop"][1:]
+    assert answers["whole"][2] == 12
 
 
 async def test_logprobs_end_to_end_equal_transformers(ckpt_encoder, checkpoint, tok, splicer, hf_model, tmp_path,

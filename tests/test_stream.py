@@ -4,9 +4,11 @@ tokens, and a stop string ends generation at the token that completed it, howeve
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from mm_encoder.engines.stream import batched
+from mm_encoder.engines.stream import IMMEDIATE, batched, pacing
 from mm_encoder.frontend.chat import IncrementalDetokenizer, StopStrings
 from mm_encoder.frontend.processor import _first_tokens, _text
 
@@ -16,11 +18,11 @@ def _item(token: int, finish: str | None = None, **extra) -> dict:
             "top_logprobs": [[{"rank": 1, "token_id": token, "logprob": -float(token)}]], **extra}
 
 
-async def _run(items: list[dict], interval_s: float) -> list[dict]:
+async def _run(items: list[dict], interval_s: float, immediate: int = IMMEDIATE) -> list[dict]:
     async def source():
         for item in items:
             yield item
-    return [x async for x in batched(source(), interval_s)]
+    return [x async for x in batched(source(), interval_s, immediate)]
 
 
 async def test_without_an_interval_every_item_goes_out_as_it_came():
@@ -44,6 +46,17 @@ async def test_the_first_items_go_alone_the_rest_merge_until_the_finish():
 async def test_a_stream_that_ends_without_a_finish_still_delivers_its_tokens():
     out = await _run([_item(1), _item(2), _item(3), _item(4)], 3600)
     assert [x["token_ids"] for x in out] == [[1], [2], [3, 4]]
+
+
+async def test_a_non_streamed_request_gets_its_first_token_then_the_rest_at_the_finish():
+    """`EngineRequest.stream` False (the client reads the answer at once): one item alone, then one
+    with everything else, whatever the engine's interval; absent or True: the engine's interval."""
+    assert pacing({"stream": False}, 0.02) == (math.inf, 1)
+    assert pacing({}, 0.02) == pacing({"stream": True}, 0.02) == (0.02, IMMEDIATE)
+    items = [_item(1, prompt_tokens=7), _item(2), _item(3), _item(4, "length")]
+    out = await _run(items, *pacing({"stream": False}, 0))
+    assert [x["token_ids"] for x in out] == [[1], [2, 3, 4]]
+    assert out[1]["finish_reason"] == "length" and out[1]["log_probs"] == [-2.0, -3.0, -4.0]
 
 
 async def test_an_error_item_goes_out_at_once():

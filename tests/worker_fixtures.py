@@ -228,11 +228,12 @@ async def processor_beside(rt, rpc, tokenizer, wrap=None):
 
 
 class MeasuredClient:
-    """An engine client passing requests through, recording each one's msgpack size (`sizes`)."""
+    """An engine client passing requests through, recording each one (`payloads`) and its msgpack size (`sizes`)."""
 
     def __init__(self, client):
         self.client = client
         self.sizes: list[int] = []
+        self.payloads: list[dict] = []
 
     def instance_ids(self):
         return self.client.instance_ids()
@@ -241,6 +242,7 @@ class MeasuredClient:
         import msgpack
 
         self.sizes.append(len(msgpack.packb(payload)))
+        self.payloads.append(payload)
         return await self.client.direct(payload, worker)
 
 

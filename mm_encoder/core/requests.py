@@ -166,6 +166,9 @@ class EngineRequest:
     # empty and the engine reports prompt_tokens.
     prompt: str | None = None
     media_refs: list[dict[str, str]] = field(default_factory=list)
+    # False: the client reads the whole answer at once, so the engine holds every token after the
+    # first until the finish (`engines.stream.pacing`); sent only then
+    stream: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -179,6 +182,8 @@ class EngineRequest:
         if self.prompt is not None:
             d["prompt"] = self.prompt
             d["media_refs"] = self.media_refs
+        if not self.stream:
+            d["stream"] = False
         return d
 
     @classmethod
@@ -186,4 +191,5 @@ class EngineRequest:
         media = [MediaInput(dict(m["handle"]), [tuple(s) for s in m["spans"]], m.get("body"))
                  for m in d.get("media", [])]
         return cls(d["request_id"], list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                   media, dict(d.get("sampling") or {}), d.get("prompt"), list(d.get("media_refs", [])))
+                   media, dict(d.get("sampling") or {}), d.get("prompt"), list(d.get("media_refs", [])),
+                   d.get("stream", True) is not False)

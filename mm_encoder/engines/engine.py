@@ -38,7 +38,7 @@ from .inputs import check_spans, fetch_bodies, media_rows
 from .llm import LanguageModel
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, Step, token_logprobs
-from .stream import batched
+from .stream import batched, pacing
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Engine:
         """Our frontend's `EngineRequest`: the tokens ready within `stream_interval_s` of the last
         item go out in one item (`engines.stream`). A refusal before the first token is one
         `{"error": ...}` item with the error's code and status."""
-        return batched(self._items(request, context), self.stream_interval_s)
+        return batched(self._items(request, context), *pacing(request, self.stream_interval_s))
 
     async def _items(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         timings: dict[str, float] = {}

@@ -7,16 +7,33 @@ tokens produced within `interval_s` of the last item into one item divides that 
 per item, and adds at most the interval to a token's delivery. The first `IMMEDIATE` items are never
 held (a byte-level token often holds part of a character, so the first visible text may need the
 second token), nor is the last. vLLM's `--stream-interval` makes the same trade.
+
+A client that reads the whole answer at once (a non-streamed request: `EngineRequest.stream` False)
+gets nothing from interim items: then only the first goes alone (the frontend's router learns that
+the prefill is done) and every later token waits for the finish, two items per answer.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 _LISTS = ("token_ids", "log_probs", "top_logprobs")  # per-token fields, concatenated
 IMMEDIATE = 2  # items sent as they come before the interval applies: the time to first text is not held
+# The engines' default interval: an item costs the frontend about what 5 tokens cost Dynamo's stock
+# frontend (BENCHMARKS.md), so at ~100 tokens/s per request 40 ms keeps a streamed answer within
+# its cost; a reader sees text 25 times a second.
+STREAM_INTERVAL_MS = 40.0
+
+
+def pacing(request: dict[str, Any], interval_s: float) -> tuple[float, int]:
+    """(interval, items sent unheld) for one of our frontend's requests: a non-streamed one's tokens
+    wait for the finish after the first item."""
+    if request.get("stream", True) is False:
+        return math.inf, 1
+    return interval_s, IMMEDIATE
 
 
 def merge(into: dict[str, Any], item: dict[str, Any]) -> None:
@@ -28,9 +45,11 @@ def merge(into: dict[str, Any], item: dict[str, Any]) -> None:
     into["finish_reason"] = item.get("finish_reason")
 
 
-async def batched(items: AsyncIterator[dict[str, Any]], interval_s: float) -> AsyncIterator[dict[str, Any]]:
-    """`items` (each with `token_ids` and `finish_reason`) merged so that, after the first `IMMEDIATE`,
-    an item goes out only once `interval_s` has passed since the last one, or at the finish. 0: as they come."""
+async def batched(items: AsyncIterator[dict[str, Any]], interval_s: float,
+                  immediate: int = IMMEDIATE) -> AsyncIterator[dict[str, Any]]:
+    """`items` (each with `token_ids` and `finish_reason`) merged so that, after the first `immediate`,
+    an item goes out only once `interval_s` has passed since the last one, or at the finish. 0: as
+    they come; infinite: at the finish."""
     if interval_s <= 0:
         async for item in items:
             yield item
@@ -43,7 +62,7 @@ async def batched(items: AsyncIterator[dict[str, Any]], interval_s: float) -> As
         else:
             merge(pending, item)
         now = time.monotonic()
-        if sent < IMMEDIATE or pending.get("finish_reason") or "error" in pending or now - last >= interval_s:
+        if sent < immediate or pending.get("finish_reason") or "error" in pending or now - last >= interval_s:
             yield pending
             pending, last, sent = None, now, sent + 1
     if pending is not None:

@@ -44,7 +44,7 @@ from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..routing import MediaSpan, block_mm_infos
 from .inputs import check_spans, fetch_bodies
 from .sampling import Step
-from .stream import batched
+from .stream import STREAM_INTERVAL_MS, batched, pacing
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
 from .vllm_kv import KvRelay
 
@@ -177,7 +177,7 @@ class VllmEngine:
 
     def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         """The tokens ready within `stream_interval_s` of the last item go out in one item (`engines.stream`)."""
-        return batched(self._items(request, context), self.stream_interval_s)
+        return batched(self._items(request, context), *pacing(request, self.stream_interval_s))
 
     async def _items(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         from vllm import SamplingParams as VllmSampling
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     p.add_argument("--kv-events-endpoint", default=None, help="where vLLM publishes KV events (default: an ipc "
                                                               "socket of this process)")
     p.add_argument("--encoder-chain", action="append", default=[], help="cache chain URL handles may name")
-    p.add_argument("--stream-interval-ms", type=float, default=20.0,
+    p.add_argument("--stream-interval-ms", type=float, default=STREAM_INTERVAL_MS,
                    help="tokens generated within this many ms of the last item go out in one item (0: each alone)")
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -30,6 +30,7 @@ from ..core.handle import HandleResolver
 from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec
+from .stream import STREAM_INTERVAL_MS
 
 log = logging.getLogger(__name__)
 READY = "mm-encoder engine ready"
@@ -55,8 +56,10 @@ class EngineSettings(BaseSettings):
     encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
                                            "(none: Dynamo RPC to the encode workers only)")
     stream_interval_ms: float = Field(
-        20.0, ge=0, description="our frontend's requests: tokens generated within this many ms of the last item "
-                                "go out in one item (0: one item per token); the first two are never held")
+        STREAM_INTERVAL_MS, ge=0,
+        description="our frontend's requests: tokens generated within this many ms of the last item go out in one "
+                    "item (0: one item per token); the first two are never held; a non-streamed request's wait "
+                    "for the finish after the first")
     frontend: Literal["mm", "stock"] = Field(
         "mm", description="mm: serve this project's frontend (EngineRequest); stock: Dynamo's own frontend "
                           "(preprocessed requests, media via its Encode worker)")

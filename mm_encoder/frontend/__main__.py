@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 
@@ -73,9 +74,24 @@ async def drain(factory: ProcessorFactory, s: FrontendSettings) -> None:
     await factory.drain(max(0.0, deadline - loop.time()))
 
 
+RUNTIME_THREADS = "DYN_RUNTIME_NUM_WORKER_THREADS"
+
+
+def set_runtime_threads(s: FrontendSettings, env=os.environ) -> None:
+    """`--runtime-threads` into the variable Dynamo's runtime reads when it starts; unset: the
+    variable as it is, else 1."""
+    if s.runtime_threads is not None:
+        env[RUNTIME_THREADS] = str(s.runtime_threads)
+    else:
+        env.setdefault(RUNTIME_THREADS, "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(FrontendSettings, argv, check=lambda s: check_model_dir(s.model_dir))
-    return 2 if settings is None else run(serve(settings), settings.log_level)
+    if settings is None:
+        return 2
+    set_runtime_threads(settings)  # before the first call into Dynamo
+    return run(serve(settings), settings.log_level)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class MultimodalProcessor:
         self.stats = Stats()
         self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
         self._inflight = 0
+        self._notes: set[asyncio.Future] = set()  # router bookkeeping in flight (`_router_note`)
         self.draining = False  # set on SIGTERM: new requests get 503 while those in flight finish
         self.last_request = 0.0  # time.monotonic() of the latest request: when a drain may close connections
 
@@ -144,7 +145,8 @@ class MultimodalProcessor:
             inline = size <= INLINE_TEXT_BYTES
             text = self.tok.render(messages) if inline else await asyncio.to_thread(self.tok.render, messages)
             if self.inline_media:
-                stream, prompt_tokens = await self._dispatch_inline(rid, params, text, media, timings)
+                stream, prompt_tokens = await self._dispatch_inline(rid, params, text, media, timings,
+                                                                    self._interim(request, params))
                 routed = True
             else:
                 if media:
@@ -176,7 +178,7 @@ class MultimodalProcessor:
                 payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
                                         [MediaInput(e.handle.to_dict(), list(s.spans), e.body)
                                          for e, s in zip(encoded, spans, strict=True)],
-                                        sampling=params.to_dict()).to_dict()
+                                        sampling=params.to_dict(), stream=self._interim(request, params)).to_dict()
                 stream = await self._send(payload, worker_id)
                 self.stats.media_requests_in_flight += 1
         except BaseException as e:
@@ -216,7 +218,8 @@ class MultimodalProcessor:
                     if slot:
                         self._media_slots.release()
                         slot = False
-                    await self._router_call(self.router.mark_prefill_complete, rid)
+                    if not data.get("finish_reason"):  # else free, below, does it in one call
+                        self._router_note(self.router.mark_prefill_complete, rid)
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
                     prompt_tokens = timings["prompt_tokens"] = data.get("prompt_tokens", 0)
                 finish = data.get("finish_reason")
@@ -241,7 +244,21 @@ class MultimodalProcessor:
                 self.stats.media_requests_in_flight -= 1
             if slot:
                 self._media_slots.release()
-            await self._router_call(self.router.free, rid)
+            self._router_note(self.router.free, rid)
+
+    @staticmethod
+    def _interim(request: dict[str, Any], params: SamplingParams) -> bool:
+        """Whether the engine sends tokens as they come (`EngineRequest.stream`): not for a client
+        that reads the answer at once, unless stop strings may end it early (the engine knows none:
+        this processor finds them, and stops the engine by leaving)."""
+        return bool(request.get("stream")) or bool(params.stop)
+
+    def _router_note(self, call, rid: str) -> None:
+        """The router's bookkeeping for a request, not waited for: it only updates the router's load
+        figures, and waiting would cost a crossing into Dynamo's runtime and back per call."""
+        task = asyncio.ensure_future(self._router_call(call, rid))
+        self._notes.add(task)
+        task.add_done_callback(self._notes.discard)
 
     async def _router_call(self, call, rid: str) -> None:
         """The router's bookkeeping for a request; an engine that died took its half of it along
@@ -252,7 +269,7 @@ class MultimodalProcessor:
             log.debug("request %s: router bookkeeping: %s", rid, e)
 
     async def _dispatch_inline(self, rid: str, params: SamplingParams, text: str, media,
-                               timings: dict[str, float]) -> tuple:
+                               timings: dict[str, float], interim: bool) -> tuple:
         """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
         engine fetch, encode and expand."""
         flat = await asyncio.to_thread(self.tok.encode, text)
@@ -267,6 +284,7 @@ class MultimodalProcessor:
                                   "prompt_tokens": None, "media": [m.url[:64] for m in media],
                                   "timings": timings})  # the engine's timings and reused tokens, once known
         payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
+                                stream=interim,
                                 prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
         stream = await self._send(payload.to_dict(), worker_id)
         self.stats.media_requests_in_flight += 1

@@ -49,6 +49,11 @@ class FrontendSettings(BaseSettings):
         False, description="let Dynamo's KV router count identical in-flight prompts as sharing KV blocks; the "
                            "engines here share a prefix only once its prefill is done, so off: identical "
                            "concurrent prompts then load (and spread over) engines like any others")
+    runtime_threads: int | None = Field(
+        None, ge=1, description="worker threads of Dynamo's runtime in this process (it sets "
+                                "DYN_RUNTIME_NUM_WORKER_THREADS); unset: that variable, else 1. The processor "
+                                "runs on one Python thread, and each more Rust worker only adds thread "
+                                "wake-ups per request (BENCHMARKS.md: our frontend vs Dynamo's stock frontend)")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
     log_level: str = Field("INFO")
