@@ -76,6 +76,7 @@ worker: $(STAMP)
 # tests/vllm/ on vLLM's code in vLLM's own venv.
 test: $(STAMP) system-deps $(VLLM_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	MM_ENCODER_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
@@ -94,6 +95,7 @@ soak: $(STAMP) system-deps
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py and the soak),
 # keeps their JSON in docs/bench/data/ and their plots in docs/bench/. A failed module is named in
@@ -114,4 +116,4 @@ bench-deps:
 	  else echo "error: bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; fi; }
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache

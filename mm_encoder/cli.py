@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .core.errors import MMEncoderError
 from .core.registry import DEFAULT_MODEL, list_models
+from .core.timing import ms_since
 
 if TYPE_CHECKING:  # the model (torch) loads only for encode and demo, not for the components' commands
     from .model.encoder import EncodedMedia, Encoder
@@ -89,7 +90,7 @@ def cmd_encode(args: argparse.Namespace, refs: list[str], enc: Encoder | None = 
     t0 = time.perf_counter()
     if enc is None:
         enc = load(args)
-    load_ms = (time.perf_counter() - t0) * 1e3
+    load_ms = ms_since(t0)
     rows, failed = [], 0
     for ref in refs:
         try:

@@ -22,7 +22,7 @@ from .service.pipeline import EncodeService
 from .service.settings import WorkerSettings
 from .service.stock_encode import StockEncoder
 
-log = logging.getLogger("mm_encoder.worker")
+log = logging.getLogger(__name__)
 
 
 class Worker:

@@ -37,7 +37,7 @@ VISION = {
 
 def _small_spec():
     spec = get_spec("kimi-k2.5-vision")
-    from mm_encoder.core.spec import tower_from_hf
+    from mm_encoder.model.hf_config import tower_from_hf
 
     return spec.model_copy(
         update={"tower": tower_from_hf(VISION), "projector": spec.projector.model_copy(update={"out_dim": 48})}

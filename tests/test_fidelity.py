@@ -21,9 +21,10 @@ from safetensors.torch import save_file
 
 from mm_encoder import CheckpointError, Encoder, get_spec, list_models
 from mm_encoder.core.errors import MediaError
-from mm_encoder.core.spec import PreprocessConfig, ProjectorConfig, spec_from_hf_config
+from mm_encoder.core.spec import PreprocessConfig, ProjectorConfig
 from mm_encoder.model import preprocess as pre
 from mm_encoder.model.checkpoint import build_empty, load_checkpoint, spec_for_checkpoint
+from mm_encoder.model.hf_config import spec_from_hf_config
 
 CPU = torch.device("cpu")
 

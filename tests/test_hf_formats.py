@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mm_encoder import CheckpointError, Encoder, get_spec
-from mm_encoder.core.spec import spec_from_hf_config
 from mm_encoder.model.checkpoint import spec_for_checkpoint, unpermute_rope
+from mm_encoder.model.hf_config import spec_from_hf_config
 from mm_encoder.model.media import VideoChunk
 
 transformers = pytest.importorskip("transformers")

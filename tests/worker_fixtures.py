@@ -195,7 +195,7 @@ async def engine_beside_worker(encoder, checkpoint, tmp_path, monkeypatch, **wor
         rpc = await rt.endpoint("mm.mm_encoder.encode").client()
         await asyncio.wait_for(rpc.wait_for_instances(), 30)
         async with engine_for(checkpoint, KvEventPublisher(endpoint, kv_block_size=16), rpc) as engine:
-            serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle))
+            serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.respond))
             try:
                 await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(checkpoint), SERVED,
                                      worker_type=WorkerType.Aggregated, kv_cache_block_size=16)

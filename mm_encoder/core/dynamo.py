@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import MMEncoderError, RemoteError
 from .requests import EncodeReply
+
+if TYPE_CHECKING:
+    from dynamo.runtime import DistributedRuntime
 
 NAMESPACE = "mm"  # Dynamo namespace of every component, unless a graph or option says otherwise
 BLOCK_SIZE = 16  # KV block size the engines use and the router hashes by
@@ -30,7 +33,7 @@ def endpoint_path(namespace: str, component: str = ENCODER_COMPONENT, endpoint: 
     return f"{namespace}.{component}.{endpoint}"
 
 
-def make_runtime(loop: asyncio.AbstractEventLoop):
+def make_runtime(loop: asyncio.AbstractEventLoop) -> DistributedRuntime:
     """Dynamo's DistributedRuntime as the environment configures it (defaults: `PLANES`)."""
     from dynamo.runtime import DistributedRuntime  # optional dependency: the `dynamo` extra
 
@@ -58,6 +61,14 @@ def client_error(e: MMEncoderError) -> Exception:
     return CannotConnect(text) if e.http_status == 503 else HttpError(e.http_status, text)
 
 
+def internal_error(e: BaseException) -> Exception:
+    """What a handler inside Dynamo's HTTP frontend raises for a bug: a 500 that names the
+    exception's type and nothing the request sent."""
+    from dynamo.llm.exceptions import HttpError
+
+    return HttpError(500, f"internal error: {type(e).__name__}")
+
+
 def worker_error(e: MMEncoderError) -> Exception:
     """The exception a worker behind Dynamo's stock frontend raises for `e`: the frontend shows the
     message of `InvalidArgument` (as a 400: a 404/413/422 keeps its code in the text) and answers
@@ -70,7 +81,7 @@ def worker_error(e: MMEncoderError) -> Exception:
     return CannotConnect(text) if e.http_status == 503 else Unknown(text)
 
 
-async def call_encode(client, request: dict[str, Any], *, header_only: bool = False) -> EncodeReply:
+async def call_encode(client: Any, request: dict[str, Any], *, header_only: bool = False) -> EncodeReply:
     """One encode request through a Dynamo client (round robin over the encode workers); the
     worker's reply (with `header_only`, its header and no body), or RemoteError with the worker's
     own code and status. Transport failures are Dynamo's exceptions, raised as they come."""

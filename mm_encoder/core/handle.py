@@ -33,15 +33,15 @@ from .dynamo import TOO_LARGE_HINT, call_encode, is_too_large
 from .errors import EncoderUnavailable, HandleError, RemoteError, RequestTooLarge, WireError
 from .requests import ProcessorOverrides
 
-log = logging.getLogger("mm_encoder.handle")
+log = logging.getLogger(__name__)
 
-HANDLE_VERSION = 1
+HANDLE_VERSION: Literal[1] = 1
 ROUTE = re.compile(r"[a-z]+(,[a-z]+){0,3}")  # X-Cache-Route: the tier names to visit, e.g. "cluster,shared"
 # Response headers may carry a video's grids and timestamps (X-MM-Meta): nginx and aiohttp default to 4-8 KB.
 MAX_HEADER_BYTES = 64 << 10
 
 
-def cache_key(model: str, processor: dict | None, url: str, scope: str, modality: str | None = None,
+def cache_key(model: str, processor: dict[str, Any] | None, url: str, scope: str, modality: str | None = None,
               revision: str | None = None) -> str:
     """The tiers' key for one item: everything the encoder's answer depends on, nothing else (the
     model's revision, when the request names one: another checkpoint is another answer)."""
@@ -128,7 +128,7 @@ class EncoderChain:
     """The encoders as one component reaches them: the HTTP cache chain first (`http_url`, the first
     tier or a worker), Dynamo RPC (`rpc_client`) when the chain itself fails or is not configured."""
 
-    def __init__(self, *, http_url: str | None = None, route: str = "cluster,shared", rpc_client=None,
+    def __init__(self, *, http_url: str | None = None, route: str = "cluster,shared", rpc_client: Any = None,
                  timeout_s: float = 600.0):
         if http_url is None and rpc_client is None:
             raise ValueError("EncoderChain needs an HTTP cache chain, a Dynamo RPC client, or both")
@@ -148,16 +148,22 @@ class EncoderChain:
 
     async def describe(self, source: Source) -> tuple[wire.WireHeader, str]:
         """The item's header (its body is computed and cached on the way, never sent here)."""
-        return await self._call(source, header_only=True)
+        header, where = await self._call(source, header_only=True)
+        if not isinstance(header, wire.WireHeader):
+            raise RemoteError("the encoder answered a body where a header was asked for")
+        return header, where
 
     async def fetch(self, source: Source) -> tuple[bytes, str]:
         """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes."""
-        return await self._call(source, header_only=False)
+        body, where = await self._call(source, header_only=False)
+        if not isinstance(body, bytes):
+            raise RemoteError("the encoder answered a header where a body was asked for")
+        return body, where
 
-    async def _call(self, source: Source, *, header_only: bool):
+    async def _call(self, source: Source, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         if self.http_url is not None:
             try:
-                return await self._http(source, header_only)
+                return await self._http(self.http_url, source, header_only)
             except EncoderUnavailable as e:
                 if self.rpc_client is None:
                     raise
@@ -165,17 +171,17 @@ class EncoderChain:
                 log.warning("cache chain failed (%s); falling back to direct RPC", e.message)
         return await self._rpc(source, header_only)
 
-    async def _http(self, source: Source, header_only: bool):
+    async def _http(self, chain: str, source: Source, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES)
         headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
-        method, url = ("HEAD", self.http_url) if header_only else ("POST", self.http_url + "/fetch")
+        method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         try:
             async with self._session.request(method, url, json=source.request(), headers=headers) as r:
                 body = b"" if header_only else await r.read()
                 status, rh = r.status, r.headers
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise EncoderUnavailable(f"cache chain {self.http_url} unreachable: {type(e).__name__}: {e}") from None
+            raise EncoderUnavailable(f"cache chain {chain} unreachable: {type(e).__name__}: {e}") from None
         where = f"http:{rh.get('X-Cache-Status', '')}"
         if status == 200:
             if header_only:
@@ -195,7 +201,7 @@ class EncoderChain:
             raise RemoteError.from_dict({**error, "status": status}, f"encoder answered {status}")
         raise RemoteError(rh.get("X-MM-Error", f"encoder answered {status}"), code, status)
 
-    async def _rpc(self, source: Source, header_only: bool):
+    async def _rpc(self, source: Source, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         client = self.rpc_client
         if client is None or not client.instance_ids():
             raise EncoderUnavailable("no encode worker is registered")
@@ -219,7 +225,8 @@ class HandleResolver:
     engine trusts that chain (an engine never fetches from an address a message picked), with this
     engine's own RPC client to the encode workers as the fallback."""
 
-    def __init__(self, trusted_chains: list[str] | tuple[str, ...] = (), rpc_client=None, timeout_s: float = 600.0):
+    def __init__(self, trusted_chains: list[str] | tuple[str, ...] = (), rpc_client: Any = None,
+                 timeout_s: float = 600.0):
         self.trusted = {chain_url(c) for c in trusted_chains}
         self.rpc_client = rpc_client
         self.timeout_s = timeout_s
@@ -265,7 +272,7 @@ def check_body(handle: MediaHandle, body: bytes) -> bytes:
     return body
 
 
-def _json_error(body: bytes) -> dict | None:
+def _json_error(body: bytes) -> dict[str, Any] | None:
     try:
         err = json.loads(body).get("error")
     except (ValueError, AttributeError):

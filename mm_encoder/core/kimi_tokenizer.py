@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ModelDirError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TIKTOKEN_FILE = "tiktoken.model"
 KIMI_CLASSES = ("TikTokenTokenizer", "tokenization_kimi.TikTokenTokenizer")
@@ -54,7 +57,7 @@ def is_kimi(tok_config: dict[str, Any]) -> bool:
     return named in KIMI_CLASSES or (isinstance(auto, str) and auto.endswith("TikTokenTokenizer"))
 
 
-def kimi_tokenizer(model_dir: Path, tok_config: dict[str, Any]):
+def kimi_tokenizer(model_dir: Path, tok_config: dict[str, Any]) -> Tokenizer:
     """`tiktoken.model` + the special tokens of `tokenizer_config.json` -> a `tokenizers.Tokenizer`
     that splits and ids text as Kimi's own tokenizer does."""
     try:
@@ -68,7 +71,7 @@ def kimi_tokenizer(model_dir: Path, tok_config: dict[str, Any]):
                             "known); add a tokenizer.json")
     ranks = read_ranks(model_dir / TIKTOKEN_FILE)
 
-    class _FromFile(TikTokenConverter):
+    class _FromFile(TikTokenConverter):  # type: ignore[misc]  # transformers is not analysed (pyproject)
         @staticmethod
         def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
             return ranks
@@ -77,7 +80,8 @@ def kimi_tokenizer(model_dir: Path, tok_config: dict[str, Any]):
              for k, v in (tok_config.get("added_tokens_decoder") or {}).items()}
     base = len(ranks)
     specials = [named.get(i, f"<|reserved_token_{i}|>") for i in range(base, base + NUM_SPECIAL)]
-    tok = _FromFile(str(model_dir / TIKTOKEN_FILE), pattern=KIMI_PATTERN, extra_special_tokens=specials).converted()
+    tok: Tokenizer = _FromFile(str(model_dir / TIKTOKEN_FILE), pattern=KIMI_PATTERN,
+                               extra_special_tokens=specials).converted()
     tok.post_processor = None  # ids as they are: no special tokens added around them
     wrong = [t for i, t in enumerate(specials, base) if tok.token_to_id(t) != i]
     if wrong or set(named) - set(range(base, base + NUM_SPECIAL)):

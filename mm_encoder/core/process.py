@@ -8,12 +8,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -29,7 +26,8 @@ def parse_settings(cls: type[S], argv: list[str] | None, check: Callable[[S], An
     """The settings, or None after printing why they are invalid (exit status 2). `check` may
     refuse them further (a ValueError, e.g. a model directory that is not one) before any start-up."""
     parser = argparse.ArgumentParser(prog=cls.model_config.get("cli_prog_name"), description=cls.__doc__)
-    source = CliSettingsSource(cls, root_parser=parser, add_argument_method=_add_argument)
+    source: CliSettingsSource[argparse.ArgumentParser] = CliSettingsSource(
+        cls, root_parser=parser, add_argument_method=_add_argument)
     try:
         settings = cls(_cli_settings_source=source(args=sys.argv[1:] if argv is None else argv))
     except ValidationError as e:
@@ -48,7 +46,7 @@ def parse_settings(cls: type[S], argv: list[str] | None, check: Callable[[S], An
     return settings
 
 
-def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any):
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
     """pydantic-settings' arguments, tidied for --help: argparse's own metavar (`--model MODEL`,
     not `--model str` or `{str,null}`), and a default said once when the description says it."""
     if isinstance(kwargs.get("metavar"), str):
@@ -66,42 +64,6 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def _tcp_inodes(port: int, state: str) -> set[str]:
-    """Inodes of the TCP sockets in this network namespace with local `port` in `state`
-    (/proc/net/tcp{,6}: "0A" listening, "01" established)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if f[3] == state and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(f[9])
-    return inodes
-
-
-def stop_listening(port: int) -> int:
-    """Stop this process's listening TCP sockets on `port` from accepting: new connections are
-    refused (the client knows nothing was sent) while connections already accepted are answered.
-    For servers whose listener this code does not own (Dynamo's HTTP server runs in Rust); found
-    through /proc/net/tcp{,6} and /proc/self/fd. Returns how many sockets were stopped."""
-    inodes = _tcp_inodes(port, "0A")
-    stopped = 0
-    for fd in Path("/proc/self/fd").iterdir():
-        with contextlib.suppress(OSError):
-            if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
-                # shutdown acts on the socket, not the descriptor: through a duplicate, the owner's
-                # accept() fails from now on and Linux answers new SYNs with a reset
-                with socket.socket(fileno=os.dup(int(fd.name))) as sock:
-                    sock.shutdown(socket.SHUT_RD)
-                stopped += 1
-    return stopped
-
-
-def open_connections(port: int) -> int:
-    """Established TCP connections on local `port` (clients' keep-alive connections included)."""
-    return len(_tcp_inodes(port, "01"))
 
 
 def run(main: Coroutine[Any, Any, Any], log_level: str = "INFO") -> int:

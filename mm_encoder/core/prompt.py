@@ -70,20 +70,20 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:
-            return self._hf.decode(ids, skip_special_tokens=True)
-        return self._tok.decode(ids, skip_special_tokens=True)
+            return str(self._hf.decode(ids, skip_special_tokens=True))
+        return str(self._tok.decode(ids, skip_special_tokens=True))
 
     def token_text(self, tid: int) -> str:
         """One token as text, special tokens included (a byte-level piece of a character shows as U+FFFD)."""
         if self._hf is not None:
-            return self._hf.decode([tid], skip_special_tokens=False)
-        return self._tok.decode([tid], skip_special_tokens=False)
+            return str(self._hf.decode([tid], skip_special_tokens=False))
+        return str(self._tok.decode([tid], skip_special_tokens=False))
 
     def token_bytes(self, tid: int) -> bytes:
         """One token's own bytes (OpenAI's `logprobs[].bytes`): a byte-level BPE piece maps back
         byte for byte; an added or special token is its text."""
         piece = self._hf.convert_ids_to_tokens(tid) if self._hf is not None else self._tok.id_to_token(tid)
-        if piece is None:
+        if not isinstance(piece, str):
             return b""
         return piece.encode() if piece in self._added else self.piece_bytes(piece)
 
@@ -110,7 +110,7 @@ class ChatTokenizer:
 
     def token_id(self, token: str) -> int:
         tid = self._hf.convert_tokens_to_ids(token) if self._hf is not None else self._tok.token_to_id(token)
-        if tid is None:
+        if not isinstance(tid, int):
             raise ModelDirError(f"the tokenizer has no token {token!r}")
         return tid
 
@@ -263,6 +263,7 @@ def check_model_dir(path: Path | None, flag: str = "--model-dir") -> Path | None
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
     except FileNotFoundError:
         return {}

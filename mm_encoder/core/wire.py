@@ -237,7 +237,7 @@ def _to_wire(t: torch.Tensor, byte_planes: bool) -> memoryview:
     u8 = t.view(torch.uint8).reshape(-1, k).numpy()  # [n, k] in host byte order; shares t's memory
     le = u8 if _HOST_LITTLE else u8[:, ::-1]  # [n, k], least significant byte first
     out = le[:, ::-1].T if byte_planes else le  # planes: [k, n], most significant plane first
-    return memoryview(np.ascontiguousarray(out).reshape(-1))  # no copy for plain on a little-endian host
+    return np.ascontiguousarray(out).reshape(-1).data  # no copy for plain on a little-endian host
 
 
 # ---------------------------------------------------------------------------------------- decode

@@ -31,6 +31,7 @@ from ..core.handle import HandleResolver
 from ..core.prompt import Splicer
 from ..core.requests import EngineRequest
 from ..core.sampling import SamplingParams
+from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos, to_signed64
 from .dynamo_request import chunk as dynamo_chunk
 from .dynamo_request import from_preprocessed
@@ -61,7 +62,7 @@ class Prompt:
 
 
 class Engine:
-    """The model, its prefix store and KV-event bookkeeping; `handle` is the Dynamo handler."""
+    """The model, its prefix store and KV-event bookkeeping; `respond` is the Dynamo handler."""
 
     def __init__(self, lm: LanguageModel, *, splicer: Splicer, block_size: int = 16, publisher=None,
                  resolver: HandleResolver | None = None, prefix_tokens: int = 1 << 16, inline=None,
@@ -135,7 +136,7 @@ class Engine:
 
     # --- the handler -------------------------------------------------------------------------
 
-    def handle(self, request: Any, context=None) -> AsyncIterator[dict[str, Any]]:
+    def respond(self, request: Any, context=None) -> AsyncIterator[dict[str, Any]]:
         """Dynamo's preprocessed request (it has `stop_conditions`; from the stock frontend) or ours
         (`EngineRequest`), told apart by shape, so either frontend can serve it."""
         if isinstance(request, dict) and "stop_conditions" in request:
@@ -172,7 +173,7 @@ class Engine:
             if first:  # what this engine spent before the first token: the frontend's /mm/stats
                 item["prompt_tokens"] = len(prompt.token_ids)
                 item["reused_tokens"] = reused
-                item["timings_ms"] = {**timings, "prefill": (time.perf_counter() - t0) * 1e3}
+                item["timings_ms"] = {**timings, "prefill": ms_since(t0)}
                 first = False
             yield item
 
@@ -184,7 +185,7 @@ class Engine:
         t1 = time.perf_counter()
         rows = await asyncio.get_running_loop().run_in_executor(self._pool, media_rows, req, bodies,
                                                                 self.lm.hidden_size)
-        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, ms_since(t1)
         placed = [Placed(h.mm_hash, h.header.modality, list(item.spans), [list(g) for g in h.header.grid_thws])
                   for h, item in zip(handles, req.media, strict=True)]
         return Prompt(req.token_ids, rows, placed)

@@ -41,6 +41,7 @@ from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
 from ..core.handle import HandleResolver
 from ..core.requests import EngineRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
+from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos
 from .inputs import check_spans, fetch_bodies
 from .sampling import Step
@@ -159,7 +160,7 @@ class VllmEngine:
         bodies = await fetch_bodies(req, self.resolver, handles)
         t1 = time.perf_counter()
         spans = await asyncio.to_thread(items, req, bodies, self.family, handles)
-        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, ms_since(t1)
         if not spans:
             return tokens_input(req.token_ids)
         if self.family.route == "mm":  # vLLM's multimodal processor (and the GLM plugin's parser) via its renderer
@@ -211,7 +212,7 @@ class VllmEngine:
                             **self._logprobs(comp, sent + i, token)}
                     if sent + i == 0:  # what the frontend's /mm/stats reads from the first item
                         item.update(prompt_tokens=len(req.token_ids), reused_tokens=out.num_cached_tokens or 0,
-                                    timings_ms={**timings, "prefill": (time.perf_counter() - t0) * 1e3})
+                                    timings_ms={**timings, "prefill": ms_since(t0)})
                     yield item
                 sent = len(comp.token_ids)
                 if context is not None and context.is_stopped():

@@ -106,7 +106,7 @@ async def serve(s: EngineSettings) -> None:
     await metrics.create_endpoint(endpoint)
     engine.metrics = metrics
     name = s.name or s.checkpoint.resolve().name
-    serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.handle, graceful_shutdown=True))
+    serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.respond, graceful_shutdown=True))
     stock: dict[str, Any] = {}
     if s.frontend == "stock":  # Dynamo's frontend calls the Encode worker first and forwards its result here
         rc = ModelRuntimeConfig()

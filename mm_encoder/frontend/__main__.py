@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import sys
-import time
 
 from ..core.dynamo import make_runtime
-from ..core.process import open_connections, parse_settings, run, stop_listening, stop_on_signals
+from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import check_model_dir
+from .drain import drain
 from .metrics import exposition
 from .provider import ProcessorFactory
 from .settings import FrontendSettings
-
-log = logging.getLogger("mm_encoder.frontend")
-QUIET_S = 1.0  # a drain closes clients' connections once none has carried a request for this long
 
 
 async def serve(s: FrontendSettings) -> None:
@@ -48,30 +44,6 @@ async def serve(s: FrontendSettings) -> None:
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serving, 30)
     await factory.close()
-
-
-async def drain(factory: ProcessorFactory, s: FrontendSettings) -> None:
-    """Shut down without cutting a request off, within `--drain-timeout-s`:
-    1. new requests get 503 `draining` while those in flight finish;
-    2. the listener stops accepting: new connections are refused, so a client knows nothing was sent;
-    3. while clients keep sending on their open connections, they still get the 503; once every
-       connection is closed, or none has carried a request for `QUIET_S`, Dynamo closes the rest.
-    Why 3: closing a keep-alive connection races a request the client is sending on it (it would
-    see a reset), and Dynamo's HTTP server cannot say `Connection: close` on the 503 instead."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + s.drain_timeout_s
-    if not await factory.drain(s.drain_timeout_s):
-        log.warning("drain: requests still in flight after %.0f s", s.drain_timeout_s)
-        return
-    if not stop_listening(s.http_port):
-        log.warning("drain: no listener found on port %d to stop", s.http_port)
-    while (open_connections(s.http_port) and time.monotonic() - factory.last_request() < QUIET_S
-           and loop.time() < deadline):
-        await asyncio.sleep(0.1)  # polling the kernel's connection table; there is no event for it
-    left = open_connections(s.http_port)
-    if left:
-        log.info("drain: closing %d idle client connections", left)
-    await factory.drain(max(0.0, deadline - loop.time()))
 
 
 RUNTIME_THREADS = "DYN_RUNTIME_NUM_WORKER_THREADS"

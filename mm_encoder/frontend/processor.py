@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.dynamo import TOO_LARGE_HINT, client_error, is_too_large
+from ..core.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
 from ..core.errors import (
     ContextOverflow,
     Draining,
@@ -34,11 +34,12 @@ from ..core.prompt import ChatTokenizer, Splicer
 from ..core.requests import EngineRequest, MediaInput
 from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
+from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos
 from .chat import IncrementalDetokenizer, StopStrings, parse_messages, text_bytes
 from .encoder_client import EncoderClient
 
-log = logging.getLogger("mm_encoder.frontend")
+log = logging.getLogger(__name__)
 # Prompts with at most this much text are rendered and tokenized on the event loop (well under a
 # millisecond); longer ones in a thread, so one long prompt does not stall every other request.
 INLINE_TEXT_BYTES = 4096
@@ -68,6 +69,55 @@ class Limits:
     # Requests in flight at once (any kind); beyond: 503. About what the engines take in a few
     # seconds: a deeper queue only makes every request late.
     max_inflight_requests: int = 128
+
+
+@dataclass
+class _Sent:
+    """A request in an engine's hands: what streaming its answer needs."""
+
+    rid: str
+    params: SamplingParams
+    stream: Any  # the engine's response stream
+    prompt_tokens: int | None  # None: the engine counts them (the aggregated baseline)
+    timings: dict[str, float]  # shown at /mm/stats; the answer adds the engine's
+    t0: float  # time.perf_counter() at dispatch
+
+
+class _Hold:
+    """One request's hold on its processor: a place among the requests in flight, a media slot
+    while it has media and no answer yet, a count among those waiting for an engine's first item,
+    and a place in the KV router's books. `release` gives back each exactly once, however the
+    request ends: answered, refused, failed or cancelled."""
+
+    def __init__(self, proc: MultimodalProcessor, rid: str):
+        self.proc, self.rid = proc, rid
+        self.slot = self.routed = self.waiting = False
+        proc._inflight += 1
+
+    async def take_media_slot(self) -> None:
+        await self.proc._media_slots.acquire()
+        self.slot = True
+
+    def sent(self) -> None:
+        """An engine has the request: counted until its first item."""
+        self.proc.stats.media_requests_in_flight += 1
+        self.waiting = True
+
+    def first_item(self) -> None:
+        """The engine answered: the media slot and the wait go back."""
+        if self.waiting:
+            self.proc.stats.media_requests_in_flight -= 1
+            self.waiting = False
+        if self.slot:
+            self.proc._media_slots.release()
+            self.slot = False
+
+    def release(self) -> None:
+        self.first_item()
+        if self.routed:
+            self.proc._router_note(self.proc.router.free, self.rid)
+            self.routed = False
+        self.proc._inflight -= 1
 
 
 class MultimodalProcessor:
@@ -111,29 +161,34 @@ class MultimodalProcessor:
         return min(params.max_tokens or self.limits.default_max_tokens, room)
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
-        """One chat request, if fewer than `max_inflight_requests` are in flight: beyond that a 503
-        at once, not a queue that grows until clients time out (measured: tests/reliability/soak.py)."""
+        """One chat request: admitted (`_admit`), made ready and sent to an engine (`_dispatch`), its
+        answer streamed back as OpenAI chunks (`_answer`). What it holds of this processor while in
+        flight is one `_Hold`, given back whichever way the request ends."""
         self.last_request = time.monotonic()
+        self._admit()
+        hold = _Hold(self, uuid.uuid4().hex)
+        try:
+            sent = await self._dispatch(request, hold)
+            async for chunk in self._answer(sent, hold, context):
+                yield chunk
+        finally:
+            hold.release()
+
+    def _admit(self) -> None:
+        """Fewer than `max_inflight_requests` in flight, or a 503 at once: not a queue that grows
+        until clients time out (measured: tests/reliability/soak.py)."""
         if self.draining or self._inflight >= self.limits.max_inflight_requests:
             e = Draining("this frontend is shutting down; retry on another replica") if self.draining else \
                 Overloaded(f"{self._inflight} requests are in flight (--max-inflight-requests); retry shortly")
             self.stats.errors[e.code] += 1
             raise client_error(e)
-        self._inflight += 1
-        try:
-            async for chunk in self._generate(request, context):
-                yield chunk
-        finally:
-            self._inflight -= 1
 
-    async def _generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
-        from dynamo.llm import HttpError
-
-        rid = uuid.uuid4().hex
+    async def _dispatch(self, request: dict[str, Any], hold: _Hold) -> _Sent:
+        """Parse, render, encode the media, expand, route and send; a refusal is raised as the
+        client's error (a bug as a 500), counted and logged once."""
+        rid = hold.rid
         self.stats.requests += 1
         log.debug("request %s fields %s", rid, sorted(request))
-        routed = False
-        slot = False
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         try:
@@ -144,90 +199,89 @@ class MultimodalProcessor:
             # blocked; a short one takes less than the hop to a thread and back
             inline = size <= INLINE_TEXT_BYTES
             text = self.tok.render(messages) if inline else await asyncio.to_thread(self.tok.render, messages)
+            interim = self._interim(request, params)
             if self.inline_media:
-                stream, prompt_tokens = await self._dispatch_inline(rid, params, text, media, timings,
-                                                                    self._interim(request, params))
-                routed = True
-            else:
-                if media:
-                    await self._media_slots.acquire()
-                    slot = True
-                t_enc = time.perf_counter()
-                encoded = await self.encoder.embed_all(media) if media else []
-                timings["encode_ms"] = (time.perf_counter() - t_enc) * 1e3
-                self.stats.media_items += len(media)
-                grids = [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded]
-                spliced = (self.splicer.expand_text(text, grids) if inline and not encoded
-                           else await asyncio.to_thread(self.splicer.expand_text, text, grids))
-                prompt_tokens = len(spliced.token_ids)
-                max_tokens = self.max_tokens_for(params, prompt_tokens)
-                spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
-                infos = block_mm_infos(prompt_tokens, self.block_size, spans)
-                t_route = time.perf_counter()
-                try:
-                    worker_id, _, overlap = await self.router.best_worker(spliced.token_ids, block_mm_infos=infos,
-                                                                          request_id=rid)
-                except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
-                    raise EngineUnavailable(f"no engine to route to: {e}") from None
-                routed = True
-                timings["route_ms"] = (time.perf_counter() - t_route) * 1e3
-                self.stats.routed[str(worker_id)] += 1
-                self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
-                                          "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans],
-                                          "timings": timings})
-                payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
-                                        [MediaInput(e.handle.to_dict(), list(s.spans), e.body)
-                                         for e, s in zip(encoded, spans, strict=True)],
-                                        sampling=params.to_dict(), stream=self._interim(request, params)).to_dict()
-                stream = await self._send(payload, worker_id)
-                self.stats.media_requests_in_flight += 1
-        except BaseException as e:
-            if slot:
-                self._media_slots.release()
-            if isinstance(e, MMEncoderError):
-                await self._failed(rid, e.code, routed)
-                log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
-                raise client_error(e) from None
-            if isinstance(e, Exception):
-                await self._failed(rid, "internal", routed)
-                log.exception("request %s failed before the engine", rid)
-                raise HttpError(500, f"internal error: {type(e).__name__}") from None
-            if routed:  # cancelled: the client went away
-                await self._router_call(self.router.free, rid)
-            raise
+                stream = await self._dispatch_inline(hold, params, text, media, timings, interim)
+                return _Sent(rid, params, stream, None, timings, t0)
+            if media:
+                await hold.take_media_slot()
+            t_enc = time.perf_counter()
+            encoded = await self.encoder.embed_all(media) if media else []
+            timings["encode_ms"] = ms_since(t_enc)
+            self.stats.media_items += len(media)
+            grids = [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded]
+            spliced = (self.splicer.expand_text(text, grids) if inline and not encoded
+                       else await asyncio.to_thread(self.splicer.expand_text, text, grids))
+            prompt_tokens = len(spliced.token_ids)
+            max_tokens = self.max_tokens_for(params, prompt_tokens)
+            spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
+            t_route = time.perf_counter()
+            worker_id, overlap = await self._route(hold, spliced.token_ids,
+                                                   block_mm_infos(prompt_tokens, self.block_size, spans))
+            timings["route_ms"] = ms_since(t_route)
+            self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
+                                      "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans],
+                                      "timings": timings})
+            payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
+                                    [MediaInput(e.handle.to_dict(), list(s.spans), e.body)
+                                     for e, s in zip(encoded, spans, strict=True)],
+                                    sampling=params.to_dict(), stream=interim).to_dict()
+            stream = await self._send(payload, worker_id)
+            hold.sent()
+            return _Sent(rid, params, stream, prompt_tokens, timings, t0)
+        except MMEncoderError as e:
+            self.stats.errors[e.code] += 1
+            log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
+            raise client_error(e) from None
+        except Exception as e:
+            self.stats.errors["internal"] += 1
+            log.exception("request %s failed before the engine", rid)
+            raise internal_error(e) from None
 
+    async def _route(self, hold: _Hold, token_ids: list[int], infos=None) -> tuple[int, int]:
+        """(engine, overlapping blocks) from Dynamo's KV router, which from then on counts the
+        request on that engine until `_Hold.release` frees it."""
+        try:
+            worker_id, _, overlap = await self.router.best_worker(token_ids, block_mm_infos=infos,
+                                                                  request_id=hold.rid)
+        except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
+            raise EngineUnavailable(f"no engine to route to: {e}") from None
+        hold.routed = True
+        self.stats.routed[str(worker_id)] += 1
+        return worker_id, overlap
+
+    async def _answer(self, sent: _Sent, hold: _Hold, context=None) -> AsyncIterator[dict[str, Any]]:
+        """The engine's items as OpenAI chunks, one per item (the tokens the engine had ready, even
+        when they decode to no text yet), with exact stop-string semantics over batched items."""
+        rid, params, timings = sent.rid, sent.params, sent.timings
         created = int(time.time())
         detok = IncrementalDetokenizer(self.tok)
         stops = StopStrings(params.stop)
-        finish = None
+        prompt_tokens = sent.prompt_tokens
         first = True
         try:
-            async for data in _engine_items(stream):
+            async for data in _engine_items(sent.stream):
                 if "error" in data:  # the engine refused the request before its first token
                     e = RemoteError.from_dict(data["error"], "the engine failed without a message")
                     self.stats.errors[e.code] += 1
                     log.warning("request %s refused by the engine: [%s] %s", rid, e.code, e.message)
                     raise client_error(e)
+                finish = data.get("finish_reason")
                 if first:
-                    timings["first_token_ms"] = (time.perf_counter() - t0) * 1e3
+                    first = False
+                    timings["first_token_ms"] = ms_since(sent.t0)
                     for stage, ms in (data.get("timings_ms") or {}).items():  # the engine's: fetch, decode, prefill
                         timings[f"engine_{stage}_ms"] = ms
                     timings["reused_tokens"] = data.get("reused_tokens", 0)  # from the engine's prefix store
-                    self.stats.media_requests_in_flight -= 1
-                    first = False
-                    if slot:
-                        self._media_slots.release()
-                        slot = False
-                    if not data.get("finish_reason"):  # else free, below, does it in one call
+                    hold.first_item()
+                    if not finish:  # else the router's free, at the end, does it in one call
                         self._router_note(self.router.mark_prefill_complete, rid)
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
                     prompt_tokens = timings["prompt_tokens"] = data.get("prompt_tokens", 0)
-                finish = data.get("finish_reason")
                 delta, used, matched = _text(detok, stops, data.get("token_ids", []), bool(finish))
                 if matched:  # a stop string: the text ends before it, and so does generation
                     finish = "stop"
                     data = _first_tokens(data, used)
-                # one chunk per engine item (the tokens the engine had ready), even when they decode to no text yet
                 logprobs = self._logprobs(data, params.top_logprobs) if params.logprobs else None
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
                                   len(detok.ids), logprobs)
@@ -239,12 +293,6 @@ class MultimodalProcessor:
             self.stats.errors[e.code] += 1
             log.warning("request %s: [%s] %s", rid, e.code, e.message)
             raise client_error(e) from None
-        finally:
-            if first:
-                self.stats.media_requests_in_flight -= 1
-            if slot:
-                self._media_slots.release()
-            self._router_note(self.router.free, rid)
 
     @staticmethod
     def _interim(request: dict[str, Any], params: SamplingParams) -> bool:
@@ -268,27 +316,23 @@ class MultimodalProcessor:
         except Exception as e:  # Dynamo raises plain Exceptions here
             log.debug("request %s: router bookkeeping: %s", rid, e)
 
-    async def _dispatch_inline(self, rid: str, params: SamplingParams, text: str, media,
-                               timings: dict[str, float], interim: bool) -> tuple:
+    async def _dispatch_inline(self, hold: _Hold, params: SamplingParams, text: str, media,
+                               timings: dict[str, float], interim: bool):
         """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
-        engine fetch, encode and expand."""
+        engine fetch, encode and expand; the engine's stream."""
         flat = await asyncio.to_thread(self.tok.encode, text)
         asked = params.max_tokens or self.limits.default_max_tokens
-        try:
-            worker_id, _, overlap = await self.router.best_worker(flat, request_id=rid)
-        except Exception as e:
-            raise EngineUnavailable(f"no engine to route to: {e}") from None
-        self.stats.routed[str(worker_id)] += 1
+        worker_id, overlap = await self._route(hold, flat)
         self.stats.media_items += len(media)
-        self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
+        self.stats.recent.append({"request_id": hold.rid, "worker_id": worker_id, "overlap_blocks": overlap,
                                   "prompt_tokens": None, "media": [m.url[:64] for m in media],
                                   "timings": timings})  # the engine's timings and reused tokens, once known
-        payload = EngineRequest(rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
+        payload = EngineRequest(hold.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
                                 stream=interim,
                                 prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
         stream = await self._send(payload.to_dict(), worker_id)
-        self.stats.media_requests_in_flight += 1
-        return stream, None
+        hold.sent()
+        return stream
 
     async def _send(self, payload: dict[str, Any], worker_id: int):
         """Send to the routed engine; if it is unreachable (a crashed engine stays in file discovery
@@ -307,13 +351,6 @@ class MultimodalProcessor:
             return await self.engine_client.direct(payload, others[0])
         except Exception as e:
             raise EngineUnavailable(f"no engine reachable: {e}") from None
-
-    async def _failed(self, rid: str, code: str, routed: bool) -> None:
-        """Count the error (Dynamo's frontend shows clients only the status; the code is here and
-        in the log) and release the router's bookkeeping for a request it had placed."""
-        self.stats.errors[code] += 1
-        if routed:
-            await self._router_call(self.router.free, rid)
 
     def _logprobs(self, data: dict[str, Any], top: int) -> dict[str, Any]:
         """The engine's logprobs for this step's tokens in OpenAI's form (`choices[].logprobs`): per

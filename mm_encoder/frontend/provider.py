@@ -18,15 +18,29 @@ runtime from the process's environment (the launcher passes its own).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.card import ModelCard
 from ..core.dynamo import GENERATE_ENDPOINT, endpoint_path, make_runtime
 from ..core.prompt import ChatTokenizer
 from ..core.registry import get_spec
+from ..core.spec import ModelSpec
 from .encoder_client import EncoderClient
 from .processor import Limits, MultimodalProcessor
 from .settings import FrontendSettings
+
+
+@dataclass(frozen=True)
+class SharedParts:
+    """What every served model's processor shares: built once per frontend process."""
+
+    card: ModelCard
+    spec: ModelSpec
+    tokenizer: ChatTokenizer
+    engine_client: Any  # Dynamo's client of the engines' generate endpoint
+    router: Any  # Dynamo's KvRouter over the same endpoint
+    limits: Limits
 
 
 class ProcessorFactory:
@@ -37,17 +51,17 @@ class ProcessorFactory:
         self.runtime = runtime  # None: the process's own (Dynamo's frontend made it)
         self.processors: dict[str, MultimodalProcessor] = {}
         self.encoder: EncoderClient | None = None
-        self._parts: dict[str, Any] | None = None
+        self._parts: SharedParts | None = None
         self._lock = asyncio.Lock()
 
-    async def parts(self) -> dict[str, Any]:
+    async def parts(self) -> SharedParts:
         """What every model's processor shares; built once."""
         async with self._lock:
             if self._parts is None:
                 self._parts = await self._build()
         return self._parts
 
-    async def _build(self) -> dict[str, Any]:
+    async def _build(self) -> SharedParts:
         from dynamo.llm import KvRouter, KvRouterConfig
 
         s = self.s
@@ -62,25 +76,23 @@ class ProcessorFactory:
             self.encoder = EncoderClient(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc,
                                          timeout_s=s.encoder_timeout_s, namespace=s.namespace if use_rpc else None,
                                          send_bodies=s.media_transport == "body", revision=card.revision)
-        return {
-            "card": card, "spec": spec, "tokenizer": ChatTokenizer(s.model_dir, s.allow_remote_code),
-            "engine_client": await runtime.endpoint(engine_path).client(),
-            "router": KvRouter(runtime.endpoint(engine_path), s.block_size,
-                               KvRouterConfig(router_assume_kv_reuse=s.router_assume_kv_reuse)),
-            "eos": card.eos_token_ids,
-            "limits": Limits(context_length=card.context_length,
-                             default_max_tokens=s.default_max_tokens, max_media=s.max_media,
-                             max_inflight_media=s.max_inflight_media, max_inflight_requests=s.max_inflight_requests),
-        }
+        return SharedParts(
+            card=card, spec=spec, tokenizer=ChatTokenizer(s.model_dir, s.allow_remote_code),
+            engine_client=await runtime.endpoint(engine_path).client(),
+            router=KvRouter(runtime.endpoint(engine_path), s.block_size,
+                            KvRouterConfig(router_assume_kv_reuse=s.router_assume_kv_reuse)),
+            limits=Limits(context_length=card.context_length, default_max_tokens=s.default_max_tokens,
+                          max_media=s.max_media, max_inflight_media=s.max_inflight_media,
+                          max_inflight_requests=s.max_inflight_requests))
 
     async def processor(self, name: str | None = None) -> MultimodalProcessor:
         p = await self.parts()
         name = str(name or self.s.model_dir.resolve().name)
         if name not in self.processors:
             self.processors[name] = MultimodalProcessor(
-                served_name=name, spec=p["spec"], tokenizer=p["tokenizer"], encoder=self.encoder,
-                router=p["router"], engine_client=p["engine_client"], block_size=self.s.block_size,
-                eos_token_ids=p["eos"], limits=p["limits"], inline_media=self.s.inline_media)
+                served_name=name, spec=p.spec, tokenizer=p.tokenizer, encoder=self.encoder,
+                router=p.router, engine_client=p.engine_client, block_size=self.s.block_size,
+                eos_token_ids=p.card.eos_token_ids, limits=p.limits, inline_media=self.s.inline_media)
         return self.processors[name]
 
     async def __call__(self, instance_id, card, routed_engine):

@@ -26,11 +26,12 @@ from torch import nn
 from ..core.card import index_bytes
 from ..core.errors import CheckpointError
 from ..core.registry import get_spec
-from ..core.spec import HF_MODEL_TYPES, Grid, ModelSpec, file_revision, preprocess_from_hf, spec_from_hf_config
+from ..core.spec import HF_MODEL_TYPES, Grid, ModelSpec, file_revision
+from .hf_config import preprocess_from_hf, spec_from_hf_config
 from .projectors import Projector, build_projector
 from .tower import BatchPlan, MoonViT
 
-log = logging.getLogger("mm_encoder.checkpoint")
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -27,13 +27,14 @@ from PIL import Image
 from ..core.errors import MediaError
 from ..core.registry import DEFAULT_MODEL, get_spec
 from ..core.spec import Grid, MediaLimits, ModelSpec, PreprocessConfig, tokens_for_grid
+from ..core.timing import ms_since
 from . import media
 from .checkpoint import LoadReport, VisionModel, build_empty, init_random, load_checkpoint, spec_for_checkpoint
 from .hashing import content_hash, mm_hash
 from .media import VideoChunk
 from .preprocess import num_tokens, preprocess_frames
 
-log = logging.getLogger("mm_encoder")
+log = logging.getLogger(__name__)
 
 Item = bytes | bytearray | memoryview | Image.Image | VideoChunk
 # Patches per forward pass, the one batch cap (the worker's --batch-max-patches): 8192 keeps a
@@ -73,10 +74,6 @@ class Prepared:
     @property
     def num_tokens(self) -> int:
         return tokens_for_grid(self.grid)
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1e3
 
 
 def default_device() -> torch.device:
@@ -173,7 +170,7 @@ class Encoder:
                 spec.name,
                 spec.seed,
             )
-        log.info("model %s ready on %s/%s in %.0f ms", spec.name, dev, str(dt).removeprefix("torch."), _ms(t0))
+        log.info("model %s ready on %s/%s in %.0f ms", spec.name, dev, str(dt).removeprefix("torch."), ms_since(t0))
         return cls(spec, model, device=dev, dtype=dt, load_report=report, **kwargs)
 
     @classmethod
@@ -274,7 +271,7 @@ class Encoder:
             while True:
                 t0 = time.perf_counter()
                 chunk = next(chunks, None)
-                decode_ms += _ms(t0)
+                decode_ms += ms_since(t0)
                 if chunk is None:
                     break
                 prepared.append(self._prepare_chunk(chunk, cfg))
@@ -288,13 +285,13 @@ class Encoder:
         img = media.open_image(data, self.limits)
         num_tokens(*img.size, cfg, self.spec.tower.patch_size)  # a size the policy refuses, before decoding
         rgb = media.image_to_rgb(img, self.limits)
-        return self._prepared(rgb, cfg, h, "image", None, _ms(t0))
+        return self._prepared(rgb, cfg, h, "image", None, ms_since(t0))
 
     def _prepare_pil(self, img: Image.Image, cfg: PreprocessConfig) -> Prepared:
         t0 = time.perf_counter()
         media.check_dimensions(*img.size, self.limits)
         h = mm_hash(self.identity(cfg), "image", f"{img.mode}:{img.size}".encode() + img.tobytes())
-        return self._prepared(media.image_to_rgb(img, self.limits), cfg, h, "image", None, _ms(t0))
+        return self._prepared(media.image_to_rgb(img, self.limits), cfg, h, "image", None, ms_since(t0))
 
     def _prepare_chunk(self, chunk: VideoChunk, cfg: PreprocessConfig) -> Prepared:
         t0 = time.perf_counter()
@@ -306,7 +303,7 @@ class Encoder:
         media.check_dimensions(frames.shape[2], frames.shape[1], self.limits, "video frame")
         source = chunk.source_hash or content_hash(frames.contiguous().numpy().tobytes())
         h = mm_hash(self.identity(cfg), "video", source.encode(), chunk=chunk.index)
-        return self._prepared(frames, cfg, h, "video", chunk.timestamp_str, _ms(t0))
+        return self._prepared(frames, cfg, h, "video", chunk.timestamp_str, ms_since(t0))
 
     def _prepared(self, rgb: torch.Tensor, cfg: PreprocessConfig, h: str, modality: str, timestamp: str | None,
                   decode_ms: float) -> Prepared:
@@ -318,7 +315,7 @@ class Encoder:
         # may overshoot while it waits.
         media.PREPARED_BUDGET.acquire(n, self.limits)
         weakref.finalize(pixel_values, media.PREPARED_BUDGET.release, n)
-        return Prepared(pixel_values, grid, h, modality, timestamp, {"decode": decode_ms, "preprocess": _ms(t0)})
+        return Prepared(pixel_values, grid, h, modality, timestamp, {"decode": decode_ms, "preprocess": ms_since(t0)})
 
     # --- encoding ---------------------------------------------------------------------------
 
@@ -355,7 +352,7 @@ class Encoder:
             if event is not None:
                 event.synchronize()
             outputs.extend(host.split([p.num_tokens for p in batch]))
-        return outputs, _ms(t0)
+        return outputs, ms_since(t0)
 
     @staticmethod
     def finish(prepared: Sequence[Prepared], outputs: Sequence[torch.Tensor], forward_ms: float) -> list[EncodedMedia]:

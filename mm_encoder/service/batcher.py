@@ -20,15 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from ..core import wire
+from ..core.timing import ms_since
 from ..model.encoder import Encoder, Prepared
 from .metrics import ServiceMetrics
 from .settings import WorkerSettings
 
-log = logging.getLogger("mm_encoder.service")
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1e3
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,7 +89,7 @@ class DeviceBatcher:
         if packed is None:
             t0 = time.perf_counter()
             packed = await loop.run_in_executor(self._post, self.pack, job, outputs)
-            timings["pack"] = _ms(t0)
+            timings["pack"] = ms_since(t0)
         else:
             packed, timings["pack"] = packed
         return packed, timings
@@ -152,7 +149,7 @@ class DeviceBatcher:
         packed = []
         for job, outs in zip(batch, per_job, strict=True):
             t0 = time.perf_counter()
-            packed.append((self.pack(job, outs), _ms(t0)))
+            packed.append((self.pack(job, outs), ms_since(t0)))
         return per_job, forward_ms, packed
 
     def pack(self, job: Job, outputs: list[torch.Tensor]) -> bytes:

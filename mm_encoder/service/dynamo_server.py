@@ -20,7 +20,7 @@ from ..core.errors import MMEncoderError
 from ..core.requests import EncodeRequest
 from .pipeline import EncodeResult, EncodeService
 
-log = logging.getLogger("mm_encoder.dynamo")
+log = logging.getLogger(__name__)
 
 
 class DynamoServer:
@@ -37,11 +37,11 @@ class DynamoServer:
         endpoint.metrics.register_prometheus_expfmt_callback(lambda: self.service.metrics.render().decode())
         # serve_endpoint returns a future that resolves when the endpoint stops serving.
         self._task = asyncio.ensure_future(
-            endpoint.serve_endpoint(self.handle, graceful_shutdown=True, health_check_payload=HEALTH_PAYLOAD)
+            endpoint.serve_endpoint(self.encode, graceful_shutdown=True, health_check_payload=HEALTH_PAYLOAD)
         )
         log.info("serving Dynamo endpoint %s", self.path)
 
-    async def handle(self, request: Any, context) -> AsyncIterator[dict[str, Any]]:
+    async def encode(self, request: Any, context) -> AsyncIterator[dict[str, Any]]:
         if isinstance(request, dict) and request.get("health_check"):
             yield {"ready": self.service.ready}
             return
@@ -64,7 +64,7 @@ class DynamoServer:
 
     async def _unless_stopped(self, req: EncodeRequest, context) -> EncodeResult:
         """Run the request, cancelling it if the caller stops the stream (queued work is dropped)."""
-        work = asyncio.ensure_future(self.service.handle(req, "dynamo"))
+        work = asyncio.ensure_future(self.service.encode(req, "dynamo"))
         stopped = context.async_killed_or_stopped() if context is not None else None
         if stopped is None:
             return await work

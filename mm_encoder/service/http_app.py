@@ -29,7 +29,7 @@ from ..core.errors import BadRequest, MMEncoderError, Overloaded, UnsupportedEnc
 from ..core.requests import EncodeRequest, unique_keys
 from .pipeline import EncodeService
 
-log = logging.getLogger("mm_encoder.http")
+log = logging.getLogger(__name__)
 
 SERVICE_KEY = web.AppKey("service", EncodeService)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -138,7 +138,7 @@ async def post_encode(request: web.Request) -> web.Response:
     except MMEncoderError as e:
         service.metrics.refused("http", e.code)
         raise
-    result = await service.handle(req, "http")
+    result = await service.encode(req, "http")
     body, ctype = result.body, wire.CONTENT_TYPE
     if _wants_json(request):  # legacy json+base64, for comparison only
         body = await asyncio.get_running_loop().run_in_executor(None, wire.to_json, result.body)

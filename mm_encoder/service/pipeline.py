@@ -1,6 +1,6 @@
 """`EncodeService`: the engine behind both transports. One request reads top to bottom:
 
-    handle         count, time and log the request; 503 while draining
+    encode         count, time and log the request; 503 while draining
     _answer        URL alias (scope, url, identity) -> mm_hash -> body: hit, answer
     _from_url      miss: fetch (async I/O), once per URL in flight (single-flight)
     _from_bytes    identify (modality + mm_hash, in a thread when big) -> body cache
@@ -27,6 +27,7 @@ from ..core import wire
 from ..core.errors import Draining, MediaError, Overloaded, RevisionMismatch, UnknownModelError
 from ..core.requests import EncodeReply, EncodeRequest
 from ..core.spec import PreprocessConfig
+from ..core.timing import ms_since
 from ..fetch import Fetcher
 from ..model.encoder import Encoder
 from .batcher import DeviceBatcher
@@ -34,7 +35,7 @@ from .caches import AliasCache, BodyCache, SingleFlight
 from .metrics import ServiceMetrics
 from .settings import WorkerSettings
 
-log = logging.getLogger("mm_encoder.service")
+log = logging.getLogger(__name__)
 
 _HASH_IN_THREAD_BYTES = 1 << 20  # blake3 runs ~6 GB/s: below 1 MiB a thread hop costs more than it saves
 
@@ -42,10 +43,6 @@ _HASH_IN_THREAD_BYTES = 1 << 20  # blake3 runs ~6 GB/s: below 1 MiB a thread hop
 def _check_modality(asked: str | None, found: str) -> None:
     if asked is not None and asked != found:
         raise MediaError("bad_input", f"modality is {asked!r} but the bytes are {found}; fix or omit it")
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1e3
 
 
 @dataclass
@@ -127,7 +124,7 @@ class EncodeService:
             raise RevisionMismatch(f"model {name} here is revision {self.encoder.spec.revision}, the request expects "
                                    f"{revision}: the frontend and this encoder read different checkpoints")
 
-    async def handle(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
+    async def encode(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
         t0 = time.perf_counter()
         self._inflight += 1
         self._idle.clear()
@@ -145,7 +142,7 @@ class EncodeService:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        result.timings_ms["total"] = _ms(t0)
+        result.timings_ms["total"] = ms_since(t0)
         self.metrics.served(transport, result.source, result.timings_ms, len(result.body))
         log.log(
             logging.DEBUG if result.source in ("alias", "mm_hash") else logging.INFO,
@@ -183,7 +180,7 @@ class EncodeService:
             self.metrics.fetches.inc()
             fetched = await self.fetcher.fetch(req.url)
             self.metrics.fetch_bytes.inc(len(fetched.data))
-            timings = {"fetch": _ms(t0)}
+            timings = {"fetch": ms_since(t0)}
         result = await self._from_bytes(fetched.data, req.modality, cfg, timings)
         self.alias.put(req.scope, req.url, identity, result.mm_hash)  # only after success: errors are not cached
         return result

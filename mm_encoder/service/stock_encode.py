@@ -28,7 +28,7 @@ from ..core.handle import ENCODER_RESULT_VERSION, MediaHandle, Source, encoder_r
 from ..core.requests import EncodeRequest
 from .pipeline import EncodeService
 
-log = logging.getLogger("mm_encoder.stock_encode")
+log = logging.getLogger(__name__)
 
 STOCK_COMPONENT, STOCK_ENDPOINT = "encoder", "generate"
 MODALITY_KEYS = {"image_url": "image", "video_url": "video"}
@@ -97,7 +97,7 @@ class StockEncoder:
         spec = self.service.encoder.spec
         sources = [Source(model=spec.name, url=url, modality=modality, revision=spec.revision)
                    for modality, url in items]
-        results = await gather_or_cancel(self.service.handle(EncodeRequest(**s.request()), "dynamo") for s in sources)
+        results = await gather_or_cancel(self.service.encode(EncodeRequest(**s.request()), "dynamo") for s in sources)
         out: dict[str, list[MediaHandle]] = {}
         for source, r in zip(sources, results, strict=True):
             out.setdefault(source.modality, []).append(

@@ -1,4 +1,4 @@
-"""core.process.stop_listening: how the frontend stops accepting before Dynamo's HTTP server
+"""frontend.drain.stop_listening: how the frontend stops accepting before Dynamo's HTTP server
 closes (issue 13: no request is cut off at a frontend restart). A real listener on loopback."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from mm_encoder.core.process import open_connections, stop_listening
+from mm_encoder.frontend.drain import open_connections, stop_listening
 
 
 async def test_stop_listening_refuses_new_connections_and_keeps_accepted_ones():
