@@ -63,7 +63,7 @@ def request(hidden: int, block: int, seed: int = 0) -> dict:
 async def run_dtype(ckpt: Path, dtype: str, cpu: bool, tmp: Path) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from mm_encoder.core.handle import HandleResolver
+    from mm_encoder.client import HandleResolver
     from mm_encoder.engines.vllm import VllmEngine, parse_engine_args, read_config, relay_events
     from mm_encoder.engines.vllm_inputs import family_for
     from mm_encoder.engines.vllm_kv import KvRelay

@@ -18,7 +18,8 @@ from nginx_fixtures import dynamo_system_port
 from worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 
 from mm_encoder import wire
-from mm_encoder.core.dynamo import call_encode, endpoint_path, make_runtime
+from mm_encoder.client import call_encode
+from mm_encoder.core.dynamo import endpoint_path, make_runtime
 from mm_encoder.core.errors import RemoteError
 
 pytest.importorskip("dynamo.runtime")

@@ -15,8 +15,9 @@ from nginx_fixtures import require_nginx, tiers
 from worker_fixtures import run_origin, run_worker
 
 from mm_encoder import wire
+from mm_encoder.client import EncoderChain, HandleResolver
 from mm_encoder.core.errors import HandleError, RemoteError
-from mm_encoder.core.handle import EncoderChain, HandleResolver, MediaHandle, Source
+from mm_encoder.core.handle import MediaHandle, Source
 
 IMG = image_bytes(natural_image(112, 84, seed=31))
 OTHER = image_bytes(natural_image(112, 84, seed=32))

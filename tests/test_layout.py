@@ -19,13 +19,15 @@ ALLOWED = {
     "model": {"core", "kernels"},
     "fetch": {"core"},
     "service": {"core", "model", "fetch"},
-    "frontend": {"core", "routing"},
-    "engines": {"core", "routing", "fetch", "model"},
+    "client": {"core"},
+    "frontend": {"core", "routing", "client"},
+    "engines": {"core", "routing", "fetch", "model", "client"},
     "deploy": {"core"},
 }
 TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt", "mm_encoder.core.card",
               "mm_encoder.core.requests", "mm_encoder.core.dynamo", "mm_encoder.frontend",
-              "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.fetch", "mm_encoder.engines.model_dir",
+              "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.client", "mm_encoder.fetch",
+              "mm_encoder.engines.model_dir",
               "mm_encoder.deploy.local", "mm_encoder.deploy.k8s", "mm_encoder.deploy.cache_tiers",
               "mm_encoder.deploy.status"]
 MAX_LINES = 450

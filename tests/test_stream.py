@@ -9,8 +9,7 @@ import math
 import pytest
 
 from mm_encoder.engines.stream import IMMEDIATE, batched, pacing
-from mm_encoder.frontend.chat import IncrementalDetokenizer, StopStrings
-from mm_encoder.frontend.processor import _first_tokens, _text
+from mm_encoder.frontend.chat import IncrementalDetokenizer, StopStrings, first_tokens, item_text
 
 
 def _item(token: int, finish: str | None = None, **extra) -> dict:
@@ -81,7 +80,7 @@ def test_a_stop_string_ends_at_its_token_however_the_tokens_were_batched(split):
     for n in split:
         chunk = tokens[pos : pos + n]
         pos += n
-        delta, used, matched = _text(detok, stops, chunk, final=pos == len(tokens))
+        delta, used, matched = item_text(detok, stops, chunk, final=pos == len(tokens))
         text += delta
         used_total += used
         if matched:
@@ -92,10 +91,10 @@ def test_a_stop_string_ends_at_its_token_however_the_tokens_were_batched(split):
 
 def test_without_stop_strings_an_item_is_decoded_at_once():
     detok, stops = IncrementalDetokenizer(_Tok()), StopStrings([])
-    assert _text(detok, stops, [ord(c) for c in "hello"], final=True) == ("hello", 5, False)
+    assert item_text(detok, stops, [ord(c) for c in "hello"], final=True) == ("hello", 5, False)
 
 
 def test_an_item_is_cut_to_its_first_tokens_with_their_records():
     item = {**_item(1), "token_ids": [1, 2, 3], "log_probs": [-1.0, -2.0, -3.0], "top_logprobs": [[], [], []]}
-    cut = _first_tokens(item, 2)
+    cut = first_tokens(item, 2)
     assert (cut["token_ids"], cut["log_probs"], len(cut["top_logprobs"])) == ([1, 2], [-1.0, -2.0], 2)

@@ -38,8 +38,9 @@ import pytest
 import torch
 
 from mm_encoder import wire
+from mm_encoder.client import HandleResolver
 from mm_encoder.core.errors import BadRequest
-from mm_encoder.core.handle import HandleResolver, MediaHandle, Source
+from mm_encoder.core.handle import MediaHandle, Source
 from mm_encoder.core.requests import EngineRequest, MediaInput
 from mm_encoder.engines import vllm as adapter
 from mm_encoder.engines.vllm import VllmEngine, engine_overrides, parse_engine_args, read_config, sampling_kwargs

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .errors import MMEncoderError, RemoteError
-from .requests import EncodeReply
+from .errors import MMEncoderError
 
 if TYPE_CHECKING:
     from dynamo.runtime import DistributedRuntime
@@ -79,15 +78,3 @@ def worker_error(e: MMEncoderError) -> Exception:
     if 400 <= e.http_status < 500:
         return InvalidArgument(text)
     return CannotConnect(text) if e.http_status == 503 else Unknown(text)
-
-
-async def call_encode(client: Any, request: dict[str, Any], *, header_only: bool = False) -> EncodeReply:
-    """One encode request through a Dynamo client (round robin over the encode workers); the
-    worker's reply (with `header_only`, its header and no body), or RemoteError with the worker's
-    own code and status. Transport failures are Dynamo's exceptions, raised as they come."""
-    reply = None
-    async for msg in await client.round_robin({**request, "header_only": True} if header_only else request):
-        reply = msg.data() if hasattr(msg, "data") else msg
-    if reply is None:
-        raise RemoteError("the encode worker closed the stream without a response", "no_response", 502)
-    return EncodeReply.from_dict(reply, header_only=header_only)

@@ -7,30 +7,23 @@ to ask, Dynamo RPC as the fallback). The engine pulls the wire-v1 body itself. A
 evicted the entry forwards the request and the encoder re-encodes it to the same bytes, so a
 handle never points at nothing: eviction costs one re-encode, not a failure.
 
-`EncoderChain` is the one client for both questions any component asks the encoders:
-- `describe`: the header only (HEAD through the tiers, which fetch and cache the body on a miss
-  without sending it; over RPC, `header_only`), for the frontend;
-- `fetch`: the body (POST `/v1/encode/fetch` through the tiers, which never wait on another
-  request's fill of the entry; over RPC, the reply's body), for the engine.
-`resolve` checks a fetched body against its handle: a body whose mm_hash or grids differ (the
+The network client that asks the encoders for headers and bodies is `mm_encoder.client`.
+`check_body` checks a fetched body against its handle: a body whose mm_hash or grids differ (the
 URL now serves other bytes, or the handle was tampered with) is refused, never spliced.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import re
 from typing import Any, Literal
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import wire
-from .dynamo import TOO_LARGE_HINT, call_encode, is_too_large
-from .errors import EncoderUnavailable, HandleError, RemoteError, RequestTooLarge, WireError
+from .errors import HandleError, RemoteError, WireError
 from .requests import ProcessorOverrides
 
 log = logging.getLogger(__name__)
@@ -124,144 +117,6 @@ class MediaHandle(BaseModel):
         return self.model_dump(mode="json", exclude_none=True)
 
 
-class EncoderChain:
-    """The encoders as one component reaches them: the HTTP cache chain first (`http_url`, the first
-    tier or a worker), Dynamo RPC (`rpc_client`) when the chain itself fails or is not configured."""
-
-    def __init__(self, *, http_url: str | None = None, route: str = "cluster,shared", rpc_client: Any = None,
-                 timeout_s: float = 600.0):
-        if http_url is None and rpc_client is None:
-            raise ValueError("EncoderChain needs an HTTP cache chain, a Dynamo RPC client, or both")
-        if not ROUTE.fullmatch(route):
-            raise ValueError(f"cache route {route!r} is not a comma-separated list of tier names")
-        self.http_url = chain_url(http_url) if http_url else None
-        self.route = route
-        self.rpc_client = rpc_client
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
-        self._session: aiohttp.ClientSession | None = None
-        self.fallbacks = 0
-        self.body_bytes = 0  # wire bodies this process received: stays 0 where only `describe` is used
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    async def describe(self, source: Source) -> tuple[wire.WireHeader, str]:
-        """The item's header (its body is computed and cached on the way, never sent here)."""
-        header, where = await self._call(source, header_only=True)
-        if not isinstance(header, wire.WireHeader):
-            raise RemoteError("the encoder answered a body where a header was asked for")
-        return header, where
-
-    async def fetch(self, source: Source) -> tuple[bytes, str]:
-        """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes."""
-        body, where = await self._call(source, header_only=False)
-        if not isinstance(body, bytes):
-            raise RemoteError("the encoder answered a header where a body was asked for")
-        return body, where
-
-    async def _call(self, source: Source, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
-        if self.http_url is not None:
-            try:
-                return await self._http(self.http_url, source, header_only)
-            except EncoderUnavailable as e:
-                if self.rpc_client is None:
-                    raise
-                self.fallbacks += 1
-                log.warning("cache chain failed (%s); falling back to direct RPC", e.message)
-        return await self._rpc(source, header_only)
-
-    async def _http(self, chain: str, source: Source, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES)
-        headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
-        method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
-        try:
-            async with self._session.request(method, url, json=source.request(), headers=headers) as r:
-                body = b"" if header_only else await r.read()
-                status, rh = r.status, r.headers
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise EncoderUnavailable(f"cache chain {chain} unreachable: {type(e).__name__}: {e}") from None
-        where = f"http:{rh.get('X-Cache-Status', '')}"
-        if status == 200:
-            if header_only:
-                try:
-                    return wire.WireHeader.from_meta(json.loads(rh.get("X-MM-Meta", ""))), where
-                except (ValueError, WireError) as e:
-                    raise RemoteError(f"the cache chain's answer has no valid X-MM-Meta header: {e}") from None
-            self.body_bytes += len(body)
-            return body, where
-        code = rh.get("X-MM-Error-Code")
-        if code is None:
-            error = _json_error(body) if rh.get("Content-Type", "").startswith("application/json") else None
-            if error is None and status in (502, 503, 504):  # the chain failed, not the encoder
-                raise EncoderUnavailable(f"cache chain answered {status}")
-            if error is None:
-                raise RemoteError(f"encoder answered {status}")
-            raise RemoteError.from_dict({**error, "status": status}, f"encoder answered {status}")
-        raise RemoteError(rh.get("X-MM-Error", f"encoder answered {status}"), code, status)
-
-    async def _rpc(self, source: Source, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
-        client = self.rpc_client
-        if client is None or not client.instance_ids():
-            raise EncoderUnavailable("no encode worker is registered")
-        try:
-            reply = await call_encode(client, source.request(), header_only=header_only)
-        except RemoteError:
-            raise
-        except Exception as e:  # Dynamo transport errors: the worker went away mid-call
-            if is_too_large(e):
-                raise RequestTooLarge(f"the encode request is above the request plane's message limit; "
-                                      f"{TOO_LARGE_HINT}") from None
-            raise EncoderUnavailable(f"encode worker unreachable over RPC: {type(e).__name__}: {e}") from None
-        if header_only:
-            return wire.WireHeader.from_meta(reply.header), "rpc"
-        self.body_bytes += len(reply.body)
-        return reply.body, "rpc"
-
-
-class HandleResolver:
-    """An engine's side of handles: each body fetched from the chain its handle names, when this
-    engine trusts that chain (an engine never fetches from an address a message picked), with this
-    engine's own RPC client to the encode workers as the fallback."""
-
-    def __init__(self, trusted_chains: list[str] | tuple[str, ...] = (), rpc_client: Any = None,
-                 timeout_s: float = 600.0):
-        self.trusted = {chain_url(c) for c in trusted_chains}
-        self.rpc_client = rpc_client
-        self.timeout_s = timeout_s
-        self._chains: dict[tuple[str | None, str], EncoderChain] = {}
-        self.fetches = 0
-
-    def chain_for(self, handle: MediaHandle) -> EncoderChain:
-        chain = chain_url(handle.chain) if handle.chain else None
-        if chain is not None and chain not in self.trusted:
-            raise HandleError(f"media handle {handle.mm_hash[:12]} names cache chain {chain!r}, which this engine "
-                              f"does not trust (its chains: {sorted(self.trusted) or 'none'})")
-        if chain is None and self.rpc_client is None:
-            raise HandleError(f"media handle {handle.mm_hash[:12]} names no cache chain and this engine has no RPC "
-                              "client to the encode workers")
-        key = (chain, handle.route)
-        if key not in self._chains:
-            self._chains[key] = EncoderChain(http_url=chain, route=handle.route, rpc_client=self.rpc_client,
-                                             timeout_s=self.timeout_s)
-        return self._chains[key]
-
-    async def body(self, handle: MediaHandle) -> bytes:
-        self.fetches += 1
-        return await resolve(handle, self.chain_for(handle))
-
-    async def close(self) -> None:
-        for chain in self._chains.values():
-            await chain.close()
-
-
-async def resolve(handle: MediaHandle, chain: EncoderChain) -> bytes:
-    """The handle's body, fetched and checked against what the handle announced."""
-    body, _ = await chain.fetch(handle.source)
-    return check_body(handle, body)
-
-
 def check_body(handle: MediaHandle, body: bytes) -> bytes:
     """`body`, if it is the one `handle` announced (mm_hash, grids, shape, dtype); else HandleError."""
     got = wire.peek(body)
@@ -270,14 +125,6 @@ def check_body(handle: MediaHandle, body: bytes) -> bytes:
         raise HandleError(f"media handle {handle.mm_hash[:12]}: the fetched body is {got.mm_hash[:12]} "
                           f"{list(got.shape)}, not what the handle announced; refusing to splice it")
     return body
-
-
-def _json_error(body: bytes) -> dict[str, Any] | None:
-    try:
-        err = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return err if isinstance(err, dict) else None
 
 
 # --- Dynamo's encoder handoff ---------------------------------------------------------------

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from ..client import HandleResolver
 from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
-from ..core.handle import HandleResolver
 from ..core.prompt import Splicer
 from ..core.requests import EngineRequest
 from ..core.sampling import SamplingParams
 from ..core.timing import ms_since
-from ..routing import MediaSpan, block_mm_infos, to_signed64
+from ..routing import MediaSpan, block_hashes, block_mm_infos
 from .dynamo_request import chunk as dynamo_chunk
 from .dynamo_request import from_preprocessed
 from .inputs import check_spans, fetch_bodies, media_rows
@@ -118,12 +118,10 @@ class Engine:
         n_full = len(prompt.token_ids) // self.block_size
         if n_full == 0:
             return [], None
-        from dynamo.llm import compute_block_hash_for_seq
-
         n = n_full * self.block_size
         spans = [_clip(MediaSpan(m.mm_hash, tuple(tuple(s) for s in m.spans)), n) for m in prompt.media]
         infos = block_mm_infos(n, self.block_size, spans)
-        return [to_signed64(h) for h in compute_block_hash_for_seq(prompt.token_ids[:n], self.block_size, infos)], infos
+        return block_hashes(prompt.token_ids[:n], self.block_size, infos), infos
 
     def _publish(self, ids: list[int], hashes: list[int], infos, stored: list[int], removed: list[int]) -> None:
         if self.publisher is None:

@@ -1,15 +1,16 @@
 """An `EngineRequest`'s media as an engine takes them: each item's handle checked against the spans
-the frontend spliced, its body fetched (`core.handle.HandleResolver`) and decoded. A mismatch at
+the frontend spliced, its body fetched (`client.HandleResolver`) and decoded. A mismatch at
 any step is refused, never written into the prompt."""
 
 from __future__ import annotations
 
 import torch
 
+from ..client import HandleResolver
 from ..core import wire
 from ..core.aio import gather_or_cancel
 from ..core.errors import BadRequest
-from ..core.handle import HandleResolver, MediaHandle, check_body
+from ..core.handle import MediaHandle, check_body
 from ..core.requests import EngineRequest, MediaInput
 
 

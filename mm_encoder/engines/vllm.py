@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+from ..client import HandleResolver
 from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
 from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
-from ..core.handle import HandleResolver
 from ..core.requests import EngineRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..core.timing import ms_since

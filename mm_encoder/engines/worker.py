@@ -24,9 +24,9 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..client import HandleResolver
 from ..core.card import ModelCard
 from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
-from ..core.handle import HandleResolver
 from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec

@@ -1,4 +1,5 @@
-"""OpenAI chat messages -> the checkpoint's chat template input, and streamed text deltas back.
+"""OpenAI chat messages -> the checkpoint's chat template input, and streamed text deltas back
+(`item_text`: an engine item's tokens as text, with exact stop-string semantics over batched items).
 
 Messages reach the chat template as the client sent them (content as a string or as a list of
 parts: text, `image_url`, `video_url`), as the model's own template expects; the template writes
@@ -133,3 +134,28 @@ class StopStrings:
                                      if any(x.startswith(text[-k:]) for x in self.stops)), 0)
         self.pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
+
+
+def item_text(detok: IncrementalDetokenizer, stops: StopStrings, tokens: list[int],
+              final: bool) -> tuple[str, int, bool]:
+    """(text, tokens used, whether a stop string ended it) for one engine item. With stop strings,
+    token by token, so generation ends at the token that completed one, as if each token had come
+    alone (usage and logprobs count no token after it); without, the whole item at once."""
+    if not stops.stops or len(tokens) <= 1:
+        delta = detok.push(tokens) + (detok.flush() if final else "")
+        delta, matched = stops.push(delta, final=final)
+        return delta, len(tokens), matched
+    parts = []
+    for i, token in enumerate(tokens):
+        last = final and i == len(tokens) - 1
+        delta = detok.push([token]) + (detok.flush() if last else "")
+        delta, matched = stops.push(delta, final=last)
+        parts.append(delta)
+        if matched:
+            return "".join(parts), i + 1, True
+    return "".join(parts), len(tokens), False
+
+
+def first_tokens(data: dict[str, Any], n: int) -> dict[str, Any]:
+    """An engine item cut to its first n tokens (and their logprob records)."""
+    return {**data, **{k: data[k][:n] for k in ("token_ids", "log_probs", "top_logprobs") if k in data}}

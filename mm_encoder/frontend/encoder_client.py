@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..client import EncoderChain
 from ..core import wire
 from ..core.aio import gather_or_cancel
 from ..core.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, endpoint_path
-from ..core.handle import EncoderChain, MediaHandle, Source
+from ..core.handle import MediaHandle, Source
 from ..core.wire import WireHeader
 from .chat import MediaRef
 

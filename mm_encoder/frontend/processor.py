@@ -36,7 +36,7 @@ from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos
-from .chat import IncrementalDetokenizer, StopStrings, parse_messages, text_bytes
+from .chat import IncrementalDetokenizer, StopStrings, first_tokens, item_text, parse_messages, text_bytes
 from .encoder_client import EncoderClient
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class _Hold:
     def __init__(self, proc: MultimodalProcessor, rid: str):
         self.proc, self.rid = proc, rid
         self.slot = self.routed = self.waiting = False
+        self.held = True
         proc._inflight += 1
 
     async def take_media_slot(self) -> None:
@@ -117,7 +118,9 @@ class _Hold:
         if self.routed:
             self.proc._router_note(self.proc.router.free, self.rid)
             self.routed = False
-        self.proc._inflight -= 1
+        if self.held:
+            self.proc._inflight -= 1
+            self.held = False
 
 
 class MultimodalProcessor:
@@ -278,10 +281,10 @@ class MultimodalProcessor:
                         self._router_note(self.router.mark_prefill_complete, rid)
                 if prompt_tokens is None:  # inline encoding: the engine counted the prompt
                     prompt_tokens = timings["prompt_tokens"] = data.get("prompt_tokens", 0)
-                delta, used, matched = _text(detok, stops, data.get("token_ids", []), bool(finish))
+                delta, used, matched = item_text(detok, stops, data.get("token_ids", []), bool(finish))
                 if matched:  # a stop string: the text ends before it, and so does generation
                     finish = "stop"
-                    data = _first_tokens(data, used)
+                    data = first_tokens(data, used)
                 logprobs = self._logprobs(data, params.top_logprobs) if params.logprobs else None
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
                                   len(detok.ids), logprobs)
@@ -408,30 +411,6 @@ class MultimodalProcessor:
             "media_requests_in_flight": s.media_requests_in_flight,
             "recent": list(s.recent),
         }
-
-
-def _text(detok: IncrementalDetokenizer, stops: StopStrings, tokens: list[int], final: bool) -> tuple[str, int, bool]:
-    """(text, tokens used, whether a stop string ended it) for one engine item. With stop strings,
-    token by token, so generation ends at the token that completed one, as if each token had come
-    alone (usage and logprobs count no token after it); without, the whole item at once."""
-    if not stops.stops or len(tokens) <= 1:
-        delta = detok.push(tokens) + (detok.flush() if final else "")
-        delta, matched = stops.push(delta, final=final)
-        return delta, len(tokens), matched
-    parts = []
-    for i, token in enumerate(tokens):
-        last = final and i == len(tokens) - 1
-        delta = detok.push([token]) + (detok.flush() if last else "")
-        delta, matched = stops.push(delta, final=last)
-        parts.append(delta)
-        if matched:
-            return "".join(parts), i + 1, True
-    return "".join(parts), len(tokens), False
-
-
-def _first_tokens(data: dict[str, Any], n: int) -> dict[str, Any]:
-    """An engine item cut to its first n tokens (and their logprob records)."""
-    return {**data, **{k: data[k][:n] for k in ("token_ids", "log_probs", "top_logprobs") if k in data}}
 
 
 async def _engine_items(stream):

@@ -79,3 +79,12 @@ def pad_routing_tokens(token_ids: Sequence[int], media: Sequence[MediaSpan]) -> 
 def to_signed64(h: int) -> int:
     """KV event block hashes are signed 64-bit; Dynamo computes them unsigned."""
     return h - (1 << 64) if h >= (1 << 63) else h
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, infos: list[dict | None] | None) -> list[int]:
+    """The hashes Dynamo's KV router computes for `token_ids`' full blocks (each media block's
+    mm_hash mixed in by `infos`, from `block_mm_infos`), signed as KV events carry them: so the
+    engines publish exactly what the router looks up. Dynamo's own function, not a copy of it."""
+    from dynamo.llm import compute_block_hash_for_seq  # the `dynamo` extra: frontends and engines have it
+
+    return [to_signed64(h) for h in compute_block_hash_for_seq(list(token_ids), block_size, infos)]

@@ -4,7 +4,7 @@ Request: the same fields as the HTTP request (`core.requests.EncodeRequest`), as
 may be raw bytes (Dynamo's msgpack codec carries them as bytes). Response: one message, an
 `EncodeReply` (`body` is byte-for-byte what `POST /v1/encode` returns; with `"header_only": true`
 in the request, `header` instead of the body) or
-`{"error": {"code", "message", "status"}}`. The client side is `core.dynamo.call_encode`.
+`{"error": {"code", "message", "status"}}`. The client side is `client.call_encode`.
 """
 
 from __future__ import annotations

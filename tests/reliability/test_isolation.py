@@ -11,8 +11,9 @@ from media_factory import image_bytes, natural_image
 from nginx_fixtures import require_nginx, tiers
 from worker_fixtures import SPEC, run_origin, run_worker
 
+from mm_encoder.client import EncoderChain
 from mm_encoder.core.errors import RemoteError
-from mm_encoder.core.handle import EncoderChain, Source
+from mm_encoder.core.handle import Source
 
 A = image_bytes(natural_image(112, 84, seed=51))
 B = image_bytes(natural_image(112, 84, seed=52))

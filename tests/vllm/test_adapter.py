@@ -28,7 +28,8 @@ import pytest_asyncio
 import torch
 
 from mm_encoder import wire
-from mm_encoder.core.handle import HandleResolver, MediaHandle, Source
+from mm_encoder.client import HandleResolver
+from mm_encoder.core.handle import MediaHandle, Source
 from mm_encoder.core.requests import EngineRequest, MediaInput
 from mm_encoder.engines.vllm import VllmEngine, parse_engine_args, read_config, relay_events
 from mm_encoder.engines.vllm_inputs import family_for

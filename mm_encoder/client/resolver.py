@@ -1,0 +1,51 @@
+"""`HandleResolver`: an engine's side of handles, from handle to checked body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.errors import HandleError
+from ..core.handle import MediaHandle, chain_url, check_body
+from .chain import EncoderChain
+
+
+class HandleResolver:
+    """An engine's side of handles: each body fetched from the chain its handle names, when this
+    engine trusts that chain (an engine never fetches from an address a message picked), with this
+    engine's own RPC client to the encode workers as the fallback."""
+
+    def __init__(self, trusted_chains: list[str] | tuple[str, ...] = (), rpc_client: Any = None,
+                 timeout_s: float = 600.0):
+        self.trusted = {chain_url(c) for c in trusted_chains}
+        self.rpc_client = rpc_client
+        self.timeout_s = timeout_s
+        self._chains: dict[tuple[str | None, str], EncoderChain] = {}
+        self.fetches = 0
+
+    def chain_for(self, handle: MediaHandle) -> EncoderChain:
+        chain = chain_url(handle.chain) if handle.chain else None
+        if chain is not None and chain not in self.trusted:
+            raise HandleError(f"media handle {handle.mm_hash[:12]} names cache chain {chain!r}, which this engine "
+                              f"does not trust (its chains: {sorted(self.trusted) or 'none'})")
+        if chain is None and self.rpc_client is None:
+            raise HandleError(f"media handle {handle.mm_hash[:12]} names no cache chain and this engine has no RPC "
+                              "client to the encode workers")
+        key = (chain, handle.route)
+        if key not in self._chains:
+            self._chains[key] = EncoderChain(http_url=chain, route=handle.route, rpc_client=self.rpc_client,
+                                             timeout_s=self.timeout_s)
+        return self._chains[key]
+
+    async def body(self, handle: MediaHandle) -> bytes:
+        self.fetches += 1
+        return await resolve(handle, self.chain_for(handle))
+
+    async def close(self) -> None:
+        for chain in self._chains.values():
+            await chain.close()
+
+
+async def resolve(handle: MediaHandle, chain: EncoderChain) -> bytes:
+    """The handle's body, fetched and checked against what the handle announced."""
+    body, _ = await chain.fetch(handle.source)
+    return check_body(handle, body)
