@@ -86,3 +86,19 @@ def test_frontend_deploy_and_cli_import_no_torch():
         "assert 'numpy' not in sys.modules, 'numpy was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+DYNAMO_SEAM = {"core/dynamo.py", "routing/__init__.py"}  # the runtime and its calls; its block hash function
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_only_the_seam_imports_dynamo(path):
+    """Dynamo's API is reached through `core.dynamo` (typed, checked by mypy against Dynamo's stubs)
+    and `routing.block_hashes`: a change in Dynamo is met in one place."""
+    if str(path.relative_to(PKG)) in DYNAMO_SEAM:
+        return
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        assert not any(n == "dynamo" or n.startswith("dynamo.") for n in names), \
+            f"{path.relative_to(PKG)} imports Dynamo; go through core/dynamo.py"

@@ -184,8 +184,9 @@ async def engine_for(checkpoint, publisher=None, rpc=None):
 async def engine_beside_worker(encoder, checkpoint, tmp_path, monkeypatch, **worker):
     """A real encode worker (Dynamo RPC, `worker` overriding its settings) and the real engine
     fetching bodies from it by handle, registered as `kimi-k2.5-tiny`, on one Dynamo runtime in this
-    process. Yields (runtime, rpc client of the worker, engine)."""
-    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+    process, through the package's Dynamo seam (`core.dynamo`) as the engine process uses it. Yields
+    (runtime, rpc client of the worker, engine)."""
+    from mm_encoder.core.dynamo import kv_event_publisher, register_engine
 
     monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
     monkeypatch.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
@@ -194,11 +195,10 @@ async def engine_beside_worker(encoder, checkpoint, tmp_path, monkeypatch, **wor
         endpoint = rt.endpoint("mm.engine.generate")
         rpc = await rt.endpoint("mm.mm_encoder.encode").client()
         await asyncio.wait_for(rpc.wait_for_instances(), 30)
-        async with engine_for(checkpoint, KvEventPublisher(endpoint, kv_block_size=16), rpc) as engine:
+        async with engine_for(checkpoint, kv_event_publisher(endpoint, 16), rpc) as engine:
             serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.respond))
             try:
-                await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(checkpoint), SERVED,
-                                     worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+                await register_engine(endpoint, str(checkpoint), SERVED, 16)
                 yield rt, rpc, engine
             finally:
                 serving.cancel()

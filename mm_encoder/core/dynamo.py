@@ -1,5 +1,7 @@
-"""What every mm-encoder process needs of Dynamo's runtime: its names, its defaults and the client
-calls. The worker's server side is `service.dynamo_server`; this module imports no torch.
+"""Dynamo, as every mm-encoder process uses it: its names and defaults, the runtime, serving and
+registering endpoints, the KV router and publishers, the HTTP frontend, and how our errors become
+its exceptions. The one module that imports Dynamo's runtime (besides `routing.block_hashes`, its
+hash function); imported lazily, so nothing here needs the `dynamo` extra until it is called.
 
 Discovery and planes come from Dynamo's own environment (DYN_DISCOVERY_BACKEND, DYN_REQUEST_PLANE,
 DYN_EVENT_PLANE); where they are unset, the defaults here run one machine without etcd or NATS.
@@ -9,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .errors import MMEncoderError
 
 if TYPE_CHECKING:
-    from dynamo.runtime import DistributedRuntime
+    from dynamo.llm import KvEventPublisher, KvRouter, PythonAsyncEngine, WorkerMetricsPublisher
+    from dynamo.runtime import DistributedRuntime, Endpoint
 
 NAMESPACE = "mm"  # Dynamo namespace of every component, unless a graph or option says otherwise
 BLOCK_SIZE = 16  # KV block size the engines use and the router hashes by
@@ -39,6 +43,90 @@ def make_runtime(loop: asyncio.AbstractEventLoop) -> DistributedRuntime:
     plane = {k: os.environ.get(k, v) for k, v in PLANES.items()}
     return DistributedRuntime(loop, plane["DYN_DISCOVERY_BACKEND"], plane["DYN_REQUEST_PLANE"],
                               event_plane=plane["DYN_EVENT_PLANE"])
+
+
+def serve_endpoint(endpoint: Endpoint, handler: Callable[..., Any], *,
+                   health_check: bool = False) -> asyncio.Future[Any]:
+    """Serve `handler` on `endpoint` until the runtime shuts down; requests in flight then finish.
+    With `health_check`, Dynamo's canary sends `HEALTH_PAYLOAD`."""
+    kwargs: dict[str, Any] = {"graceful_shutdown": True}
+    if health_check:
+        kwargs["health_check_payload"] = HEALTH_PAYLOAD
+    return asyncio.ensure_future(endpoint.serve_endpoint(handler, **kwargs))
+
+
+async def register_engine(endpoint: Endpoint, model_dir: str, name: str, block_size: int, *,
+                          after_encode: bool = False) -> None:
+    """Register an engine as Dynamo's frontends find one: a chat model taking token ids, prefill and
+    decode in one worker. `after_encode`: Dynamo's stock frontend calls its Encode worker first and
+    forwards that worker's result in the request (`service.stock_encode`)."""
+    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+    extra: dict[str, Any] = {}
+    if after_encode:
+        config = ModelRuntimeConfig()
+        config.set_engine_specific("encoder_result_handoff", "true")
+        extra = {"runtime_config": config, "needs": [[WorkerType.Encode]]}
+    await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, model_dir, name,
+                         worker_type=WorkerType.Aggregated, kv_cache_block_size=block_size, **extra)
+
+
+async def register_encode_worker(endpoint: Endpoint, model_dir: str, name: str | None) -> None:
+    """Register as Dynamo's own Encode worker for a model: its stock frontend calls it first."""
+    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+
+    await register_model(ModelInput.Tokens, ModelType.Empty, endpoint, model_dir, name,
+                         worker_type=WorkerType.Encode, needs=[[WorkerType.Aggregated]])
+
+
+def kv_event_publisher(endpoint: Endpoint, block_size: int) -> KvEventPublisher:
+    """What an engine's prefix store holds, told to the KV routers (stored and removed blocks)."""
+    from dynamo.llm import KvEventPublisher
+
+    return KvEventPublisher(endpoint, kv_block_size=block_size)
+
+
+async def load_publisher(endpoint: Endpoint) -> WorkerMetricsPublisher:
+    """An engine's load (active requests, KV blocks in use), as the KV router reads it."""
+    from dynamo.llm import WorkerMetricsPublisher
+
+    publisher = WorkerMetricsPublisher()
+    await publisher.create_endpoint(endpoint)
+    return publisher
+
+
+def kv_router(endpoint: Endpoint, block_size: int, *, assume_kv_reuse: bool) -> KvRouter:
+    """Dynamo's KV router over the engines serving `endpoint`."""
+    from dynamo.llm import KvRouter, KvRouterConfig
+
+    return KvRouter(endpoint, block_size, KvRouterConfig(router_assume_kv_reuse=assume_kv_reuse))
+
+
+def chat_engine(generate: Callable[..., Any], loop: asyncio.AbstractEventLoop) -> PythonAsyncEngine:
+    """A chat processor's `generate` as the engine Dynamo's HTTP frontend calls per request."""
+    from dynamo.llm import PythonAsyncEngine
+
+    return PythonAsyncEngine(generate, loop)
+
+
+async def http_frontend(runtime: DistributedRuntime, factory: Callable[..., Any], *, host: str, port: int,
+                        namespace: str, routes: dict[str, Callable[[Any], Any]]) -> asyncio.Future[Any]:
+    """Dynamo's OpenAI HTTP frontend on `host:port`, its chat engines made by `factory` per model
+    discovered in `namespace`, plus our GET `routes`; serving until the runtime shuts down."""
+    # EngineType, make_engine, run_input: re-exported by dynamo.llm without `as`, so unseen by mypy
+    from dynamo.llm import (  # type: ignore[attr-defined]
+        EngineType,
+        EntrypointArgs,
+        FrontendRoute,
+        make_engine,
+        run_input,
+    )
+
+    args = EntrypointArgs(EngineType.Dynamic, http_host=host, http_port=port, namespace=namespace,
+                          chat_engine_factory=factory, migration_limit=0)
+    engine = await make_engine(runtime, args)
+    extra = [FrontendRoute("GET", path, handler) for path, handler in routes.items()]
+    return asyncio.ensure_future(run_input(runtime, "http", engine, extra))
 
 
 def is_too_large(e: BaseException) -> bool:

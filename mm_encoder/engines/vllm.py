@@ -37,7 +37,17 @@ from typing import Any
 import torch
 
 from ..client import HandleResolver
-from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
+from ..core.dynamo import (
+    BLOCK_SIZE,
+    ENGINE_COMPONENT,
+    GENERATE_ENDPOINT,
+    NAMESPACE,
+    endpoint_path,
+    kv_event_publisher,
+    make_runtime,
+    register_engine,
+    serve_endpoint,
+)
 from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
 from ..core.requests import EngineRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
@@ -299,8 +309,6 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     name = args.name or Path(args.model).resolve().name
 
     async def serve() -> None:
-        from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
-
         from ..core.process import stop_on_signals
         from ..core.prompt import ChatTokenizer
 
@@ -314,15 +322,14 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
         relay = None
         events = engine_args.kv_events_config
         if engine_args.enable_prefix_caching and events is not None and events.enable_kv_cache_events:
-            relay = KvRelay(KvEventPublisher(endpoint, kv_block_size=args.block_size), args.block_size)
+            relay = KvRelay(kv_event_publisher(endpoint, args.block_size), args.block_size)
             relaying = asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"), relay))
         handler = VllmEngine(llm, HandleResolver(args.encoder_chain, rpc), family, block_size=args.block_size,
                              max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
                              tokenizer=lambda: ChatTokenizer(args.model),
                              stream_interval_s=args.stream_interval_ms / 1e3)
-        serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate, graceful_shutdown=True))
-        await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, args.model, name,
-                             worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size)
+        serving = serve_endpoint(endpoint, handler.generate)
+        await register_engine(endpoint, args.model, name, args.block_size)
         print(f"{READY}: model={name} family={family.name} route={family.route} dtype={mc.dtype} "
               f"prefix_caching={bool(engine_args.enable_prefix_caching)} kv_events={relay is not None} "
               f"endpoint={path} instance={endpoint.connection_id()} stream_interval_ms={args.stream_interval_ms:g}",

@@ -19,14 +19,25 @@ import contextlib
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ..client import HandleResolver
 from ..core.card import ModelCard
-from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, GENERATE_ENDPOINT, NAMESPACE, endpoint_path, make_runtime
+from ..core.dynamo import (
+    BLOCK_SIZE,
+    ENGINE_COMPONENT,
+    GENERATE_ENDPOINT,
+    NAMESPACE,
+    endpoint_path,
+    kv_event_publisher,
+    load_publisher,
+    make_runtime,
+    register_engine,
+    serve_endpoint,
+)
 from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec
@@ -85,35 +96,18 @@ def build_engine(s: EngineSettings, publisher=None, rpc=None):
 
 
 async def serve(s: EngineSettings) -> None:
-    from dynamo.llm import (
-        KvEventPublisher,
-        ModelInput,
-        ModelRuntimeConfig,
-        ModelType,
-        WorkerMetricsPublisher,
-        WorkerType,
-        register_model,
-    )
-
     stop = stop_on_signals()
     runtime = make_runtime(asyncio.get_running_loop())
     path = endpoint_path(s.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
     endpoint = runtime.endpoint(path)
     rpc = None if s.encode_inline else await runtime.endpoint(endpoint_path(s.namespace)).client()
     engine = await asyncio.to_thread(build_engine, s, None, rpc)
-    engine.publisher = KvEventPublisher(endpoint, kv_block_size=s.block_size)
-    metrics = WorkerMetricsPublisher()
-    await metrics.create_endpoint(endpoint)
-    engine.metrics = metrics
+    engine.publisher = kv_event_publisher(endpoint, s.block_size)
+    engine.metrics = await load_publisher(endpoint)
     name = s.name or s.checkpoint.resolve().name
-    serving = asyncio.ensure_future(endpoint.serve_endpoint(engine.respond, graceful_shutdown=True))
-    stock: dict[str, Any] = {}
-    if s.frontend == "stock":  # Dynamo's frontend calls the Encode worker first and forwards its result here
-        rc = ModelRuntimeConfig()
-        rc.set_engine_specific("encoder_result_handoff", "true")
-        stock = {"runtime_config": rc, "needs": [[WorkerType.Encode]]}
-    await register_model(ModelInput.Tokens, ModelType.Chat, endpoint, str(s.checkpoint), name,
-                         worker_type=WorkerType.Aggregated, kv_cache_block_size=s.block_size, **stock)
+    serving = serve_endpoint(endpoint, engine.respond)
+    # stock: Dynamo's frontend calls the Encode worker first and forwards its result here
+    await register_engine(endpoint, str(s.checkpoint), name, s.block_size, after_encode=s.frontend == "stock")
     lm = engine.lm
     print(f"{READY}: model={name} family={lm.family.name} dtype={s.dtype} device={lm.device} "
           f"endpoint={path} instance={endpoint.connection_id()} inline={s.encode_inline} "

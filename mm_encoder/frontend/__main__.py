@@ -9,7 +9,7 @@ import contextlib
 import os
 import sys
 
-from ..core.dynamo import make_runtime
+from ..core.dynamo import http_frontend, make_runtime
 from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import check_model_dir
 from .drain import drain
@@ -19,8 +19,6 @@ from .settings import FrontendSettings
 
 
 async def serve(s: FrontendSettings) -> None:
-    from dynamo.llm import EngineType, EntrypointArgs, FrontendRoute, make_engine, run_input
-
     runtime = make_runtime(asyncio.get_running_loop())
     factory = ProcessorFactory(s, runtime)
     await factory.parts()  # fail fast (a bad model dir) before serving
@@ -32,11 +30,9 @@ async def serve(s: FrontendSettings) -> None:
     runtime.endpoint(f"{s.namespace}.frontend.mm_processor").metrics.register_prometheus_expfmt_callback(
         exposition(factory.snapshots))
 
-    args = EntrypointArgs(EngineType.Dynamic, http_host=s.http_host, http_port=s.http_port, namespace=s.namespace,
-                          chat_engine_factory=factory, migration_limit=0)
-    engine = await make_engine(runtime, args)
     stop = stop_on_signals()
-    serving = asyncio.ensure_future(run_input(runtime, "http", engine, [FrontendRoute("GET", "/mm/stats", stats)]))
+    serving = await http_frontend(runtime, factory, host=s.http_host, port=s.http_port, namespace=s.namespace,
+                                  routes={"/mm/stats": stats})
     print(f"mm-encoder frontend ready: http://{s.http_host}:{s.http_port} model_dir={s.model_dir}", flush=True)
     await asyncio.wait({serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     await drain(factory, s)

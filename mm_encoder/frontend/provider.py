@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.card import ModelCard
-from ..core.dynamo import GENERATE_ENDPOINT, endpoint_path, make_runtime
+from ..core.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
 from ..core.prompt import ChatTokenizer
 from ..core.registry import get_spec
 from ..core.spec import ModelSpec
@@ -62,8 +62,6 @@ class ProcessorFactory:
         return self._parts
 
     async def _build(self) -> SharedParts:
-        from dynamo.llm import KvRouter, KvRouterConfig
-
         s = self.s
         # Dynamo hands a provider no runtime: one from the same environment (DYN_DISCOVERY_BACKEND, ...)
         runtime = self.runtime = self.runtime or make_runtime(asyncio.get_running_loop())
@@ -79,8 +77,7 @@ class ProcessorFactory:
         return SharedParts(
             card=card, spec=spec, tokenizer=ChatTokenizer(s.model_dir, s.allow_remote_code),
             engine_client=await runtime.endpoint(engine_path).client(),
-            router=KvRouter(runtime.endpoint(engine_path), s.block_size,
-                            KvRouterConfig(router_assume_kv_reuse=s.router_assume_kv_reuse)),
+            router=kv_router(runtime.endpoint(engine_path), s.block_size, assume_kv_reuse=s.router_assume_kv_reuse),
             limits=Limits(context_length=card.context_length, default_max_tokens=s.default_max_tokens,
                           max_media=s.max_media, max_inflight_media=s.max_inflight_media,
                           max_inflight_requests=s.max_inflight_requests))
@@ -96,10 +93,8 @@ class ProcessorFactory:
         return self.processors[name]
 
     async def __call__(self, instance_id, card, routed_engine):
-        from dynamo.llm import PythonAsyncEngine
-
         proc = await self.processor(getattr(instance_id, "name", None))
-        return PythonAsyncEngine(proc.generate, asyncio.get_running_loop())
+        return chat_engine(proc.generate, asyncio.get_running_loop())
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests (503 draining) and wait, up to `timeout_s`, for those in flight."""

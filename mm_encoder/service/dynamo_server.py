@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..core.dynamo import HEALTH_PAYLOAD, endpoint_path
+from ..core.dynamo import endpoint_path, serve_endpoint
 from ..core.errors import MMEncoderError
 from ..core.requests import EncodeRequest
 from .pipeline import EncodeResult, EncodeService
@@ -36,9 +36,7 @@ class DynamoServer:
         endpoint = self.runtime.endpoint(self.path)
         endpoint.metrics.register_prometheus_expfmt_callback(lambda: self.service.metrics.render().decode())
         # serve_endpoint returns a future that resolves when the endpoint stops serving.
-        self._task = asyncio.ensure_future(
-            endpoint.serve_endpoint(self.encode, graceful_shutdown=True, health_check_payload=HEALTH_PAYLOAD)
-        )
+        self._task = serve_endpoint(endpoint, self.encode, health_check=True)
         log.info("serving Dynamo endpoint %s", self.path)
 
     async def encode(self, request: Any, context) -> AsyncIterator[dict[str, Any]]:

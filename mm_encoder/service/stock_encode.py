@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.aio import gather_or_cancel
-from ..core.dynamo import HEALTH_PAYLOAD, endpoint_path
+from ..core.dynamo import endpoint_path, register_encode_worker, serve_endpoint
 from ..core.errors import BadRequest, MMEncoderError
 from ..core.handle import ENCODER_RESULT_VERSION, MediaHandle, Source, encoder_result
 from ..core.requests import EncodeRequest
@@ -70,16 +70,12 @@ class StockEncoder:
         self._task: asyncio.Future | None = None
 
     async def start(self) -> None:
-        from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
-
         from ..core.handle import chain_url
 
         self.chain = chain_url(self.chain) if self.chain else None
         endpoint = self.runtime.endpoint(endpoint_path(self.namespace, STOCK_COMPONENT, STOCK_ENDPOINT))
-        self._task = asyncio.ensure_future(
-            endpoint.serve_endpoint(self.generate, graceful_shutdown=True, health_check_payload=HEALTH_PAYLOAD))
-        await register_model(ModelInput.Tokens, ModelType.Empty, endpoint, self.model_dir, self.name,
-                             worker_type=WorkerType.Encode, needs=[[WorkerType.Aggregated]])
+        self._task = serve_endpoint(endpoint, self.generate, health_check=True)
+        await register_encode_worker(endpoint, self.model_dir, self.name)
         log.info("registered as Dynamo's Encode worker for %s", self.name or self.model_dir)
 
     async def generate(self, request: Any, context=None) -> AsyncIterator[dict[str, Any]]:
