@@ -89,6 +89,29 @@ def test_the_runtime_threads_option_sets_dynamos_variable_and_honours_one_alread
         FrontendSettings(_cli_parse_args=["--model-dir", str(checkpoint), "--runtime-threads", "0"])
 
 
+def test_every_dynamo_process_takes_the_shared_options_under_its_own_prefix(checkpoint, monkeypatch):
+    """`core.dynamo.DynamoOptions` (namespace, log level) in the encode worker, the engine and the
+    frontend, `KvOptions` (block size) in the last two; each reads its own environment prefix, and a
+    log level that is not one is refused by name."""
+    from mm_encoder.core.dynamo import DynamoOptions, KvOptions
+    from mm_encoder.engines.worker import EngineSettings
+    from mm_encoder.frontend.settings import FrontendSettings
+    from mm_encoder.service.settings import WorkerSettings
+
+    assert issubclass(WorkerSettings, DynamoOptions) and not issubclass(WorkerSettings, KvOptions)
+    assert issubclass(EngineSettings, KvOptions) and issubclass(FrontendSettings, KvOptions)
+    monkeypatch.setenv("MM_ENGINE_NAMESPACE", "ns-engine")
+    monkeypatch.setenv("MM_FRONTEND_LOG_LEVEL", "debug")
+    engine = EngineSettings(_cli_parse_args=["--checkpoint", str(checkpoint), "--block-size", "32"])
+    frontend = FrontendSettings(_cli_parse_args=["--model-dir", str(checkpoint)])
+    worker = WorkerSettings(_cli_parse_args=["--log-level", "warning"])
+    assert (engine.namespace, engine.block_size, engine.log_level) == ("ns-engine", 32, "INFO")
+    assert (frontend.namespace, frontend.block_size, frontend.log_level) == ("mm", 16, "DEBUG")
+    assert (worker.namespace, worker.log_level) == ("mm", "WARNING")
+    with pytest.raises(ValueError, match="log level 'loud' is not one of DEBUG"):
+        WorkerSettings(_cli_parse_args=["--log-level", "loud"])
+
+
 def test_block_mm_infos_marks_exactly_the_blocks_an_item_covers():
     assert block_mm_infos(40, 16, []) is None  # text only: routes as before
     infos = block_mm_infos(40, 16, [MediaSpan(H1, ((10, 12),)), MediaSpan(H2, ((30, 5),))])

@@ -14,6 +14,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings
+
 from .errors import MMEncoderError
 
 if TYPE_CHECKING:
@@ -30,6 +33,33 @@ PLANES = {"DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVEN
 # DYN_TCP_MAX_MESSAGE_SIZE where graphs set it: a 4K image's embeddings make a ~40 MB engine request.
 MAX_MESSAGE_SIZE = 256 << 20
 TOO_LARGE_HINT = "raise DYN_TCP_MAX_MESSAGE_SIZE (bytes) on both sides of the call"
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class DynamoOptions(BaseSettings):
+    """The options every process on Dynamo's runtime takes, under each process's own prefix
+    (`MM_ENCODER_`, `MM_ENGINE_`, `MM_FRONTEND_`). Where discovery and the planes are, Dynamo's own
+    environment says (`PLANES`)."""
+
+    namespace: str = Field(NAMESPACE, min_length=1, description="Dynamo namespace of every component of a graph")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (the encode worker "
+                                               "logs cache hits at DEBUG)")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        if v.upper() not in LOG_LEVELS:
+            raise ValueError(f"log level {v!r} is not one of {', '.join(LOG_LEVELS)}")
+        return v.upper()
+
+
+class KvOptions(DynamoOptions):
+    """The options of the processes that hash KV blocks: engines and the frontend's router."""
+
+    block_size: int = Field(BLOCK_SIZE, ge=1, description="KV block size: the engines' prefix unit, which the "
+                                                          "router hashes by (the same in every process)")
 
 
 def endpoint_path(namespace: str, component: str = ENCODER_COMPONENT, endpoint: str = ENCODE_ENDPOINT) -> str:

@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from ..client import HandleResolver
 from ..core.card import ModelCard
 from ..core.dynamo import (
-    BLOCK_SIZE,
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
-    NAMESPACE,
+    KvOptions,
     endpoint_path,
     kv_event_publisher,
     load_publisher,
@@ -47,7 +46,7 @@ log = logging.getLogger(__name__)
 READY = "mm-encoder engine ready"
 
 
-class EngineSettings(BaseSettings):
+class EngineSettings(KvOptions):
     """Every option from the command line or `MM_ENGINE_<OPTION>`."""
 
     model_config = SettingsConfigDict(env_prefix="MM_ENGINE_", cli_kebab_case=True, cli_implicit_flags=True,
@@ -59,8 +58,6 @@ class EngineSettings(BaseSettings):
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="the language model's dtype")
     device: str | None = Field(None, description="cpu or cuda[:N] (default: cuda when available)")
     name: str | None = Field(None, description="served model name (default: the checkpoint directory's name)")
-    namespace: str = Field(NAMESPACE, description="Dynamo namespace")
-    block_size: int = Field(BLOCK_SIZE, ge=1, description="KV block size (the router hashes by it)")
     prefix_cache_tokens: int = Field(1 << 16, ge=0, description="prompt KV kept for reuse, in tokens (0: none)")
     encode_inline: bool = Field(False, description="the aggregated baseline: load the whole model and encode "
                                                    "media here with its own vision tower (no encode worker)")
@@ -122,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     s = parse_settings(EngineSettings, argv, check=lambda s: check_model_dir(s.checkpoint, "--checkpoint"))
     if s is None:
         return 2
-    return run(serve(s))
+    return run(serve(s), s.log_level)
 
 
 if __name__ == "__main__":

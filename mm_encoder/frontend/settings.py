@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from ..core.dynamo import BLOCK_SIZE, ENGINE_COMPONENT, NAMESPACE
+from ..core.dynamo import ENGINE_COMPONENT, KvOptions
 from .processor import Limits
 
 
-class FrontendSettings(BaseSettings):
+class FrontendSettings(KvOptions):
     """Every option from the command line or `MM_FRONTEND_<OPTION>`."""
 
     model_config = SettingsConfigDict(env_prefix="MM_FRONTEND_", cli_kebab_case=True, cli_implicit_flags=True,
@@ -22,9 +22,7 @@ class FrontendSettings(BaseSettings):
     model_dir: Path = Field(description="the served LLM's directory: config.json, tokenizer, chat template")
     http_host: str = Field("127.0.0.1")
     http_port: int = Field(8000, ge=1, le=65535)
-    namespace: str = Field(NAMESPACE, description="Dynamo namespace of the engines and encode workers")
     engine_component: str = Field(ENGINE_COMPONENT, description="engines serve <namespace>.<component>.generate")
-    block_size: int = Field(BLOCK_SIZE, ge=1, description="KV block size the engines use (routing hashes per block)")
     encoder_http: str | None = Field(None, description="cache chain URL (the cluster tier); unset: RPC only")
     encoder_route: str = Field("cluster,shared", description="X-Cache-Route for the chain")
     encoder_rpc: bool = Field(True, description="Dynamo RPC to <namespace>.mm_encoder.encode (direct, and fallback)")
@@ -56,6 +54,5 @@ class FrontendSettings(BaseSettings):
                                 "wake-ups per request (BENCHMARKS.md: our frontend vs Dynamo's stock frontend)")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
-    log_level: str = Field("INFO")
 
 

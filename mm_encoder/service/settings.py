@@ -11,16 +11,16 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from ..core.dynamo import NAMESPACE
+from ..core.dynamo import DynamoOptions
 from ..core.registry import DEFAULT_MODEL
 from ..core.spec import MediaLimits
 from ..fetch import FetchPolicy
 from ..model.encoder import BATCH_MAX_PATCHES
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(DynamoOptions):
     model_config = SettingsConfigDict(
         env_prefix="MM_ENCODER_",
         cli_kebab_case=True,
@@ -44,7 +44,6 @@ class WorkerSettings(BaseSettings):
     http_host: str = Field("127.0.0.1", description="HTTP bind address")
     http_port: int = Field(8090, ge=-1, le=65535, description="HTTP port; 0 picks a free one, -1 disables HTTP")
     dynamo: bool = Field(False, description="also serve <namespace>.mm_encoder.encode on the Dynamo runtime")
-    namespace: str = Field(NAMESPACE, description="Dynamo namespace")
     stock_model_dir: str | None = Field(
         None, description="also register as Dynamo's Encode worker for this LLM directory, so the stock "
                           "`python -m dynamo.frontend` calls this worker for requests with media (needs --dynamo)")
@@ -107,7 +106,6 @@ class WorkerSettings(BaseSettings):
                                 "(default: --max-video-patches); a request waits --decode-wait-s for room, "
                                 "then gets 503")
 
-    log_level: str = Field("INFO", description="DEBUG logs cache hits too")
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
