@@ -13,7 +13,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from ..core.errors import BadRequest, ContextOverflow
+from ..core.context import room
+from ..core.errors import BadRequest
 from ..core.handle import parse_encoder_result
 from ..core.prompt import Splicer
 from ..core.requests import EngineRequest, MediaInput
@@ -40,12 +41,9 @@ def from_preprocessed(request: dict[str, Any], splicer: Splicer, context_length:
     ordered = [queues[m].pop(0) for m in modalities]
     spliced = splicer.expand_ids(token_ids, [(h.header.modality, h.num_tokens, h.header.timestamps) for h in ordered])
     media = [MediaInput(h.to_dict(), list(spans)) for h, spans in zip(ordered, spliced.spans, strict=True)]
-    room = context_length - len(spliced.token_ids)
-    if room < 1:
-        raise ContextOverflow(f"the prompt is {len(spliced.token_ids)} tokens after expanding its media; the "
-                              f"model's context length is {context_length}")
+    left = room(len(spliced.token_ids), context_length)
     eos = [t for t in request.get("eos_token_ids") or [] if type(t) is int]
-    return EngineRequest(request_id or uuid.uuid4().hex, spliced.token_ids, min(params.max_tokens or room, room),
+    return EngineRequest(request_id or uuid.uuid4().hex, spliced.token_ids, min(params.max_tokens or left, left),
                          eos, media, sampling=params.to_dict())
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from ..client import HandleResolver
-from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
+from ..core.context import check_fits, room
+from ..core.errors import BadRequest, MMEncoderError
 from ..core.prompt import Splicer
 from ..core.requests import EngineRequest
 from ..core.sampling import SamplingParams
@@ -207,16 +208,10 @@ class Engine:
             yield {**dynamo_chunk(step.token, step.finish, len(prompt.token_ids), n), **step.fields(self.splicer.tok)}
 
     def _room(self, prompt_tokens: int) -> int:
-        room = self.context_length - prompt_tokens
-        if room < 1:
-            raise ContextOverflow(f"the prompt is {prompt_tokens} tokens after expanding its media; the model's "
-                                  f"context length is {self.context_length}")
-        return room
+        return room(prompt_tokens, self.context_length)
 
     def check_fits(self, prompt: int, max_tokens: int) -> None:
-        if prompt + max_tokens > self.context_length:
-            raise ContextOverflow(f"prompt {prompt} + max_tokens {max_tokens} exceeds the context length "
-                                  f"{self.context_length}")
+        check_fits(prompt, max_tokens, self.context_length)
 
     async def decode(self, prompt: Prompt, max_tokens: int, params: SamplingParams, eos_token_ids: list[int],
                      context=None) -> AsyncIterator[tuple[Step, int]]:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..client import HandleResolver
+from ..core.context import check_fits
 from ..core.dynamo import (
     BLOCK_SIZE,
     ENGINE_COMPONENT,
@@ -48,7 +49,7 @@ from ..core.dynamo import (
     register_engine,
     serve_endpoint,
 )
-from ..core.errors import BadRequest, ContextOverflow, MMEncoderError
+from ..core.errors import BadRequest, MMEncoderError
 from ..core.requests import EngineRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..core.timing import ms_since
@@ -199,9 +200,8 @@ class VllmEngine:
             if req.prompt is not None:
                 raise BadRequest("the vLLM engine takes token ids with media by handle; the aggregated baseline "
                                  "(media by URL) runs on the transformers engine (--encode-inline)")
-            if len(req.token_ids) + req.max_tokens > self.max_model_len:  # before any fetch
-                raise ContextOverflow(f"prompt {len(req.token_ids)} + max_tokens {req.max_tokens} exceeds vLLM's "
-                                      f"max_model_len {self.max_model_len}")
+            # before any fetch
+            check_fits(len(req.token_ids), req.max_tokens, self.max_model_len, "vLLM's max_model_len")
             params = VllmSampling(**sampling_kwargs(req))
             inp = await self.engine_input(req, timings)
         except MMEncoderError as e:

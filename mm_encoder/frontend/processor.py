@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.context import room
 from ..core.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
 from ..core.errors import (
     ContextOverflow,
@@ -157,11 +158,7 @@ class MultimodalProcessor:
 
     def max_tokens_for(self, params: SamplingParams, prompt_tokens: int) -> int:
         """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
-        room = self.limits.context_length - prompt_tokens
-        if room < 1:
-            raise ContextOverflow(f"the prompt is {prompt_tokens} tokens after expanding its media; the model's "
-                                  f"context length is {self.limits.context_length}")
-        return min(params.max_tokens or self.limits.default_max_tokens, room)
+        return min(params.max_tokens or self.limits.default_max_tokens, room(prompt_tokens, self.limits.context_length))
 
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         """One chat request: admitted (`_admit`), made ready and sent to an engine (`_dispatch`), its
