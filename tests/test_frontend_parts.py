@@ -112,6 +112,20 @@ def test_every_dynamo_process_takes_the_shared_options_under_its_own_prefix(chec
         WorkerSettings(_cli_parse_args=["--log-level", "loud"])
 
 
+def test_the_entry_point_refuses_options_only_our_launcher_acts_on(checkpoint):
+    """Under Dynamo's own frontend the runtime and the HTTP server exist before the provider is
+    called: `runtime_threads` (or a port, a drain timeout) in the processor's JSON would do nothing,
+    so it is refused by name instead of dropped."""
+    from types import SimpleNamespace
+
+    from mm_encoder.frontend.provider import chat_processor
+
+    assert chat_processor(SimpleNamespace(), {"model_dir": str(checkpoint)}).s.runtime_threads is None
+    for name, value in (("runtime_threads", 2), ("http_port", 9000)):
+        with pytest.raises(ValueError, match=f"'{name}' is an option of `python -m mm_encoder.frontend` only"):
+            chat_processor(SimpleNamespace(), {"model_dir": str(checkpoint), name: value})
+
+
 def test_block_mm_infos_marks_exactly_the_blocks_an_item_covers():
     assert block_mm_infos(40, 16, []) is None  # text only: routes as before
     infos = block_mm_infos(40, 16, [MediaSpan(H1, ((10, 12),)), MediaSpan(H2, ((30, 5),))])

@@ -72,20 +72,16 @@ class EncodeRequest(BaseModel):
             raise BadRequest(_describe(e)) from None
 
 
-def _add(seen: set[Any], key: Any) -> bool:
-    """Record `key`; False, so a scan for the first key seen twice can use it in a condition."""
-    seen.add(key)
-    return False
-
-
 def unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     """A decoded map that names a key twice is refused: readers disagree on which one counts (the
     last here, the first in some proxies), which is how a request says one thing and does another."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[Any] = set()
-        twice = next(k for k, _ in pairs if k in seen or _add(seen, k))
-        raise BadRequest(f"the body names {twice!r} more than once")
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRequest(f"the body names {key!r} more than once")
+            seen.add(key)
     return out
 
 

@@ -31,7 +31,7 @@ STREAM_INTERVAL_MS = 40.0
 def pacing(request: dict[str, Any], interval_s: float) -> tuple[float, int]:
     """(interval, items sent unheld) for one of our frontend's requests: a non-streamed one's tokens
     wait for the finish after the first item."""
-    if request.get("stream", True) is False:
+    if isinstance(request, dict) and request.get("stream", True) is False:
         return math.inf, 1
     return interval_s, IMMEDIATE
 

@@ -303,18 +303,21 @@ class MultimodalProcessor:
 
     def _router_note(self, call, rid: str) -> None:
         """The router's bookkeeping for a request, not waited for: it only updates the router's load
-        figures, and waiting would cost a crossing into Dynamo's runtime and back per call."""
-        task = asyncio.ensure_future(self._router_call(call, rid))
-        self._notes.add(task)
-        task.add_done_callback(self._notes.discard)
+        figures, and waiting would cost a crossing into Dynamo's runtime and back per call. Dynamo's
+        call is already a running future (no task is made); its failure (an engine that died took its
+        half of the books along: "Request ... not found") must not fail this request or later ones."""
+        def done(fut: asyncio.Future) -> None:
+            self._notes.discard(fut)
+            if not fut.cancelled() and fut.exception() is not None:
+                log.debug("request %s: router bookkeeping: %s", rid, fut.exception())
 
-    async def _router_call(self, call, rid: str) -> None:
-        """The router's bookkeeping for a request; an engine that died took its half of it along
-        ("Request ... not found"), which must not fail this request or later ones."""
         try:
-            await call(rid)
+            fut = asyncio.ensure_future(call(rid))
         except Exception as e:  # Dynamo raises plain Exceptions here
             log.debug("request %s: router bookkeeping: %s", rid, e)
+            return
+        self._notes.add(fut)
+        fut.add_done_callback(done)
 
     async def _dispatch_inline(self, hold: _Hold, params: SamplingParams, text: str, media,
                                timings: dict[str, float], interim: bool):

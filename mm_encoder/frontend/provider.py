@@ -120,11 +120,19 @@ class ProcessorFactory:
             await self.encoder.close()
 
 
+# What only our launcher acts on: the HTTP server, the runtime it starts and the shutdown drain.
+_LAUNCHER_ONLY = ("runtime_threads", "http_host", "http_port", "drain_timeout_s")
+
+
 def chat_processor(frontend_config: Any, processor_config: dict[str, Any] | None = None) -> ProcessorFactory:
     """The `dynamo.frontend.chat_processors` provider: Dynamo's frontend config (its namespace and
     KV block size are the defaults) plus this processor's options as JSON (`model_dir` required,
     else Dynamo's `--model-path`)."""
     options = dict(processor_config or {})
+    for name in _LAUNCHER_ONLY:
+        if name in options:  # Dynamo's own frontend made its runtime and HTTP server before calling us
+            raise ValueError(f"{name!r} is an option of `python -m mm_encoder.frontend` only; under Dynamo's "
+                             "frontend set its own equivalent (DYN_RUNTIME_NUM_WORKER_THREADS, --http-port, ...)")
     namespace = getattr(frontend_config, "namespace", None)
     block_size = getattr(frontend_config, "kv_cache_block_size", None)
     model_path = getattr(frontend_config, "model_path", None)
