@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from mm_encoder.core.wire import Packed, WireHeader
 from mm_encoder.service.caches import AliasCache, BodyCache, SingleFlight
 from mm_encoder.service.settings import WorkerSettings
 from mm_encoder.worker import main
@@ -37,18 +38,25 @@ def test_alias_ttl_scope_and_lru():
     assert AliasCache(0, 10).put("", "u", b"", "h") is None  # disabled: stores nothing
 
 
+def _entry(n: int, fill: bytes = b"x") -> Packed:
+    header = WireHeader(mm_hash="h", model="m", modality="image", dtype="bfloat16", shape=(4, 8),
+                        grid_thws=((1, 4, 4),), length=4, timestamps=None)
+    return Packed(fill * n, header)
+
+
 def test_body_cache_caps_bytes_and_evicts_lru():
+    """Entries are a body with its header; the cap counts body bytes."""
     c = BodyCache(max_bytes=100)
-    c.put("a", b"x" * 40)
-    c.put("b", b"x" * 40)
+    c.put("a", _entry(40))
+    c.put("b", _entry(40))
     assert c.get("a") is not None  # a is now most recent
-    c.put("c", b"x" * 40)
+    c.put("c", _entry(40))
     assert c.get("b") is None and c.get("a") and c.get("c")
     assert c.bytes == 80 and c.stats.evictions == 1
-    c.put("huge", b"x" * 101)  # larger than the whole cache: not stored, nothing evicted
+    c.put("huge", _entry(101))  # larger than the whole cache: not stored, nothing evicted
     assert c.get("huge") is None and len(c) == 2
-    c.put("a", b"y" * 10)  # replacing an entry fixes the byte count
-    assert c.bytes == 50
+    c.put("a", _entry(10, b"y"))  # replacing an entry fixes the byte count
+    assert c.bytes == 50 and c.get("a").header.grid_thws == ((1, 4, 4),)
 
 
 async def test_single_flight_shares_results_and_never_replays_errors():

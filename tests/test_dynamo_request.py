@@ -11,9 +11,10 @@ import torch
 
 from mm_encoder import wire
 from mm_encoder.core.errors import BadRequest, ContextOverflow, HandleError, RemoteError
-from mm_encoder.core.handle import MediaHandle, Source, encoder_result
+from mm_encoder.core.handle import MediaHandle, encoder_result
 from mm_encoder.core.prompt import ChatTokenizer, Splicer
 from mm_encoder.core.registry import get_spec
+from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines.dynamo_request import chunk, from_preprocessed
 from mm_encoder.frontend.chat import StopStrings, parse_messages
 
@@ -38,7 +39,7 @@ def handle(modality: str, mm_hash: str) -> MediaHandle:
     else:
         body = wire.encode(mm_hash=mm_hash, model=SPEC, modality="video", embeds=torch.zeros(8, 8),
                            grid_thws=[[4, 4, 4], [4, 4, 4]], timestamps=STAMPS)
-    return MediaHandle.build(wire.peek(body), Source(model=SPEC, url=f"https://m.test/{mm_hash[:4]}",
+    return MediaHandle.build(wire.peek(body), EncodeRequest(model=SPEC, url=f"https://m.test/{mm_hash[:4]}",
                                                      modality=modality), chain=None, route="cluster", rpc=None)
 
 

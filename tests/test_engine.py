@@ -258,7 +258,7 @@ def test_the_aggregated_engine_answers_as_the_disaggregated_one(which, checkpoin
     prompt tokens and the same answer as rows encoded apart and spliced by the frontend's path."""
     import base64
 
-    from mm_encoder.core.requests import EngineRequest
+    from mm_encoder.core.engine_request import EngineRequest
     from mm_encoder.engines.worker import EngineSettings, build_engine
 
     ckpt, spec = (checkpoint, "kimi-k2.5-vision") if which == "kimi" else (glm_checkpoint, "glm-5.2-vision")

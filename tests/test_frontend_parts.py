@@ -19,11 +19,12 @@ from transformers import Kimi_K25ForConditionalGeneration
 from worker_fixtures import SERVED, SPEC, MeasuredClient, engine_beside_worker, engine_for, processor_beside
 
 from mm_encoder import wire
+from mm_encoder.core.engine_request import EngineRequest, MediaInput
 from mm_encoder.core.errors import BadRequest, ContextOverflow, ModelDirError
-from mm_encoder.core.handle import MediaHandle, Source, cache_key
+from mm_encoder.core.handle import MediaHandle
 from mm_encoder.core.prompt import ChatTokenizer, Splicer
 from mm_encoder.core.registry import get_spec
-from mm_encoder.core.requests import EngineRequest, MediaInput
+from mm_encoder.core.requests import EncodeRequest, cache_key
 from mm_encoder.core.sampling import SamplingParams
 from mm_encoder.engines.engine import Placed, Prompt
 from mm_encoder.frontend.chat import MediaRef, parse_messages
@@ -305,9 +306,9 @@ def test_wire_peek_reads_a_header_longer_than_its_read_size(chunks):
 # --- logprob chunks and the engine ---------------------------------------------------------------
 
 
-def _handle(body: bytes, url: str = "https://media.test/a.png") -> dict:
-    return MediaHandle.build(wire.peek(body), Source(model=SPEC, url=url), chain=None, route="cluster",
-                             rpc=None).to_dict()
+def _handle(body: bytes, url: str = "https://media.test/a.png") -> MediaHandle:
+    return MediaHandle.build(wire.peek(body), EncodeRequest(model=SPEC, url=url), chain=None, route="cluster",
+                             rpc=None)
 
 
 def _image_prompt(tok, splicer, rows: int) -> tuple[list[int], int]:

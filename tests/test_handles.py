@@ -17,7 +17,8 @@ from worker_fixtures import run_origin, run_worker
 from mm_encoder import wire
 from mm_encoder.client import EncoderChain, HandleResolver
 from mm_encoder.core.errors import HandleError, RemoteError
-from mm_encoder.core.handle import MediaHandle, Source
+from mm_encoder.core.handle import MediaHandle
+from mm_encoder.core.requests import EncodeRequest, cache_key
 
 IMG = image_bytes(natural_image(112, 84, seed=31))
 OTHER = image_bytes(natural_image(112, 84, seed=32))
@@ -56,7 +57,7 @@ async def test_describe_sends_headers_only_and_the_engine_fetches_the_cached_bod
     origin, w, tier = stack
     origin.files["a.png"] = IMG
     chain = EncoderChain(http_url=tier.url(""), route="cluster")
-    source = Source(model="tiny", url=origin.url("a.png"), modality="image")
+    source = EncodeRequest(model="tiny", url=origin.url("a.png"), modality="image")
     try:
         header, where = await chain.describe(source)
         assert where == "http:cluster=MISS" and chain.body_bytes == 0  # the tier fetched and kept the body
@@ -78,7 +79,7 @@ async def described(tier, origin, name: str) -> MediaHandle:
     """The frontend's side: a handle for origin's `name`, from headers only (HEAD through the tier)."""
     origin.files[name] = IMG
     chain = EncoderChain(http_url=tier.url(""), route="cluster")
-    source = Source(model="tiny", url=origin.url(name))
+    source = EncodeRequest(model="tiny", url=origin.url(name))
     try:
         header, _ = await chain.describe(source)
     finally:
@@ -116,7 +117,7 @@ async def test_a_handle_whose_source_now_serves_other_bytes_is_refused(stack, tm
 def _handle(**changes) -> dict:
     body = wire.encode(mm_hash="ab" * 32, model="tiny", modality="image", embeds=torch.zeros(12, 8),
                        grid_thws=[[1, 6, 8]])
-    source = Source(model="tiny", url="https://media.test/x.png")
+    source = EncodeRequest(model="tiny", url="https://media.test/x.png")
     doc = MediaHandle.build(wire.peek(body), source, chain="http://127.0.0.1:9/v1/encode", route="cluster",
                             rpc=None).to_dict()
     for path, value in changes.items():
@@ -131,17 +132,32 @@ def _handle(**changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     ({"mm_hash": "cd" * 32}, "disagree with its header"),  # tampered mm_hash
     ({"meta.mm_hash": "cd" * 32}, "disagree with its header"),
-    ({"key": "0" * 64}, "not its source's key"),  # a key that is not the request's: would poison a tier
-    ({"source.url": "https://media.test/other.png"}, "not its source's key"),
-    ({"num_tokens": [13]}, "disagree with its header"),
+    ({"key": "0" * 64}, "not its source's key"),  # a 0.1 peer's key that is not the request's: would poison a tier
+    ({"num_tokens": [13]}, "disagree with its header"),  # a 0.1 peer's token counts that are not the header's
     ({"meta.length": 99}, "length"),
     ({"v": 2}, "malformed"),
     ({"route": "cluster;rm -rf"}, "malformed"),
+    ({"source.data": "aGk="}, "source.data: Input should be a valid bytes"),  # JSON: never raw bytes
+    ({"source.url": None, "source.data": b"hi"}, "source: Value error, a handle's source names its media by `url`"),
+    ({"source.extra": 1}, "source.extra: Extra inputs are not permitted"),
 ])
 def test_a_tampered_or_malformed_handle_is_refused_before_any_fetch(changes, message):
     MediaHandle.parse(_handle())  # the untouched one is fine
     with pytest.raises(HandleError, match=message):
         MediaHandle.parse(_handle(**changes))
+
+
+def test_a_handle_carries_each_fact_once_and_parses_a_01_peers_handle():
+    """`key` and `num_tokens` (0.1 handles) are derived, not carried: a 0.1 frontend's handle still
+    parses when they agree with what they derive from (a rolling upgrade: engines first), and the
+    header is parsed once per handle."""
+    doc = _handle()
+    assert sorted(doc) == ["chain", "meta", "mm_hash", "route", "source", "v"]
+    handle = MediaHandle.parse(doc)
+    assert handle.num_tokens == [12] and handle.header is handle.header
+    legacy = {**doc, "key": handle.source.key(), "num_tokens": [12]}
+    assert MediaHandle.parse(legacy) == handle and MediaHandle.parse(legacy).to_dict() == doc
+    assert handle.source.key() == cache_key("tiny", None, "https://media.test/x.png", "")
 
 
 async def test_an_engine_fetches_only_from_chains_it_trusts():
@@ -154,7 +170,7 @@ async def test_an_engine_fetches_only_from_chains_it_trusts():
 
 async def test_a_handle_for_a_source_that_fails_gets_the_encoders_error(stack):
     origin, _, tier = stack
-    source = Source(model="tiny", url=origin.url("missing.png"))
+    source = EncodeRequest(model="tiny", url=origin.url("missing.png"))
     handle = MediaHandle.build(wire.peek(wire.encode(mm_hash="ab" * 32, model="tiny", modality="image",
                                                      embeds=torch.zeros(12, 8), grid_thws=[[1, 6, 8]])),
                                source, chain=tier.url("/v1/encode"), route="cluster", rpc=None)
@@ -200,7 +216,7 @@ async def test_a_long_videos_header_passes_the_tier_intact(tmp_path):
             tier = await start(tmp_path, "cluster", "cluster", "--next", f"127.0.0.1:{runner.addresses[0][1]}")
             chain = EncoderChain(http_url=tier.url(""), route="cluster")
             try:
-                header, where = await chain.describe(Source(model="tiny", url="https://m.test/long.mp4"))
+                header, where = await chain.describe(EncodeRequest(model="tiny", url="https://m.test/long.mp4"))
             finally:
                 await chain.close()
         assert where == "http:cluster=MISS" and len(header.grid_thws) == n and header.timestamps[-1] == "00:33:18.000"
@@ -242,7 +258,7 @@ async def test_an_engines_fetch_does_not_wait_on_a_fill_in_progress(tmp_path):
             tier = await start(tmp_path, "cluster", "cluster", "--next", f"127.0.0.1:{runner.addresses[0][1]}")
             chain = EncoderChain(http_url=tier.url(""), route="cluster")  # the frontend's
             engine = EncoderChain(http_url=tier.url(""), route="cluster")  # the engine's: its own connection
-            source = Source(model="tiny", url="https://m.test/slow.png")
+            source = EncodeRequest(model="tiny", url="https://m.test/slow.png")
             header, where = await chain.describe(source)  # headers back; the fill is still running
             assert where == "http:cluster=MISS" and header.length == 12
             body, where = await asyncio.wait_for(engine.fetch(source), 5)  # not behind the fill

@@ -39,10 +39,13 @@ import torch
 
 from mm_encoder import wire
 from mm_encoder.client import HandleResolver
+from mm_encoder.core.engine_request import EngineRequest, MediaInput
 from mm_encoder.core.errors import BadRequest
-from mm_encoder.core.handle import MediaHandle, Source
-from mm_encoder.core.requests import EngineRequest, MediaInput
+from mm_encoder.core.handle import MediaHandle
+from mm_encoder.core.process import parse_known_settings
+from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines import vllm as adapter
+from mm_encoder.engines.inputs import check_spans
 from mm_encoder.engines.vllm import VllmEngine, engine_overrides, parse_engine_args, read_config, sampling_kwargs
 from mm_encoder.engines.vllm_inputs import (
     FAMILIES,
@@ -79,8 +82,8 @@ def _body(mm_hash: str, grids, *, hidden: int = 8, modality: str = "image", seed
 
 def _item(body: bytes, spans, *, inline: bool = False) -> MediaInput:
     header = wire.peek(body)
-    handle = MediaHandle.build(header, Source(model="tiny", url=f"https://media.test/{header.mm_hash[:8]}"),
-                               chain=None, route="cluster", rpc=None).to_dict()
+    handle = MediaHandle.build(header, EncodeRequest(model="tiny", url=f"https://media.test/{header.mm_hash[:8]}"),
+                               chain=None, route="cluster", rpc=None)
     return MediaInput(handle, [tuple(s) for s in spans], body if inline else None)
 
 
@@ -159,7 +162,9 @@ def test_mm_route_refuses_wrong_placeholder_wrong_grid_rows_and_passes_text_thro
     with pytest.raises(BadRequest, match=re.escape("slices 4 rows for it (t*h*w/16)")):
         _mm(req, [img], merge4)
     bad = EngineRequest("r", [1] + [IMG] * 6, 5, [], [_item(_body(H1, [(1, 4, 6)]), [(0, 6)])])
-    with pytest.raises(BadRequest, match="not a placeholder run"):
+    with pytest.raises(BadRequest, match="not a placeholder run"):  # checked before the fetch, for both engines
+        check_spans(bad.media[0], bad.token_ids)
+    with pytest.raises(BadRequest, match="its run is token 1, qwen2_5_vl's image placeholder is"):
         _mm(bad, [_body(H1, [(1, 4, 6)])])
     text = EngineRequest("t", [1, 2], 3)
     assert items(text, [], QWEN25) == []
@@ -340,6 +345,22 @@ def _parse(rest, family=QWEN25, config=None, kv_endpoint="ipc:///tmp/kv.sock"):
 
 
 KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///tmp/kv.sock", "topic": ""}
+
+
+def test_the_adapters_own_options_are_the_shared_dynamo_settings_and_the_rest_is_vllms(capsys, monkeypatch):
+    """Namespace, log level and block size are `core.dynamo.KvOptions`, as for every other Dynamo
+    process; the flags the adapter does not know go to vLLM's parser untouched."""
+    monkeypatch.setenv("MM_VLLM_STREAM_INTERVAL_MS", "5")
+    args, rest = parse_known_settings(adapter.AdapterSettings, [
+        "--model", "/ckpt", "--namespace", "ns", "--block-size", "32", "--log-level", "debug",
+        "--encoder-chain", "http://tier:8080", "--max-model-len", "128", "--enforce-eager"], epilog="")
+    assert (args.model, args.namespace, args.block_size, args.log_level) == ("/ckpt", "ns", 32, "DEBUG")
+    assert args.encoder_chain == ("http://tier:8080",) and args.stream_interval_ms == 5
+    assert rest == ["--max-model-len", "128", "--enforce-eager"]
+    assert parse_known_settings(adapter.AdapterSettings, ["--model", "/c", "--block-size", "0"], epilog="") is None
+    assert "--block-size (or MM_VLLM_BLOCK_SIZE): Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert parse_known_settings(adapter.AdapterSettings, ["--model", "/c", "--log-level", "loud"], epilog="") is None
+    assert "log level 'loud' is not one of" in capsys.readouterr().err
 
 
 def test_engine_args_go_through_vllms_parser_then_the_adapters_settings():

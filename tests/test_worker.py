@@ -330,7 +330,7 @@ async def test_a_request_for_another_checkpoints_revision_is_refused(checkpoint,
     (a frontend pointed at another checkpoint) is a 409, never another model's embeddings, and the
     tiers' cache key differs with the revision, so a cache never answers for another checkpoint."""
     from mm_encoder.core.card import ModelCard
-    from mm_encoder.core.handle import Source
+    from mm_encoder.core.requests import EncodeRequest
 
     revision = ModelCard.read(checkpoint).revision
     assert revision == ckpt_encoder.spec.revision and revision.startswith("ckpt-")
@@ -340,7 +340,7 @@ async def test_a_request_for_another_checkpoints_revision_is_refused(checkpoint,
         assert status == 200, body
         status, _, body = await post_json(session, w, {**ok, "revision": "ckpt-0000000000000000"})
     assert status == 409 and json.loads(body)["error"]["code"] == "revision_mismatch"
-    a = Source(model="kimi-k2.5-vision", url="https://m.test/a.png", revision=revision)
+    a = EncodeRequest(model="kimi-k2.5-vision", url="https://m.test/a.png", revision=revision)
     assert a.key() != a.model_copy(update={"revision": "ckpt-0000000000000000"}).key()
-    assert a.model_copy(update={"revision": None}).key() == Source(model="kimi-k2.5-vision",
+    assert a.model_copy(update={"revision": None}).key() == EncodeRequest(model="kimi-k2.5-vision",
                                                                      url="https://m.test/a.png").key()

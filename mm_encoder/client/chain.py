@@ -17,8 +17,8 @@ import aiohttp
 from ..core import wire
 from ..core.dynamo import TOO_LARGE_HINT, is_too_large
 from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge, WireError
-from ..core.handle import MAX_HEADER_BYTES, ROUTE, Source, chain_url
-from ..core.requests import EncodeReply
+from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
+from ..core.requests import EncodeReply, EncodeRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +45,21 @@ class EncoderChain:
         if self._session is not None:
             await self._session.close()
 
-    async def describe(self, source: Source) -> tuple[wire.WireHeader, str]:
+    async def describe(self, source: EncodeRequest) -> tuple[wire.WireHeader, str]:
         """The item's header (its body is computed and cached on the way, never sent here)."""
         header, where = await self._call(source, header_only=True)
         if not isinstance(header, wire.WireHeader):
             raise RemoteError("the encoder answered a body where a header was asked for")
         return header, where
 
-    async def fetch(self, source: Source) -> tuple[bytes, str]:
+    async def fetch(self, source: EncodeRequest) -> tuple[bytes, str]:
         """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes."""
         body, where = await self._call(source, header_only=False)
         if not isinstance(body, bytes):
             raise RemoteError("the encoder answered a header where a body was asked for")
         return body, where
 
-    async def _call(self, source: Source, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _call(self, source: EncodeRequest, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         if self.http_url is not None:
             try:
                 return await self._http(self.http_url, source, header_only)
@@ -70,13 +70,13 @@ class EncoderChain:
                 log.warning("cache chain failed (%s); falling back to direct RPC", e.message)
         return await self._rpc(source, header_only)
 
-    async def _http(self, chain: str, source: Source, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _http(self, chain: str, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES)
         headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         try:
-            async with self._session.request(method, url, json=source.request(), headers=headers) as r:
+            async with self._session.request(method, url, json=source.to_dict(), headers=headers) as r:
                 body = b"" if header_only else await r.read()
                 status, rh = r.status, r.headers
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -100,12 +100,12 @@ class EncoderChain:
             raise RemoteError.from_dict({**error, "status": status}, f"encoder answered {status}")
         raise RemoteError(rh.get("X-MM-Error", f"encoder answered {status}"), code, status)
 
-    async def _rpc(self, source: Source, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _rpc(self, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         client = self.rpc_client
         if client is None or not client.instance_ids():
             raise EncoderUnavailable("no encode worker is registered")
         try:
-            reply = await call_encode(client, source.request(), header_only=header_only)
+            reply = await call_encode(client, source.to_dict(), header_only=header_only)
         except RemoteError:
             raise
         except Exception as e:  # Dynamo transport errors: the worker went away mid-call

@@ -1,11 +1,15 @@
 """Embeddings by handle: what travels between components instead of the embeddings themselves.
 
 An encode answer is a `MediaHandle` per item: a few hundred bytes of JSON with what a frontend
-needs to splice and route (mm_hash, grids, token counts, dtype, shape, timestamps) and what an
-engine needs to get the body (the encode request that produced it, its cache key, the cache chain
-to ask, Dynamo RPC as the fallback). The engine pulls the wire-v1 body itself. A level that has
-evicted the entry forwards the request and the encoder re-encodes it to the same bytes, so a
-handle never points at nothing: eviction costs one re-encode, not a failure.
+needs to splice and route (mm_hash and the wire header: grids, dtype, shape, timestamps) and what
+an engine needs to get the body (the `EncodeRequest` that produced it, the cache chain to ask,
+Dynamo RPC as the fallback). The engine pulls the wire-v1 body itself. A level that has evicted
+the entry forwards the request and the encoder re-encodes it to the same bytes, so a handle never
+points at nothing: eviction costs one re-encode, not a failure.
+
+A handle is the item's one description: `parse` checks a peer's once, and its `header` is parsed
+once per process (the frontend builds it from a header it already checked). Everything else (token
+counts per grid, the tiers' cache key) is derived from it, never carried twice.
 
 The network client that asks the encoders for headers and bodies is `mm_encoder.client`.
 `check_body` checks a fetched body against its handle: a body whose mm_hash or grids differ (the
@@ -14,17 +18,15 @@ URL now serves other bytes, or the handle was tampered with) is refused, never s
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from . import wire
 from .errors import HandleError, RemoteError, WireError
-from .requests import ProcessorOverrides
+from .requests import EncodeRequest
 
 log = logging.getLogger(__name__)
 
@@ -32,42 +34,15 @@ HANDLE_VERSION: Literal[1] = 1
 ROUTE = re.compile(r"[a-z]+(,[a-z]+){0,3}")  # X-Cache-Route: the tier names to visit, e.g. "cluster,shared"
 # Response headers may carry a video's grids and timestamps (X-MM-Meta): nginx and aiohttp default to 4-8 KB.
 MAX_HEADER_BYTES = 64 << 10
-
-
-def cache_key(model: str, processor: dict[str, Any] | None, url: str, scope: str, modality: str | None = None,
-              revision: str | None = None) -> str:
-    """The tiers' key for one item: everything the encoder's answer depends on, nothing else (the
-    model's revision, when the request names one: another checkpoint is another answer)."""
-    ref = url if url[:5].lower() != "data:" else "sha256:" + hashlib.sha256(url.encode()).hexdigest()
-    parts = [model, processor or {}, ref, scope, modality] + ([revision] if revision else [])
-    doc = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(doc.encode()).hexdigest()
+# Fields that 0.1 frontends wrote and nothing reads (both derived from the others): a peer's handle
+# may still carry them during a rolling upgrade; they are checked, then dropped.
+_LEGACY_FIELDS = ("key", "num_tokens")
 
 
 def chain_url(url: str) -> str:
     """A chain's address as handles carry it: the first level's `/v1/encode` URL."""
     url = url.rstrip("/")
     return url if url.endswith("/v1/encode") else url + "/v1/encode"
-
-
-class Source(BaseModel):
-    """The encode request that made the body: re-sent as is when the body must be fetched again."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str = Field(min_length=1, max_length=512)
-    url: str = Field(min_length=1)
-    modality: Literal["image", "video"] | None = None
-    scope: str = Field("", max_length=256)
-    processor: ProcessorOverrides | None = None
-    revision: str | None = Field(None, max_length=64)  # the checkpoint's; the encoder refuses another
-
-    def request(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
-
-    def key(self) -> str:
-        processor = self.processor.model_dump(exclude_none=True) if self.processor else None
-        return cache_key(self.model, processor, self.url, self.scope, self.modality, self.revision)
 
 
 class MediaHandle(BaseModel):
@@ -78,40 +53,64 @@ class MediaHandle(BaseModel):
     v: Literal[1] = HANDLE_VERSION
     mm_hash: str = Field(min_length=1, max_length=128)
     meta: dict[str, Any]  # the wire header's fields (`wire.WireHeader.to_meta`)
-    num_tokens: list[int]  # per grid: an image has one, a video one per chunk
-    source: Source
-    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    source: EncodeRequest  # by URL: re-sent as is when the body must be fetched again
     chain: str | None = Field(None, max_length=2048)  # the first tier's /v1/encode URL; None: RPC only
     route: str = Field("cluster,shared", pattern=f"^{ROUTE.pattern}$")
     rpc: str | None = Field(None, max_length=256)  # the encode workers' Dynamo endpoint path
+    _header: wire.WireHeader | None = PrivateAttr(None)
+
+    @field_validator("source")
+    @classmethod
+    def _by_url(cls, source: EncodeRequest) -> EncodeRequest:
+        if source.url is None:
+            raise ValueError("a handle's source names its media by `url`, never by raw `data`")
+        return source
 
     @classmethod
-    def build(cls, header: wire.WireHeader, source: Source, *, chain: str | None, route: str,
+    def build(cls, header: wire.WireHeader, source: EncodeRequest, *, chain: str | None, route: str,
               rpc: str | None) -> MediaHandle:
-        return cls(mm_hash=header.mm_hash, meta=header.to_meta(), num_tokens=header.tokens_per_grid,
-                   source=source, key=source.key(), chain=chain, route=route, rpc=rpc)
+        """The handle for an item whose header this process has (checked by whoever made it)."""
+        handle = cls(mm_hash=header.mm_hash, meta=header.to_meta(), source=source, chain=chain, route=route, rpc=rpc)
+        handle._header = header
+        return handle
 
     @classmethod
     def parse(cls, obj: Any) -> MediaHandle:
-        """A peer's handle, checked: its key must be its source's key (so a fetch can never store
-        one request's answer under another's key) and its header must be a valid wire header."""
+        """A peer's handle, checked once: its header must be a valid wire header with the handle's
+        mm_hash; the legacy fields of a 0.1 peer must agree with what they are derived from."""
+        legacy = {}
+        if isinstance(obj, dict) and any(k in obj for k in _LEGACY_FIELDS):
+            obj = dict(obj)
+            legacy = {k: obj.pop(k) for k in _LEGACY_FIELDS if k in obj}
         try:
             handle = cls.model_validate(obj)
         except ValidationError as e:
-            raise HandleError(f"malformed media handle: {e.errors(include_url=False)[0]['msg']}") from None
-        if handle.key != handle.source.key():
-            raise HandleError(f"media handle {handle.mm_hash[:12]}: its key is not its source's key")
+            err = e.errors(include_url=False)[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise HandleError(f"malformed media handle: {where + ': ' if where else ''}{err['msg']}") from None
         try:
-            header = handle.header
+            header = wire.WireHeader.from_meta(handle.meta)
         except WireError as e:
             raise HandleError(f"media handle {handle.mm_hash[:12]}: {e.message}") from None
-        if header.mm_hash != handle.mm_hash or header.tokens_per_grid != handle.num_tokens:
+        tokens = header.tokens_per_grid
+        if header.mm_hash != handle.mm_hash or legacy.get("num_tokens", tokens) != tokens:
             raise HandleError(f"media handle {handle.mm_hash[:12]}: its fields disagree with its header")
+        if "key" in legacy and legacy["key"] != handle.source.key():  # a tier would have stored it under this
+            raise HandleError(f"media handle {handle.mm_hash[:12]}: its key is not its source's key")
+        handle._header = header
         return handle
 
     @property
     def header(self) -> wire.WireHeader:
-        return wire.WireHeader.from_meta(self.meta)
+        """The wire header, parsed once (a handle made by `parse` or `build` already has it)."""
+        if self._header is None:
+            self._header = wire.WireHeader.from_meta(self.meta)
+        return self._header
+
+    @property
+    def num_tokens(self) -> list[int]:
+        """Rows per grid: an image has one grid, a video one per chunk."""
+        return self.header.tokens_per_grid
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)

@@ -25,11 +25,30 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def parse_settings(cls: type[S], argv: list[str] | None, check: Callable[[S], Any] | None = None) -> S | None:
     """The settings, or None after printing why they are invalid (exit status 2). `check` may
     refuse them further (a ValueError, e.g. a model directory that is not one) before any start-up."""
-    parser = argparse.ArgumentParser(prog=cls.model_config.get("cli_prog_name"), description=cls.__doc__)
+    parsed = _parse(cls, argv, known_only=False, check=check)
+    return parsed[0] if parsed is not None else None
+
+
+def parse_known_settings(cls: type[S], argv: list[str] | None, epilog: str) -> tuple[S, list[str]] | None:
+    """`parse_settings` for a process that hands the flags it does not know to another parser (the
+    vLLM adapter: vLLM's own engine flags): the settings and those flags, or None (exit status 2)."""
+    return _parse(cls, argv, known_only=True, epilog=epilog)
+
+
+def _parse(cls: type[S], argv: list[str] | None, *, known_only: bool, epilog: str | None = None,
+           check: Callable[[S], Any] | None = None) -> tuple[S, list[str]] | None:
+    parser = argparse.ArgumentParser(prog=cls.model_config.get("cli_prog_name"), description=cls.__doc__,
+                                     epilog=epilog, allow_abbrev=not known_only)  # another's flag is never ours
     source: CliSettingsSource[argparse.ArgumentParser] = CliSettingsSource(
         cls, root_parser=parser, add_argument_method=_add_argument)
+    args = sys.argv[1:] if argv is None else argv
+    rest: list[str] = []
     try:
-        settings = cls(_cli_settings_source=source(args=sys.argv[1:] if argv is None else argv))
+        if known_only:
+            known, rest = parser.parse_known_args(args)
+            settings = cls(_cli_settings_source=source(parsed_args=known))
+        else:
+            settings = cls(_cli_settings_source=source(args=args))
     except ValidationError as e:
         prefix = cls.model_config.get("env_prefix", "")
         for err in e.errors(include_url=False, include_input=False):
@@ -43,7 +62,7 @@ def parse_settings(cls: type[S], argv: list[str] | None, check: Callable[[S], An
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    return settings
+    return settings, rest
 
 
 def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:

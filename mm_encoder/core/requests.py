@@ -1,15 +1,16 @@
-"""The messages that cross process boundaries, defined once for both sides of each call.
+"""The encode worker's messages, defined once for both sides of the call.
 
-- frontend (or any client) -> encode worker: `EncodeRequest` (HTTP JSON/msgpack bodies and Dynamo
-  RPC dicts alike); the answer is a wire-v1 body (`core.wire`), over Dynamo inside `EncodeReply`;
-  errors are `{"error": {"code", "message"[, "status"]}}` (`MMEncoderError.to_dict`).
-- frontend -> engine: `EngineRequest`, token ids with placeholder runs plus each media item's
-  wire-v1 body and where its rows go.
+Any client -> encode worker: `EncodeRequest` (HTTP JSON/msgpack bodies and Dynamo RPC dicts
+alike; a `MediaHandle` carries the one that made its body, `core.handle`); the answer is a wire-v1
+body (`core.wire`), over Dynamo inside `EncodeReply`; errors are `{"error": {"code", "message"[,
+"status"]}}` (`MMEncoderError.to_dict`). The frontend's message to an engine is
+`core.engine_request`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json as stdlib_json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +42,16 @@ class ProcessorOverrides(BaseModel):
         return base.model_copy(update=update) if update else base
 
 
+def cache_key(model: str, processor: dict[str, Any] | None, url: str, scope: str, modality: str | None = None,
+              revision: str | None = None) -> str:
+    """The tiers' key for one item: everything the encoder's answer depends on, nothing else (the
+    model's revision, when the request names one: another checkpoint is another answer)."""
+    ref = url if url[:5].lower() != "data:" else "sha256:" + hashlib.sha256(url.encode()).hexdigest()
+    parts = [model, processor or {}, ref, scope, modality] + ([revision] if revision else [])
+    doc = stdlib_json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
 class EncodeRequest(BaseModel):
     """One media item to encode: exactly one of `url` (http, https or data:) and `data` (raw bytes,
     msgpack bodies and Dynamo only)."""
@@ -62,6 +73,17 @@ class EncodeRequest(BaseModel):
         if (self.url is None) == (self.data is None):
             raise ValueError("give exactly one of `url` and `data`")
         return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as a body or an RPC dict (what a handle re-sends to fetch its body again)."""
+        return self.model_dump(exclude_none=True)
+
+    def key(self) -> str:
+        """The cache tiers' key (`X-Cache-Key`) for a request by URL."""
+        if self.url is None:
+            raise ValueError("a request with raw `data` has no cache key: the tiers cache by URL")
+        processor = self.processor.model_dump(exclude_none=True) if self.processor else None
+        return cache_key(self.model, processor, self.url, self.scope, self.modality, self.revision)
 
     @classmethod
     def parse(cls, body: object, *, json: bool = False) -> EncodeRequest:
@@ -130,68 +152,3 @@ class EncodeReply:
             raise RemoteError("the encode worker's reply has no body")
         return cls(reply.get("body") or b"", str(reply.get("mm_hash", "")), str(reply.get("source", "")),
                    dict(reply.get("timings_ms") or {}), reply.get("header"))
-
-
-# --- frontend -> engine ---------------------------------------------------------------------
-# Travels as msgpack over Dynamo RPC on our own endpoint. Media travel as handles (`core.handle`):
-# the engine fetches each body itself, so the message is kilobytes. The engine's response stream:
-# `{"token_ids": [int], "finish_reason": None | "stop" | "length"}` per step.
-
-
-@dataclass
-class MediaInput:
-    handle: dict[str, Any]  # a MediaHandle's JSON form: the engine fetches and checks the body
-    spans: list[tuple[int, int]]  # (offset, length) in token_ids, one per image or video chunk
-    body: bytes | None = None  # the body itself: only a frontend in `--media-transport body` sends it
-
-    @property
-    def mm_hash(self) -> str:
-        return str(self.handle.get("mm_hash", ""))
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"handle": self.handle, "spans": [list(s) for s in self.spans]}
-        if self.body is not None:
-            d["body"] = self.body
-        return d
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    token_ids: list[int]
-    max_tokens: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    media: list[MediaInput] = field(default_factory=list)
-    sampling: dict[str, Any] = field(default_factory=dict)  # core.sampling.SamplingParams.to_dict()
-    # The aggregated baseline (no encode worker): the rendered chat template (one placeholder per
-    # media item) and the media the engine fetches, encodes and splices itself; token_ids is then
-    # empty and the engine reports prompt_tokens.
-    prompt: str | None = None
-    media_refs: list[dict[str, str]] = field(default_factory=list)
-    # False: the client reads the whole answer at once, so the engine holds every token after the
-    # first until the finish (`engines.stream.pacing`); sent only then
-    stream: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {
-            "request_id": self.request_id,
-            "token_ids": self.token_ids,
-            "max_tokens": self.max_tokens,
-            "eos_token_ids": self.eos_token_ids,
-            "sampling": self.sampling,
-            "media": [m.to_dict() for m in self.media],
-        }
-        if self.prompt is not None:
-            d["prompt"] = self.prompt
-            d["media_refs"] = self.media_refs
-        if not self.stream:
-            d["stream"] = False
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineRequest:
-        media = [MediaInput(dict(m["handle"]), [tuple(s) for s in m["spans"]], m.get("body"))
-                 for m in d.get("media", [])]
-        return cls(d["request_id"], list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                   media, dict(d.get("sampling") or {}), d.get("prompt"), list(d.get("media_refs", [])),
-                   d.get("stream", True) is not False)

@@ -108,10 +108,24 @@ class WireMessage(WireHeader):
     __hash__ = object.__hash__
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A body with its header beside it, as the encoder made them: what a cache keeps, so an
+    answer's header (X-MM-Meta, a handle) never means reading back the body just packed."""
+
+    body: bytes
+    header: WireHeader
+
+
 # ---------------------------------------------------------------------------------------- encode
 
 
-def encode(
+def encode(**fields: Any) -> bytes:
+    """A v1 body (`pack`'s, without its header)."""
+    return pack(**fields).body
+
+
+def pack(
     *,
     mm_hash: str,
     model: str,
@@ -122,25 +136,25 @@ def encode(
     dtype: str = "bfloat16",
     byte_planes: bool = True,
     level: int = DEFAULT_LEVEL,
-) -> bytes:
-    """A v1 body: msgpack map -> one zstd frame. Deterministic for the same inputs and libzstd.
+) -> Packed:
+    """A v1 body and its header: msgpack map -> one zstd frame. Deterministic for the same inputs
+    and libzstd.
 
     `embeds` [length, hidden] in any float dtype is cast to `dtype`. Inputs a decoder would refuse
     raise ValueError (the caller's bug, not a peer's), so every body this returns decodes.
     """
     if type(level) is not int:
         raise ValueError(f"zstd level must be an int, got {level!r}")
-    head, data = _map_parts(
-        mm_hash=mm_hash, model=model, modality=modality, embeds=embeds, grid_thws=grid_thws,
-        timestamps=timestamps, dtype=dtype, byte_planes=byte_planes,
-    )
+    obj = _fields(mm_hash=mm_hash, model=model, modality=modality, embeds=embeds, grid_thws=grid_thws,
+                  timestamps=timestamps, dtype=dtype, byte_planes=byte_planes)
+    head, data = _map_parts(obj)
     cctx = zstandard.ZstdCompressor(
         level=level, write_checksum=True, write_content_size=True, write_dict_id=False, threads=0
     )
     # Streamed in two pieces so the tensor bytes are never copied into a msgpack buffer first;
     # `size` puts the content size in the frame header.
     cobj = cctx.compressobj(size=len(head) + data.nbytes)
-    return b"".join((cobj.compress(head), cobj.compress(data), cobj.flush()))
+    return Packed(b"".join((cobj.compress(head), cobj.compress(data), cobj.flush())), WireHeader(**_header(obj)))
 
 
 def encode_json(**fields: Any) -> bytes:
@@ -160,16 +174,16 @@ def to_json(body: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> bytes:
 
 def _pack(**fields: Any) -> bytes:
     """The uncompressed msgpack map (what the zstd frame holds); takes encode's arguments but `level`."""
-    head, data = _map_parts(**fields)
+    head, data = _map_parts(_fields(**fields))
     return b"".join((head, data))
 
 
-def _map_parts(**fields: Any) -> tuple[bytes, memoryview]:
-    """The msgpack map, embeds last, split before the tensor bytes: (everything before them, them).
+def _map_parts(fields: dict[str, Any]) -> tuple[bytes, memoryview]:
+    """`_fields`' map, embeds last, split before the tensor bytes: (everything before them, them).
 
     Byte-identical to msgpack.packb of the map (smallest encodings; `bin` for the tensor).
     """
-    obj = _fields(**fields)
+    obj = dict(fields)
     data = obj.pop("embeds")
     packer = msgpack.Packer(use_bin_type=True)
     head = [packer.pack_map_header(len(obj) + 1)]

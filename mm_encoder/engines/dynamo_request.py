@@ -14,10 +14,10 @@ import uuid
 from typing import Any
 
 from ..core.context import room
+from ..core.engine_request import EngineRequest, MediaInput
 from ..core.errors import BadRequest
 from ..core.handle import parse_encoder_result
 from ..core.prompt import Splicer
-from ..core.requests import EngineRequest, MediaInput
 from ..core.sampling import SamplingParams
 
 
@@ -40,7 +40,7 @@ def from_preprocessed(request: dict[str, Any], splicer: Splicer, context_length:
     queues = {m: list(hs) for m, hs in handles.items()}
     ordered = [queues[m].pop(0) for m in modalities]
     spliced = splicer.expand_ids(token_ids, [(h.header.modality, h.num_tokens, h.header.timestamps) for h in ordered])
-    media = [MediaInput(h.to_dict(), list(spans)) for h, spans in zip(ordered, spliced.spans, strict=True)]
+    media = [MediaInput(h, list(spans)) for h, spans in zip(ordered, spliced.spans, strict=True)]
     left = room(len(spliced.token_ids), context_length)
     eos = [t for t in request.get("eos_token_ids") or [] if type(t) is int]
     return EngineRequest(request_id or uuid.uuid4().hex, spliced.token_ids, min(params.max_tokens or left, left),

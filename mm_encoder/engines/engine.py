@@ -28,15 +28,15 @@ import torch
 
 from ..client import HandleResolver
 from ..core.context import check_fits, room
+from ..core.engine_request import EngineRequest
 from ..core.errors import BadRequest, MMEncoderError
 from ..core.prompt import Splicer
-from ..core.requests import EngineRequest
 from ..core.sampling import SamplingParams
 from ..core.timing import ms_since
 from ..routing import MediaSpan, block_hashes, block_mm_infos
 from .dynamo_request import chunk as dynamo_chunk
 from .dynamo_request import from_preprocessed
-from .inputs import check_spans, fetch_bodies, media_rows
+from .inputs import fetch_bodies, media_rows
 from .llm import LanguageModel
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, Step, token_logprobs
@@ -179,14 +179,13 @@ class Engine:
     async def media_prompt(self, req: EngineRequest, timings: dict[str, float]) -> Prompt:
         """Every item's body fetched by handle and checked, then its rows decoded (engine thread)."""
         t0 = time.perf_counter()
-        handles = [check_spans(item, req.token_ids) for item in req.media]  # before any fetch
-        bodies = await fetch_bodies(req, self.resolver, handles)
+        bodies = await fetch_bodies(req, self.resolver)
         t1 = time.perf_counter()
         rows = await asyncio.get_running_loop().run_in_executor(self._pool, media_rows, req, bodies,
                                                                 self.lm.hidden_size)
         timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, ms_since(t1)
-        placed = [Placed(h.mm_hash, h.header.modality, list(item.spans), [list(g) for g in h.header.grid_thws])
-                  for h, item in zip(handles, req.media, strict=True)]
+        placed = [Placed(item.mm_hash, item.handle.header.modality, list(item.spans),
+                         [list(g) for g in item.handle.header.grid_thws]) for item in req.media]
         return Prompt(req.token_ids, rows, placed)
 
     async def generate_dynamo(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from ..core.aio import gather_or_cancel
+from ..core.engine_request import EngineRequest
 from ..core.errors import BadRequest
 from ..core.prompt import Splicer
-from ..core.requests import EngineRequest
 from ..fetch import Fetcher
 from .engine import Placed, Prompt
 from .llm import LanguageModel

@@ -1,6 +1,6 @@
-"""An `EngineRequest`'s media as an engine takes them: each item's handle checked against the spans
-the frontend spliced, its body fetched (`client.HandleResolver`) and decoded. A mismatch at
-any step is refused, never written into the prompt."""
+"""An `EngineRequest`'s media as an engine takes them: each item's handle (parsed on arrival)
+checked against the spans the frontend spliced, its body fetched (`client.HandleResolver`) and
+decoded. A mismatch at any step is refused, never written into the prompt."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import torch
 from ..client import HandleResolver
 from ..core import wire
 from ..core.aio import gather_or_cancel
+from ..core.engine_request import EngineRequest, MediaInput
 from ..core.errors import BadRequest
 from ..core.handle import MediaHandle, check_body
-from ..core.requests import EngineRequest, MediaInput
 
 
-def check_spans(item: MediaInput, token_ids: list[int] | None) -> MediaHandle:
-    """The item's handle, parsed: one span per grid, each as long as its grid's tokens and, given
-    the prompt, a run of one placeholder token. Checked before any body is fetched."""
-    handle = MediaHandle.parse(item.handle)
+def check_spans(item: MediaInput, token_ids: list[int] | None) -> None:
+    """One span per grid of the item's handle, each as long as its grid's tokens and, given the
+    prompt, a run of one placeholder token. Checked before any body is fetched."""
+    handle = item.handle
     if [n for _, n in item.spans] != handle.num_tokens:
         raise BadRequest(f"media {handle.mm_hash[:12]}: spans {item.spans} do not match its token counts "
                          f"{handle.num_tokens}")
@@ -25,16 +25,15 @@ def check_spans(item: MediaInput, token_ids: list[int] | None) -> MediaHandle:
         run = token_ids[offset : offset + n]
         if offset < 0 or len(run) != n or len(set(run)) != 1:
             raise BadRequest(f"media {handle.mm_hash[:12]}: tokens {offset}..{offset + n} are not a placeholder run")
-    return handle
 
 
-async def fetch_bodies(req: EngineRequest, resolver: HandleResolver,
-                       handles: list[MediaHandle] | None = None) -> list[bytes]:
-    """Every item's wire-v1 body, fetched concurrently; the first failure cancels the rest.
-    `handles`: the items' handles when the caller has checked them already (`check_spans`)."""
-    handles = handles or [check_spans(item, req.token_ids) for item in req.media]
-    return await gather_or_cancel(_given(h, item.body) if item.body is not None else resolver.body(h)
-                                  for h, item in zip(handles, req.media, strict=True))
+async def fetch_bodies(req: EngineRequest, resolver: HandleResolver) -> list[bytes]:
+    """Every item's wire-v1 body (spans checked first), fetched concurrently; the first failure
+    cancels the rest."""
+    for item in req.media:
+        check_spans(item, req.token_ids)
+    return await gather_or_cancel(_given(item.handle, item.body) if item.body is not None
+                                  else resolver.body(item.handle) for item in req.media)
 
 
 async def _given(handle: MediaHandle, body: bytes) -> bytes:

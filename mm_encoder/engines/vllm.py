@@ -35,26 +35,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from ..client import HandleResolver
 from ..core.context import check_fits
 from ..core.dynamo import (
-    BLOCK_SIZE,
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
-    NAMESPACE,
+    KvOptions,
     endpoint_path,
     kv_event_publisher,
     make_runtime,
     register_engine,
     serve_endpoint,
 )
+from ..core.engine_request import EngineRequest
 from ..core.errors import BadRequest, MMEncoderError
-from ..core.requests import EngineRequest
+from ..core.process import LOG_FORMAT, parse_known_settings
 from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos
-from .inputs import check_spans, fetch_bodies
+from .inputs import fetch_bodies
 from .sampling import Step
 from .stream import STREAM_INTERVAL_MS, batched, pacing
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
@@ -167,10 +169,9 @@ class VllmEngine:
         from vllm.inputs import embeds_input, tokens_input
 
         t0 = time.perf_counter()
-        handles = [check_spans(media, req.token_ids) for media in req.media]  # once, before any fetch
-        bodies = await fetch_bodies(req, self.resolver, handles)
+        bodies = await fetch_bodies(req, self.resolver)  # spans checked before any fetch
         t1 = time.perf_counter()
-        spans = await asyncio.to_thread(items, req, bodies, self.family, handles)
+        spans = await asyncio.to_thread(items, req, bodies, self.family)
         timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, ms_since(t1)
         if not spans:
             return tokens_input(req.token_ids)
@@ -277,20 +278,31 @@ def read_config(model: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+class AdapterSettings(KvOptions):
+    """The adapter's own options, from the command line or `MM_VLLM_<OPTION>`; every other flag is
+    vLLM's own (AsyncEngineArgs.add_cli_args)."""
+
+    model_config = SettingsConfigDict(env_prefix="MM_VLLM_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_prog_name="python -m mm_encoder.engines.vllm", extra="ignore",
+                                      frozen=True)
+
+    model: str = Field(description="the checkpoint directory")
+    name: str | None = Field(None, description="served model name (default: the checkpoint directory's name)")
+    kv_events_endpoint: str | None = Field(None, description="where vLLM publishes KV events (default: an ipc "
+                                                             "socket of this process)")
+    encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
+                                           "(none: Dynamo RPC to the encode workers only)")
+    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0, description="tokens generated within this many ms "
+                                      "of the last item go out in one item (0: one item per token)")
+
+
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm run it as a process
-    p = argparse.ArgumentParser(prog="python -m mm_encoder.engines.vllm",
-                                epilog="every other flag is vLLM's own (AsyncEngineArgs.add_cli_args)")
-    p.add_argument("--model", required=True, help="the checkpoint directory")
-    p.add_argument("--name", help="served model name (default: the checkpoint directory's name)")
-    p.add_argument("--namespace", default=NAMESPACE)
-    p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
-    p.add_argument("--kv-events-endpoint", default=None, help="where vLLM publishes KV events (default: an ipc "
-                                                              "socket of this process)")
-    p.add_argument("--encoder-chain", action="append", default=[], help="cache chain URL handles may name")
-    p.add_argument("--stream-interval-ms", type=float, default=STREAM_INTERVAL_MS,
-                   help="tokens generated within this many ms of the last item go out in one item (0: each alone)")
-    args, rest = p.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    parsed = parse_known_settings(AdapterSettings, argv, epilog="every other flag is vLLM's own "
+                                                                "(AsyncEngineArgs.add_cli_args)")
+    if parsed is None:
+        return 2
+    args, rest = parsed
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:

@@ -29,10 +29,8 @@ from typing import Any, Literal
 import torch
 
 from ..core import wire
+from ..core.engine_request import EngineRequest
 from ..core.errors import BadRequest
-from ..core.handle import MediaHandle
-from ..core.requests import EngineRequest
-from .inputs import check_spans
 
 
 @dataclass(frozen=True)
@@ -131,14 +129,11 @@ class Item:
     uuid: str
 
 
-def items(req: EngineRequest, bodies: list[bytes], family: Family, handles: list[MediaHandle] | None = None
-          ) -> list[Item]:
-    """Each span of each item with its rows, in prompt order, checked against the model: one
-    placeholder run as long as its rows (`handles`: already checked by the caller), the width the
+def items(req: EngineRequest, bodies: list[bytes], family: Family) -> list[Item]:
+    """Each span of each item with its rows, in prompt order, checked against the model (the spans
+    against their handles were checked before the fetch, `inputs.fetch_bodies`): the width the
     model takes (before vLLM, whose engine core would crash on it), and for the "mm" route the
     family's token and row count per grid."""
-    if handles is None:
-        handles = [check_spans(media, req.token_ids) for media in req.media]
     out = []
     for media, body in zip(req.media, bodies, strict=True):
         msg = wire.decode(body)

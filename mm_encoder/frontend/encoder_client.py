@@ -17,15 +17,14 @@ from ..client import EncoderChain
 from ..core import wire
 from ..core.aio import gather_or_cancel
 from ..core.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, endpoint_path
-from ..core.handle import MediaHandle, Source
-from ..core.wire import WireHeader
+from ..core.handle import MediaHandle
+from ..core.requests import EncodeRequest
 from .chat import MediaRef
 
 
 @dataclass
 class Encoded:
-    handle: MediaHandle
-    header: WireHeader
+    handle: MediaHandle  # its `header`: what the processor splices and routes on
     source: str  # "http:<X-Cache-Status>" or "rpc"
     body: bytes | None = None  # send_bodies only
 
@@ -59,7 +58,8 @@ class EncoderClient:
 
     async def embed(self, item: MediaRef, scope: str = "") -> Encoded:
         self.calls += 1
-        source = Source(model=self.model, url=item.url, modality=item.modality, scope=scope, revision=self.revision)
+        source = EncodeRequest(model=self.model, url=item.url, modality=item.modality, scope=scope,
+                               revision=self.revision)
         body = None
         if self.send_bodies:
             body, where = await self.chain.fetch(source)
@@ -68,4 +68,4 @@ class EncoderClient:
             header, where = await self.chain.describe(source)
         handle = MediaHandle.build(header, source, chain=self.chain.http_url, route=self.chain.route,
                                    rpc=self.rpc_path)
-        return Encoded(handle, header, where, body)
+        return Encoded(handle, where, body)

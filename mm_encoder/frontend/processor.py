@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core.context import room
 from ..core.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
+from ..core.engine_request import EngineRequest, MediaInput
 from ..core.errors import (
     ContextOverflow,
     Draining,
@@ -32,7 +33,6 @@ from ..core.errors import (
     RequestTooLarge,
 )
 from ..core.prompt import ChatTokenizer, Splicer
-from ..core.requests import EngineRequest, MediaInput
 from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
@@ -209,12 +209,13 @@ class MultimodalProcessor:
             encoded = await self.encoder.embed_all(media) if media else []
             timings["encode_ms"] = ms_since(t_enc)
             self.stats.media_items += len(media)
-            grids = [(e.header.modality, e.header.tokens_per_grid, e.header.timestamps) for e in encoded]
+            headers = [e.handle.header for e in encoded]
+            grids = [(h.modality, h.tokens_per_grid, h.timestamps) for h in headers]
             spliced = (self.splicer.expand_text(text, grids) if inline and not encoded
                        else await asyncio.to_thread(self.splicer.expand_text, text, grids))
             prompt_tokens = len(spliced.token_ids)
             max_tokens = self.max_tokens_for(params, prompt_tokens)
-            spans = [MediaSpan(e.header.mm_hash, tuple(s)) for e, s in zip(encoded, spliced.spans, strict=True)]
+            spans = [MediaSpan(h.mm_hash, tuple(s)) for h, s in zip(headers, spliced.spans, strict=True)]
             t_route = time.perf_counter()
             worker_id, overlap = await self._route(hold, spliced.token_ids,
                                                    block_mm_infos(prompt_tokens, self.block_size, spans))
@@ -223,7 +224,7 @@ class MultimodalProcessor:
                                       "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans],
                                       "timings": timings})
             payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
-                                    [MediaInput(e.handle.to_dict(), list(s.spans), e.body)
+                                    [MediaInput(e.handle, list(s.spans), e.body)
                                      for e, s in zip(encoded, spans, strict=True)],
                                     sampling=params.to_dict(), stream=interim).to_dict()
             stream = await self._send(payload, worker_id)

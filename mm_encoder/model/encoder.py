@@ -16,7 +16,6 @@ import copy
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +30,8 @@ from ..core.timing import ms_since
 from . import media
 from .checkpoint import LoadReport, VisionModel, build_empty, init_random, load_checkpoint, spec_for_checkpoint
 from .hashing import content_hash, mm_hash
-from .media import VideoChunk
-from .preprocess import num_tokens, preprocess_frames
+from .media import VideoChunk, VideoPlan
+from .preprocess import frame_grid, preprocess_frames
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +53,20 @@ class EncodedMedia:
     modality: str = "image"
     timestamp: str | None = None  # video chunks: hh:mm:ss.fff of the first frame
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """One media item before any pixel is decoded: what it will cost (`pixels` decoded at once,
+    `patches` prepared for the forward), so a caller can reserve both before the work starts."""
+
+    modality: str
+    mm_hash: str
+    pixels: int
+    patches: int
+    plan_ms: float
+    image: Image.Image | None = None  # opened, header checked; pixels not decoded
+    video: VideoPlan | None = None
 
 
 @dataclass
@@ -248,7 +261,9 @@ class Encoder:
             return self._prepare_chunk(item, cfg)
         if isinstance(item, (bytes, bytearray, memoryview)):
             data = bytes(item)
-            return self._prepare_image(data, cfg, mm_hash(self.identity(cfg), "image", data))
+            identified = ("image", mm_hash(self.identity(cfg), "image", data))  # bytes here are an image
+            (prepared,) = self.prepare_planned(data, self.plan(data, cfg, identified=identified), cfg)
+            return prepared
         if isinstance(item, Image.Image):
             return self._prepare_pil(item, cfg)
         kind = type(item).__name__
@@ -260,13 +275,34 @@ class Encoder:
         """Image or video bytes -> one Prepared per image or per video chunk. `identified` is what
         `identify` returned for these bytes, when the caller has it already."""
         cfg = processor or self.spec.preprocess
+        return self.prepare_planned(data, self.plan(data, cfg, identified=identified), cfg)
+
+    def plan(self, data: bytes, processor: PreprocessConfig | None = None, *,
+             identified: tuple[str, str] | None = None) -> Plan:
+        """What preparing these bytes will cost, from the image header or the video container (no
+        pixel decoded): every per-item limit is checked here."""
+        t0 = time.perf_counter()
+        cfg = processor or self.spec.preprocess
         modality, h = identified or self.identify(data, cfg)
-        if modality != "video":
-            return [self._prepare_image(bytes(data), cfg, h)]
+        patch = self.spec.tower.patch_size
+        if modality == "video":
+            video = media.probe_video(bytes(data), cfg, self.limits, patch)
+            return Plan(modality, h, video.decoding_pixels, video.patches, ms_since(t0), video=video)
+        img = media.open_image(bytes(data), self.limits)
+        gh, gw = frame_grid(*img.size, cfg, patch)  # a size the policy refuses, before decoding
+        return Plan(modality, h, img.size[0] * img.size[1], gh * gw, ms_since(t0), image=img)
+
+    def prepare_planned(self, data: bytes, plan: Plan, processor: PreprocessConfig | None = None) -> list[Prepared]:
+        """Decode and preprocess what `plan` describes (CPU-pool work; the caller reserved its cost)."""
+        cfg = processor or self.spec.preprocess
+        if plan.image is not None:
+            t0 = time.perf_counter()
+            rgb = media.image_to_rgb(plan.image, self.limits)
+            return [self._prepared(rgb, cfg, plan.mm_hash, "image", None, plan.plan_ms + ms_since(t0))]
         # Chunk by chunk: each is preprocessed as soon as it is decoded, so what is held at once is
         # one chunk's RGB frames plus the (smaller, or on-device) pixel_values prepared so far.
-        prepared, decode_ms = [], 0.0
-        chunks = media.iter_video(bytes(data), cfg, self.limits, h, self.spec.tower.patch_size)
+        prepared, decode_ms = [], plan.plan_ms
+        chunks = media.iter_video(bytes(data), cfg, self.limits, plan.mm_hash, self.spec.tower.patch_size, plan.video)
         with contextlib.closing(chunks):
             while True:
                 t0 = time.perf_counter()
@@ -279,13 +315,6 @@ class Encoder:
         for p in prepared:
             p.timings_ms["decode"] += decode_ms / len(prepared)  # the video's decode time, split over its chunks
         return prepared
-
-    def _prepare_image(self, data: bytes, cfg: PreprocessConfig, h: str) -> Prepared:
-        t0 = time.perf_counter()
-        img = media.open_image(data, self.limits)
-        num_tokens(*img.size, cfg, self.spec.tower.patch_size)  # a size the policy refuses, before decoding
-        rgb = media.image_to_rgb(img, self.limits)
-        return self._prepared(rgb, cfg, h, "image", None, ms_since(t0))
 
     def _prepare_pil(self, img: Image.Image, cfg: PreprocessConfig) -> Prepared:
         t0 = time.perf_counter()
@@ -309,12 +338,6 @@ class Encoder:
                   decode_ms: float) -> Prepared:
         t0 = time.perf_counter()
         pixel_values, grid = self._preprocess_rgb(rgb, cfg, video=modality == "video")
-        n = pixel_values.shape[0]
-        # Held until the tensor is freed (after its forward, or when a failed request drops it), so no
-        # owner has to remember to give it back. Taken after preprocessing: one item per CPU worker
-        # may overshoot while it waits.
-        media.PREPARED_BUDGET.acquire(n, self.limits)
-        weakref.finalize(pixel_values, media.PREPARED_BUDGET.release, n)
         return Prepared(pixel_values, grid, h, modality, timestamp, {"decode": decode_ms, "preprocess": ms_since(t0)})
 
     # --- encoding ---------------------------------------------------------------------------

@@ -11,23 +11,22 @@ decoded; EXIF orientation is applied; every mode becomes RGB deterministically:
   never scanned: counting 10^6 GIF frames costs seconds).
 JPEGs are checked against what their header claims before decoding (`jpeg.py`), so data cut short
 is refused (`corrupt`) instead of silently filled with grey by libjpeg.
-Decoded pixels in flight are bounded process-wide (`DECODE_BUDGET`): decoding runs in a thread
-pool, and a per-image cap alone lets N requests hold N times it. Prepared patches waiting for their
-forward are bounded the same way (`PREPARED_BUDGET`, `max_prepared_patches`).
+What an item will cost is known before its pixels are decoded (`open_image`'s header, a video's
+`probe_video`), so a caller can bound the total across requests before the work starts (the encode
+worker's `service.admission`); this module bounds each item on its own.
 Videos (PyAV): sampled at min(fps, native fps) with evenly spaced frame indices, cut into chunks
 of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
 video processor passes it and vLLM's grids count it: padding it with repeats of its last frame
 gives the same token count but other embeddings (the frame mean and time embedding change). The
 work a video asks for (sampled frames x patches per frame) is checked against
-`max_video_patches` before decoding; `iter_video` decodes chunk by chunk, so memory does not grow
-with the video's length.
+`max_video_patches` before decoding (`probe_video`); `iter_video` decodes chunk by chunk, so memory
+does not grow with the video's length.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ..core.errors import MediaError, Overloaded
+from ..core.errors import MediaError
 from ..core.spec import MediaLimits, PreprocessConfig
 from .jpeg import vet_jpeg
 from .preprocess import padded_grid, resize_target
@@ -88,48 +87,6 @@ def _check_size(data: bytes, limits: MediaLimits) -> None:
         raise MediaError("too_large", f"media is {len(data)} bytes; the limit is {limits.max_bytes}")
 
 
-class Budget:
-    """Units (pixels being decoded, patches prepared) held at once across threads, up to the
-    `MediaLimits` capacity named by `capacity` (a property of the limits). A request waits its turn
-    up to `decode_wait_s`, then is refused with 503 `overloaded` (retry later), so memory stays
-    bounded under load; one that could never fit is refused at once with `code`."""
-
-    def __init__(self, unit: str, capacity: str, code: str) -> None:
-        self.unit, self.capacity, self.code = unit, capacity, code
-        self._cond = threading.Condition()
-        self.in_use = 0
-        self.high_water = 0  # the most ever held at once (for tests and metrics)
-
-    def acquire(self, n: int, limits: MediaLimits) -> None:
-        capacity = getattr(limits, self.capacity)
-        if n > capacity:
-            raise MediaError(self.code, f"this needs {n} {self.unit} at once; the budget is {capacity}")
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.in_use + n <= capacity, limits.decode_wait_s):
-                raise Overloaded(f"{self.in_use} {self.unit} are held (budget {capacity}); retry later")
-            self.in_use += n
-            self.high_water = max(self.high_water, self.in_use)
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.in_use -= n
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def hold(self, n: int, limits: MediaLimits) -> Iterator[None]:
-        self.acquire(n, limits)
-        try:
-            yield
-        finally:
-            self.release(n)
-
-
-DECODE_BUDGET = Budget("pixels being decoded", "decoding_capacity", "too_many_pixels")
-# Patches of prepared pixel_values alive in the process (model/encoder.py holds them until the
-# tensors are freed, after their forward).
-PREPARED_BUDGET = Budget("prepared patches", "prepared_capacity", "too_large")
-
-
 def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Open (header only) and vet an image; pixels are not decoded yet."""
     _check_size(data, limits)
@@ -155,20 +112,19 @@ def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
 def image_to_rgb(img: Image.Image, limits: MediaLimits) -> torch.Tensor:
     """Decode (first frame), orient and convert to [H, W, 3] uint8. See module doc for modes."""
     check_dimensions(*img.size, limits)
-    with DECODE_BUDGET.hold(img.size[0] * img.size[1], limits):
-        try:
-            if img.tell() != 0:  # never `n_frames`: it walks every frame of the file
-                img.seek(0)
-            img.load()
-            img = ImageOps.exif_transpose(img)
-            rgb = _to_rgb(img)
-        except MediaError:
-            raise
-        except Image.DecompressionBombError as e:
-            raise MediaError("too_many_pixels", str(e)) from None
-        except Exception as e:  # OSError, SyntaxError, TypeError, ... depending on the plugin
-            raise MediaError("corrupt", f"image data cannot be decoded (truncated or damaged?): {e}") from None
-        return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+    try:
+        if img.tell() != 0:  # never `n_frames`: it walks every frame of the file
+            img.seek(0)
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        rgb = _to_rgb(img)
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise MediaError("too_many_pixels", str(e)) from None
+    except Exception as e:  # OSError, SyntaxError, TypeError, ... depending on the plugin
+        raise MediaError("corrupt", f"image data cannot be decoded (truncated or damaged?): {e}") from None
+    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> torch.Tensor:
@@ -246,15 +202,16 @@ def sample_indices(n_frames: int, native_fps: float, target_fps: float) -> list[
 
 
 def _check_video_work(sampled: int, width: int, height: int, cfg: PreprocessConfig, limits: MediaLimits,
-                      patch: int) -> None:
-    """Refuse a video whose sampled frames x patches per frame exceed `max_video_patches`: that, not
-    bytes or seconds, is what decoding and the forward cost."""
+                      patch: int) -> int:
+    """The patches a video's sampled frames make (padded: an upper bound), refused above
+    `max_video_patches`: that, not bytes or seconds, is what decoding and the forward cost."""
     if width <= 0 or height <= 0 or sampled <= 0:
-        return
+        return 0
     gh, gw = padded_grid(*resize_target(width, height, cfg.in_patch_limit_each_frame, cfg, patch), patch)
     if sampled * gh * gw > limits.max_video_patches:
         raise MediaError("too_large", f"video needs {sampled} sampled frames ({width}x{height}) x {gh * gw} patches "
                                       f"= {sampled * gh * gw} patches; the limit is {limits.max_video_patches}")
+    return sampled * gh * gw
 
 
 def _header_checks(container, stream, native_fps: float, cfg: PreprocessConfig, limits: MediaLimits,
@@ -277,6 +234,23 @@ def _header_checks(container, stream, native_fps: float, cfg: PreprocessConfig, 
         _check_video_work(_sample_count(n, native_fps, cfg.video_fps), width, height, cfg, limits, patch)
 
 
+@dataclass(frozen=True)
+class VideoPlan:
+    """What decoding a video will cost, known before any frame is decoded (`probe_video`)."""
+
+    wanted: tuple[int, ...]  # the sampled frame indices
+    native_fps: float
+    width: int
+    height: int
+    chunk_frames: int  # frames a chunk holds (the last may hold fewer)
+    patches: int  # prepared patches of all its chunks (an upper bound)
+
+    @property
+    def decoding_pixels(self) -> int:
+        """Pixels held at once while decoding: one chunk of frames."""
+        return self.width * self.height * min(self.chunk_frames, len(self.wanted))
+
+
 def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
                  patch_size: int = 14) -> list[VideoChunk]:
     """All chunks at once (holds every sampled frame: prefer `iter_video` for long videos)."""
@@ -284,9 +258,9 @@ def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source
         return list(chunks)
 
 
-def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
-               patch_size: int = 14) -> Iterator[VideoChunk]:
-    """Decode, sample and yield one chunk at a time: at most one chunk's frames are held here."""
+@contextlib.contextmanager
+def _opened(data: bytes, limits: MediaLimits) -> Iterator[tuple]:
+    """(container, its first video stream); a failure inside that is not ours is `corrupt`."""
     import av  # imported lazily: image-only users never pay for it
 
     _check_size(data, limits)
@@ -300,10 +274,22 @@ def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_h
         stream = container.streams.video[0]
         if stream.codec_context is None:
             raise MediaError("unsupported_format", f"video codec {stream.codec_tag!r} is not supported")
+        yield container, stream
+    except MediaError:
+        raise
+    except Exception as e:  # FFmpegError, UnicodeDecodeError, ... from damaged containers
+        raise MediaError("corrupt", f"video cannot be decoded: {e}") from None
+    finally:
+        container.close()
+
+
+def probe_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, patch_size: int = 14) -> VideoPlan:
+    """Pass 1: the header's claims, then the frame count by demuxing only (cheap, no decode), both
+    bounded by the limits; the frame size from the header (or, where it has none, the first frame)."""
+    with _opened(data, limits) as (container, stream):
         rate = stream.average_rate or stream.guessed_rate
         native_fps = float(rate) if rate else 0.0
         _header_checks(container, stream, native_fps, cfg, limits, patch_size)
-        # Pass 1: count frames by demuxing only (cheap, no decode), bounded by the limits.
         n_frames = 0
         for packet in container.demux(stream):
             if packet.size:
@@ -315,48 +301,60 @@ def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_h
                 "too_large", f"video is {n_frames / native_fps:.1f} s long; at most {limits.max_video_seconds:g} s"
             )
         wanted = sample_indices(n_frames, native_fps, cfg.video_fps)
-        _check_video_work(len(wanted), stream.codec_context.width, stream.codec_context.height, cfg, limits,
-                          patch_size)
-        yield from _decode_chunks(container, stream, set(wanted), native_fps, cfg, limits, source_hash, patch_size)
-    except (MediaError, Overloaded):
-        raise
-    except Exception as e:  # FFmpegError, UnicodeDecodeError, ... from damaged containers
-        raise MediaError("corrupt", f"video cannot be decoded: {e}") from None
-    finally:
-        container.close()
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if not (width and height) and wanted:
+            container.seek(0)
+            first = next(iter(container.decode(stream)), None)
+            width, height = (first.width, first.height) if first is not None else (0, 0)
+        if not wanted or not (width and height):
+            raise MediaError("no_frames", "the video has no decodable frames")
+        check_dimensions(width, height, limits, "video")
+        patches = _check_video_work(len(wanted), width, height, cfg, limits, patch_size)
+        return VideoPlan(tuple(wanted), native_fps, width, height, cfg.video_chunk_frames, patches)
 
 
-def _decode_chunks(container, stream, wanted: set[int], native_fps: float, cfg: PreprocessConfig,
-                   limits: MediaLimits, source_hash: str | None, patch: int) -> Iterator[VideoChunk]:
+def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
+               patch_size: int = 14, plan: VideoPlan | None = None) -> Iterator[VideoChunk]:
+    """Decode, sample and yield one chunk at a time: at most one chunk's frames are held here.
+    `plan`: what `probe_video` found for these bytes, when the caller has it already."""
+    plan = plan or probe_video(data, cfg, limits, patch_size)
+    with _opened(data, limits) as (container, stream):
+        yield from _decode_chunks(container, stream, plan, cfg, limits, source_hash, patch_size)
+
+
+def _decode_chunks(container, stream, plan: VideoPlan, cfg: PreprocessConfig, limits: MediaLimits,
+                   source_hash: str | None, patch: int) -> Iterator[VideoChunk]:
     """Pass 2: decode, convert only the sampled frames, and yield every `k` of them as a chunk (the
-    last one with what is left: 1 to k frames)."""
-    k, last = cfg.video_chunk_frames, max(wanted, default=-1)
+    last one with what is left: 1 to k frames). Frames larger than the plan are refused: what was
+    reserved for them would not hold them."""
+    k, wanted, last = plan.chunk_frames, set(plan.wanted), plan.wanted[-1]
     container.seek(0)
     part: list[torch.Tensor] = []
     stamp0 = chunk_stamp = None
     index = 0
-    with contextlib.ExitStack() as budget:
-        for i, frame in enumerate(container.decode(stream)):
-            if i > last:
-                break
-            if i not in wanted:
-                continue
-            check_dimensions(frame.width, frame.height, limits, "video frame")
-            if stamp0 is None:  # the real frame size (the header's may be absent or wrong)
-                _check_video_work(len(wanted), frame.width, frame.height, cfg, limits, patch)
-                budget.enter_context(DECODE_BUDGET.hold(frame.width * frame.height * k, limits))
-                size = (frame.height, frame.width)
-            elif (frame.height, frame.width) != size:
-                raise MediaError("corrupt", "video frames change size mid-stream")
-            t = float(frame.time if frame.time is not None else (i / native_fps if native_fps else 0.0))
-            stamp0 = t if stamp0 is None else stamp0
-            chunk_stamp = t if not part else chunk_stamp
-            part.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
-            if len(part) == k:
-                yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
-                part, index = [], index + 1
-        if part:
+    for i, frame in enumerate(container.decode(stream)):
+        if i > last:
+            break
+        if i not in wanted:
+            continue
+        check_dimensions(frame.width, frame.height, limits, "video frame")
+        if stamp0 is None:  # the real frame size (the header's may be absent or wrong)
+            if frame.width * frame.height > plan.width * plan.height:
+                raise MediaError("corrupt", f"video frames are {frame.width}x{frame.height}, larger than the "
+                                            f"{plan.width}x{plan.height} its header declares")
+            _check_video_work(len(wanted), frame.width, frame.height, cfg, limits, patch)
+            size = (frame.height, frame.width)
+        elif (frame.height, frame.width) != size:
+            raise MediaError("corrupt", "video frames change size mid-stream")
+        t = float(frame.time if frame.time is not None else (i / plan.native_fps if plan.native_fps else 0.0))
+        stamp0 = t if stamp0 is None else stamp0
+        chunk_stamp = t if not part else chunk_stamp
+        part.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+        if len(part) == k:
             yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
-            index += 1
+            part, index = [], index + 1
+    if part:
+        yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
+        index += 1
     if index == 0:
         raise MediaError("no_frames", "the video has no decodable frames")

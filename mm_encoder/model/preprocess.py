@@ -101,12 +101,16 @@ def _limit(cfg: PreprocessConfig, video: bool) -> int:
     return cfg.in_patch_limit_each_frame if video else cfg.in_patch_limit
 
 
-def num_tokens(width: int, height: int, cfg: PreprocessConfig, patch: int, video: bool = False) -> int:
-    """LLM tokens for an image (or one video chunk) of this size, without decoding it; raises the
-    MediaError that preprocessing would."""
+def frame_grid(width: int, height: int, cfg: PreprocessConfig, patch: int, video: bool = False) -> tuple[int, int]:
+    """Patches (h, w) of an image (or each frame of a video chunk) of this size, without decoding
+    it; raises the MediaError that preprocessing would."""
     w, h = resize_target(width, height, _limit(cfg, video), cfg, patch)
-    gh, gw = patch_grid(w, h, cfg, patch)
-    return tokens_for_grid((1, gh, gw))
+    return patch_grid(w, h, cfg, patch)
+
+
+def num_tokens(width: int, height: int, cfg: PreprocessConfig, patch: int, video: bool = False) -> int:
+    """LLM tokens for an image (or one video chunk) of this size, without decoding it."""
+    return tokens_for_grid((1, *frame_grid(width, height, cfg, patch, video)))
 
 
 def _pad_or_crop(x: torch.Tensor, gh: int, gw: int, patch: int, pad: bool) -> torch.Tensor:

@@ -78,8 +78,9 @@ class DeviceBatcher:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
-    async def submit(self, mm_hash: str, modality: str, prepared: list[Prepared]) -> tuple[bytes, dict[str, float]]:
-        """Queue one item; its wire-v1 body and the queue/forward/pack timings."""
+    async def submit(self, mm_hash: str, modality: str, prepared: list[Prepared]
+                     ) -> tuple[wire.Packed, dict[str, float]]:
+        """Queue one item; its wire-v1 body (with its header) and the queue/forward/pack timings."""
         loop = asyncio.get_running_loop()
         job = Job(mm_hash, modality, prepared, loop.create_future(), time.perf_counter())
         self._jobs.append(job)
@@ -152,9 +153,9 @@ class DeviceBatcher:
             packed.append((self.pack(job, outs), ms_since(t0)))
         return per_job, forward_ms, packed
 
-    def pack(self, job: Job, outputs: list[torch.Tensor]) -> bytes:
+    def pack(self, job: Job, outputs: list[torch.Tensor]) -> wire.Packed:
         embeds = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return wire.encode(
+        return wire.pack(
             mm_hash=job.mm_hash,
             model=self.encoder.spec.name,
             modality=job.modality,

@@ -2,8 +2,9 @@
 
 - `AliasCache`: (scope, URL, processor identity) -> mm_hash, with a TTL because URLs are mutable.
   A hit skips the download; scopes (tenants) never see each other's entries.
-- `BodyCache`: mm_hash -> packed response body, capped in bytes (not entries: a 4K image's body
-  is ~1000x a thumbnail's). A hit skips decode, preprocess and forward.
+- `BodyCache`: mm_hash -> packed response body with its header (`wire.Packed`), capped in body
+  bytes (not entries: a 4K image's body is ~1000x a thumbnail's). A hit skips decode, preprocess
+  and forward.
 - `SingleFlight`: concurrent identical work runs once; errors are returned to the waiters of
   that flight only, never stored.
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import cachetools
+
+from ..core.wire import Packed
 
 T = TypeVar("T")
 
@@ -83,30 +86,34 @@ class AliasCache:
         return len(self._entries)
 
 
+def _body_size(entry: Packed) -> int:
+    return len(entry.body)
+
+
 class BodyCache:
-    """LRU of mm_hash -> response body, holding at most `max_bytes` of bodies."""
+    """LRU of mm_hash -> body and header, holding at most `max_bytes` of bodies."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.stats = CacheStats()
-        self._entries = _LRU(max(max_bytes, 1), getsizeof=len)
+        self._entries = _LRU(max(max_bytes, 1), getsizeof=_body_size)
         self._entries.stats = self.stats
 
     @property
     def bytes(self) -> int:
         return self._entries.currsize
 
-    def get(self, mm_hash: str) -> bytes | None:
-        body = self._entries.get(mm_hash)
-        if body is None:
+    def get(self, mm_hash: str) -> Packed | None:
+        entry = self._entries.get(mm_hash)
+        if entry is None:
             self.stats.misses += 1
         else:
             self.stats.hits += 1
-        return body
+        return entry
 
-    def put(self, mm_hash: str, body: bytes) -> None:
-        if len(body) <= self.max_bytes:  # a bigger one would evict everything and still not fit
-            self._entries[mm_hash] = body
+    def put(self, mm_hash: str, entry: Packed) -> None:
+        if len(entry.body) <= self.max_bytes:  # a bigger one would evict everything and still not fit
+            self._entries[mm_hash] = entry
 
     def clear(self) -> None:
         self._entries.clear()

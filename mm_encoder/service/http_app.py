@@ -17,7 +17,6 @@ in `X-MM-Error-Code` / `X-MM-Error` (a HEAD answer has no body); 503s carry Retr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 
@@ -25,7 +24,7 @@ import msgpack
 from aiohttp import web
 
 from ..core import wire
-from ..core.errors import BadRequest, MMEncoderError, Overloaded, UnsupportedEncoding, code_for_status
+from ..core.errors import BadRequest, MMEncoderError, UnsupportedEncoding, code_for_status
 from ..core.requests import EncodeRequest, unique_keys
 from .pipeline import EncodeService
 
@@ -50,39 +49,17 @@ def _header_text(text: str, limit: int = 512) -> str:
     return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
-class _Receiving:
-    """Bytes of request bodies the worker holds at once, reserved from the announced size before a
-    body is read (aiohttp's client_max_size bounds one body, not many concurrent ones)."""
-
-    def __init__(self, limit: int, per_body: int):
-        self.limit, self.per_body = limit, per_body
-        self.held = 0
-
-    @contextlib.contextmanager
-    def reserve(self, request: web.Request):
-        n = request.content_length if request.content_length is not None else self.per_body
-        if request.method in ("GET", "HEAD", "OPTIONS") and not request.can_read_body:
-            n = 0
-        if n and self.held + n > self.limit:
-            raise Overloaded(f"the worker is receiving {self.held} bytes of request bodies; {n} more would pass "
-                             f"--max-receiving-bytes {self.limit}")
-        self.held += n
-        try:
-            yield
-        finally:
-            self.held -= n
-
-
-RECEIVING_KEY = web.AppKey("receiving", _Receiving)
-
-
 @web.middleware
 async def _admit_bodies(request: web.Request, handler) -> web.StreamResponse:
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # aiohttp would inflate it while reading
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not accepted for request bodies; send them "
                                   "uncompressed (media bytes are compressed already)")
-    with request.app[RECEIVING_KEY].reserve(request):
+    service = request.app[SERVICE_KEY]
+    n = request.content_length if request.content_length is not None else service.settings.max_body_bytes
+    if request.method in ("GET", "HEAD", "OPTIONS") and not request.can_read_body:
+        n = 0
+    with service.admission.receiving.hold(n):  # reserved from the announced size, before the body is read
         return await handler(request)
 
 
@@ -189,7 +166,6 @@ def build_app(service: EncodeService) -> web.Application:
     s = service.settings
     app = web.Application(middlewares=[_errors, _admit_bodies], client_max_size=s.max_body_bytes)
     app[SERVICE_KEY] = service
-    app[RECEIVING_KEY] = _Receiving(s.max_receiving_bytes, s.max_body_bytes)
     app.router.add_post("/v1/encode", post_encode)
     app.router.add_get("/v1/encode", post_encode)  # and HEAD (aiohttp adds it; the body is dropped)
     app.router.add_post("/v1/encode/fetch", post_encode)  # an engine's fetch by handle (the tiers' lock-free path)

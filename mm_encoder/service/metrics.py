@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .admission import Admission
 from .caches import AliasCache, BodyCache
 
 STAGES = ("fetch", "decode", "preprocess", "queue", "forward", "pack", "total")
@@ -45,7 +46,7 @@ class _CacheCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, alias: AliasCache, body: BodyCache, *, pending: Callable[[], int], inflight: Callable[[], int],
+    def __init__(self, alias: AliasCache, body: BodyCache, admission: Admission, *, inflight: Callable[[], int],
                  queued: Callable[[], int]):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -72,7 +73,12 @@ class ServiceMetrics:
         )
         self.rejected = Counter("mm_encoder_rejected", "Requests refused with 503", ["reason"], registry=r)
         self.body_bytes = Counter("mm_encoder_response_bytes", "Response body bytes produced", registry=r)
-        Gauge("mm_encoder_pending", "Items admitted past the caches, not yet packed", registry=r).set_function(pending)
+        Gauge("mm_encoder_pending", "Items admitted past the caches, not yet packed",
+              registry=r).set_function(lambda: admission.pending.in_use)
+        Gauge("mm_encoder_decoding_pixels", "Pixels reserved for decoding, all requests together",
+              registry=r).set_function(lambda: admission.decoding.in_use)
+        Gauge("mm_encoder_prepared_patches", "Patches reserved for prepared items not yet encoded",
+              registry=r).set_function(lambda: admission.prepared.in_use)
         Gauge("mm_encoder_inflight", "Requests being served", registry=r).set_function(inflight)
         Gauge("mm_encoder_queue_depth", "Items waiting for the device", registry=r).set_function(queued)
         r.register(_CacheCollector(alias, body))

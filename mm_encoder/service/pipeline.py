@@ -4,38 +4,43 @@
     _answer        URL alias (scope, url, identity) -> mm_hash -> body: hit, answer
     _from_url      miss: fetch (async I/O), once per URL in flight (single-flight)
     _from_bytes    identify (modality + mm_hash, in a thread when big) -> body cache
-    _compute       miss: decode + preprocess (CPU pool) -> DeviceBatcher (queue, forward, pack)
-                   -> body cache, once per mm_hash in flight (single-flight)
+    _compute       miss: plan (CPU pool: the header, what it will cost) -> reserve its pixels and
+                   patches (`admission`) -> decode + preprocess (CPU pool) -> DeviceBatcher (queue,
+                   forward, pack) -> body cache, once per mm_hash in flight (single-flight)
 
-The stages run on different executors so a slow download never blocks the device. Items past the
-caches are bounded (`max_pending`): beyond it a request gets 503 + Retry-After instead of growing
-memory. A request cancelled before its forward starts is dropped from the queue.
+The stages run on different executors so a slow download never blocks the device. What the worker
+takes on at once is bounded by one `Admission` (items past the caches, pixels being decoded,
+patches prepared), always reserved on the event loop before work goes to a pool: beyond it a
+request gets 503 + Retry-After instead of growing memory. A request cancelled before its forward
+starts is dropped from the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..core import wire
-from ..core.errors import Draining, MediaError, Overloaded, RevisionMismatch, UnknownModelError
+from ..core.errors import Draining, MediaError, RevisionMismatch, UnknownModelError
 from ..core.requests import EncodeReply, EncodeRequest
 from ..core.spec import PreprocessConfig
 from ..core.timing import ms_since
 from ..fetch import Fetcher
-from ..model.encoder import Encoder
+from ..model.encoder import Encoder, Prepared
+from .admission import Admission
 from .batcher import DeviceBatcher
 from .caches import AliasCache, BodyCache, SingleFlight
 from .metrics import ServiceMetrics
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _HASH_IN_THREAD_BYTES = 1 << 20  # blake3 runs ~6 GB/s: below 1 MiB a thread hop costs more than it saves
 
@@ -47,20 +52,27 @@ def _check_modality(asked: str | None, found: str) -> None:
 
 @dataclass
 class EncodeResult:
-    body: bytes  # wire format v1
-    mm_hash: str
+    packed: wire.Packed  # the wire-v1 body and its header, as the batcher made them (and the cache keeps them)
     source: str  # who answered: "alias", "mm_hash", "coalesced" or "forward"
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def body(self) -> bytes:
+        return self.packed.body
+
+    @property
+    def header(self) -> wire.WireHeader:
+        return self.packed.header
+
+    @property
+    def mm_hash(self) -> str:
+        return self.packed.header.mm_hash
 
     def server_timing(self) -> str:
         """The `Server-Timing` header value: one metric per stage, plus the answering level."""
         parts = [f"{stage};dur={ms:.2f}" for stage, ms in self.timings_ms.items()]
         parts.append(f'cache;desc="{self.source}"')
         return ", ".join(parts)
-
-    @functools.cached_property
-    def header(self) -> wire.WireHeader:
-        return wire.peek(self.body)
 
     def reply(self, header_only: bool = False) -> EncodeReply:
         if header_only:
@@ -78,12 +90,13 @@ class EncodeService:
         self._url_flights: SingleFlight = SingleFlight()
         self._hash_flights: SingleFlight = SingleFlight()
         self._cpu = ThreadPoolExecutor(settings.cpu_workers, thread_name_prefix="mm-cpu")
-        self._pending = 0
+        self.admission = Admission(max_receiving_bytes=settings.max_receiving_bytes, max_pending=settings.max_pending,
+                                   retry_after_s=settings.retry_after_s, limits=encoder.limits)
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self.draining = False
         self.served_names = {n.lower() for n in encoder.spec.served_names}
-        self.metrics = ServiceMetrics(self.alias, self.bodies, pending=lambda: self._pending,
+        self.metrics = ServiceMetrics(self.alias, self.bodies, self.admission,
                                       inflight=lambda: self._inflight, queued=lambda: len(self.batcher))
         self.batcher = DeviceBatcher(encoder, settings, self.metrics)
 
@@ -162,20 +175,20 @@ class EncodeService:
         identity = self.encoder.identity(cfg)
         h = self.alias.get(req.scope, req.url, identity)
         if h is not None:
-            body = self.bodies.get(h)
-            if body is not None:
-                hit = EncodeResult(body, h, "alias")
+            packed = self.bodies.get(h)
+            if packed is not None:
+                hit = EncodeResult(packed, "alias")
                 _check_modality(req.modality, hit.header.modality)  # answer as a miss would
                 return hit
         key = (req.scope, req.url, identity, req.modality)
         result, joined = await self._url_flights.run(key, lambda: self._from_url(req, cfg, identity))
         if joined:
             self.metrics.coalesced.labels("fetch").inc()
-            return EncodeResult(result.body, result.mm_hash, "coalesced", dict(result.timings_ms))
+            return EncodeResult(result.packed, "coalesced", dict(result.timings_ms))
         return result
 
     async def _from_url(self, req: EncodeRequest, cfg: PreprocessConfig, identity: bytes) -> EncodeResult:
-        with self._admit():
+        with self.admission.pending.hold():
             t0 = time.perf_counter()
             self.metrics.fetches.inc()
             fetched = await self.fetcher.fetch(req.url)
@@ -196,36 +209,39 @@ class EncodeService:
             identified = self.encoder.identify(data, cfg)
         sniffed, h = identified
         _check_modality(modality, sniffed)
-        body = self.bodies.get(h)
-        if body is not None:
-            return EncodeResult(body, h, "mm_hash", timings)
-        (body, work), joined = await self._hash_flights.run(h, lambda: self._compute(data, identified, cfg))
+        packed = self.bodies.get(h)
+        if packed is not None:
+            return EncodeResult(packed, "mm_hash", timings)
+        (packed, work), joined = await self._hash_flights.run(h, lambda: self._compute(data, identified, cfg))
         if joined:
             self.metrics.coalesced.labels("encode").inc()
-        return EncodeResult(body, h, "coalesced" if joined else "forward", {**timings, **work})
+        return EncodeResult(packed, "coalesced" if joined else "forward", {**timings, **work})
 
-    async def _compute(self, data: bytes, identified: tuple[str, str], cfg: PreprocessConfig) -> tuple[bytes, dict]:
+    async def _compute(self, data: bytes, identified: tuple[str, str], cfg: PreprocessConfig
+                       ) -> tuple[wire.Packed, dict[str, float]]:
         modality, h = identified
-        with self._admit():
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                self._cpu, lambda: self.encoder.prepare_media(data, cfg, identified=identified))
-            timings = {
-                "decode": sum(p.timings_ms["decode"] for p in prepared),
-                "preprocess": sum(p.timings_ms["preprocess"] for p in prepared),
-            }
-            body, device = await self.batcher.submit(h, modality, prepared)
-            self.bodies.put(h, body)
-            return body, {**timings, **device}
+        with self.admission.pending.hold():
+            plan = await self._in_pool(self.encoder.plan, data, cfg, identified=identified)
+            await self.admission.prepared.acquire(plan.patches)
+            prepare: Future[list[Prepared]] | None = None
+            try:
+                await self.admission.decoding.acquire(plan.pixels)
+                prepare = self._cpu.submit(self.encoder.prepare_planned, data, plan, cfg)
+                # the pixels are given back when the decode ends, even if this request is cancelled first
+                prepare.add_done_callback(lambda _: self.admission.decoding.release_soon(plan.pixels))
+                prepared = await asyncio.wrap_future(prepare)
+                timings = {
+                    "decode": sum(p.timings_ms["decode"] for p in prepared),
+                    "preprocess": sum(p.timings_ms["preprocess"] for p in prepared),
+                }
+                packed, device = await self.batcher.submit(h, modality, prepared)
+            finally:  # the patches: once the forward has them no more (or the cancelled decode is over)
+                if prepare is None or prepare.done():
+                    self.admission.prepared.release(plan.patches)
+                else:
+                    prepare.add_done_callback(lambda _: self.admission.prepared.release_soon(plan.patches))
+            self.bodies.put(h, packed)
+            return packed, {**timings, **device}
 
-    @contextlib.contextmanager
-    def _admit(self) -> Iterator[None]:
-        if self._pending >= self.settings.max_pending:
-            raise Overloaded(
-                f"the encode queue is full ({self.settings.max_pending} items); retry after "
-                f"{self.settings.retry_after_s} s or on another replica"
-            )
-        self._pending += 1
-        try:
-            yield
-        finally:
-            self._pending -= 1
+    async def _in_pool(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args, **kwargs))

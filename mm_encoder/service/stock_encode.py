@@ -24,7 +24,7 @@ from typing import Any
 from ..core.aio import gather_or_cancel
 from ..core.dynamo import endpoint_path, register_encode_worker, serve_endpoint
 from ..core.errors import BadRequest, MMEncoderError
-from ..core.handle import ENCODER_RESULT_VERSION, MediaHandle, Source, encoder_result
+from ..core.handle import ENCODER_RESULT_VERSION, MediaHandle, encoder_result
 from ..core.requests import EncodeRequest
 from .pipeline import EncodeService
 
@@ -91,9 +91,9 @@ class StockEncoder:
 
     async def handles(self, items: list[tuple[str, str]]) -> dict[str, list[MediaHandle]]:
         spec = self.service.encoder.spec
-        sources = [Source(model=spec.name, url=url, modality=modality, revision=spec.revision)
+        sources = [EncodeRequest(model=spec.name, url=url, modality=modality, revision=spec.revision)
                    for modality, url in items]
-        results = await gather_or_cancel(self.service.encode(EncodeRequest(**s.request()), "dynamo") for s in sources)
+        results = await gather_or_cancel(self.service.encode(s, "dynamo") for s in sources)
         out: dict[str, list[MediaHandle]] = {}
         for source, r in zip(sources, results, strict=True):
             out.setdefault(source.modality, []).append(

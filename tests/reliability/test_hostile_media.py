@@ -4,6 +4,7 @@ tiny Kimi-K2.5 checkpoint's vision tower (`ckpt_encoder`), as the encode worker 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -15,14 +16,15 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from media_factory import image_bytes, natural_image, video_bytes
 from PIL import Image
+from worker_fixtures import ForwardGate, run_worker, wait_for
 
 from mm_encoder.core.errors import MediaError, Overloaded
+from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.core.spec import MediaLimits, PreprocessConfig
 from mm_encoder.model import encoder as encoder_mod
 from mm_encoder.model import media
@@ -42,14 +44,8 @@ def refused(fn, *args) -> MediaError:
     return info.value
 
 
-@pytest.fixture
-def budget(monkeypatch) -> media.Budget:
-    """A fresh process-wide decode budget, so its high-water mark is this test's alone."""
-    if not hasattr(media, "DECODE_BUDGET"):  # before issue 13: nothing bounded decoding
-        return SimpleNamespace(high_water=0, in_use=0)
-    fresh = media.Budget("pixels being decoded", "decoding_capacity", "too_many_pixels")
-    monkeypatch.setattr(media, "DECODE_BUDGET", fresh)
-    return fresh
+def _request(worker, data: bytes) -> EncodeRequest:
+    return EncodeRequest(model=worker.service.encoder.spec.name, data=data)
 
 
 # --- 1. video: memory independent of duration; work bounded before decoding ---------------------
@@ -94,15 +90,18 @@ def test_1_video_peak_memory_does_not_grow_with_duration(checkpoint):
     assert growth_kb < extra_held_kb + 24 * 1024, peaks  # 60 more frames held would be +180 MiB
 
 
-def test_1_video_work_refused_before_decoding_by_patch_budget(budget):
-    """40 s at 2 fps of 256x256 -> 80 sampled frames x 400 patches (20 x 20 after padding) = 32,000."""
+def test_1_video_work_refused_before_decoding_by_patch_budget():
+    """40 s at 2 fps of 256x256 -> 80 sampled frames x 400 patches (20 x 20 after padding) = 32,000.
+    Refused by the probe (header and demuxing: no frame decoded), which also says what decoding
+    will hold at once (one chunk of frames) for the worker to reserve."""
     data = static_video(40)
-    err = refused(media.decode_video, data, CFG, MediaLimits(max_video_patches=31_999))
-    assert err.code == "too_large" and err.http_status == 413
-    assert "80 sampled frames (256x256) x 400 patches = 32000 patches; the limit is 31999" in err.message
-    assert budget.high_water == 0  # refused before a frame was decoded
+    for fn in (media.probe_video, media.decode_video):
+        err = refused(fn, data, CFG, MediaLimits(max_video_patches=31_999))
+        assert err.code == "too_large" and err.http_status == 413
+        assert "80 sampled frames (256x256) x 400 patches = 32000 patches; the limit is 31999" in err.message
+    plan = media.probe_video(data, CFG, MediaLimits(max_video_patches=32_000))
+    assert (len(plan.wanted), plan.patches, plan.decoding_pixels) == (80, 32_000, 256 * 256 * 4)
     assert len(media.decode_video(data, CFG, MediaLimits(max_video_patches=32_000))) == 20
-    assert budget.high_water == 256 * 256 * 4 and budget.in_use == 0  # one chunk of frames at a time
 
 
 def test_1_video_limits_from_the_header():
@@ -143,20 +142,19 @@ def lying_jpeg(width: int, height: int) -> bytes:
     return bytes(data)
 
 
-def test_2_lying_header_jpeg_is_corrupt_before_decoding(budget):
+def test_2_lying_header_jpeg_is_corrupt_before_decoding():
     data = lying_jpeg(4000, 4000)
     assert len(data) < 4096
-    err = refused(media.decode_image, data, LIMITS)
-    assert err.code == "corrupt" and "declares 375000 8x8 blocks" in err.message
-    assert budget.high_water == 0
+    for fn in (media.open_image, media.decode_image):  # refused with the header, before any pixel
+        err = refused(fn, data, LIMITS)
+        assert err.code == "corrupt" and "declares 375000 8x8 blocks" in err.message
 
 
-def test_2_concurrent_lying_jpegs_never_decode(budget):
+def test_2_concurrent_lying_jpegs_never_decode():
     data = lying_jpeg(8000, 8000)
     with ThreadPoolExecutor(8) as pool:
-        errors = list(pool.map(lambda _: refused(media.decode_image, data, LIMITS), range(8)))
+        errors = list(pool.map(lambda _: refused(media.open_image, data, LIMITS), range(8)))
     assert {e.code for e in errors} == {"corrupt"}
-    assert budget.high_water == 0
 
 
 @pytest.mark.parametrize("tail", [b"\xff\xd9", b"\xff\xfe\x00\x04ab\xff\xd9", b"\xff\xd0\xff\xd9"],
@@ -202,42 +200,55 @@ def test_2_legit_jpegs_decode_exactly_as_pillow(img, kw):
     assert np.array_equal(media.decode_image(data, LIMITS).numpy(), expected)
 
 
-def test_2_decoding_pixels_bounded_across_threads(budget):
-    """8 threads, 1 MP each, budget 2.5 MP: at most two decode at once, the others wait."""
-    data = image_bytes(natural_image(1000, 1000), "PNG")
-    limits = MediaLimits(max_decoding_pixels=2_500_000)
-    with ThreadPoolExecutor(8) as pool:
-        shapes = list(pool.map(lambda _: media.decode_image(data, limits).shape, range(8)))
-    assert shapes == [(1000, 1000, 3)] * 8
-    assert 1_000_000 <= budget.high_water <= 2_500_000 and budget.in_use == 0
+async def test_2_decoding_pixels_bounded_across_requests(ckpt_encoder):
+    """8 requests of 1 MP each, 4 CPU workers, decoding budget 2.5 MP: at most two decode at once,
+    the others wait for room as coroutines (issue 22: reserved by the worker's admission before the
+    decode is handed to a pool)."""
+    images = [image_bytes(natural_image(1000, 1000, seed=i), "PNG") for i in range(8)]
+    async with run_worker(ckpt_encoder, max_decoding_pixels=2_500_000, cpu_workers=4) as w:
+        enc, lock, active, peak = w.service.encoder, threading.Lock(), [0], [0]
+        real = enc.prepare_planned
+
+        def counted(*args, **kwargs):  # decodes running at once, as the pool threads see them
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with lock:
+                    active[0] -= 1
+
+        enc.prepare_planned = counted
+        results = await asyncio.gather(*(w.service.encode(_request(w, d)) for d in images))
+        decoding = w.service.admission.decoding
+        assert len({r.mm_hash for r in results}) == 8
+        assert 1 <= peak[0] <= 2 and 1_000_000 <= decoding.high_water <= 2_000_000 and decoding.in_use == 0
 
 
-def test_2_budget_wait_is_bounded_then_503(budget):
-    data = image_bytes(natural_image(100, 100), "PNG")
-    limits = MediaLimits(max_decoding_pixels=15_000, decode_wait_s=0.05)
-    held, release = threading.Event(), threading.Event()
-
-    def hog():
-        with budget.hold(10_000, limits):
-            held.set()
-            release.wait(5)
-
-    t = threading.Thread(target=hog)
-    t.start()
-    held.wait(5)
-    try:
-        with pytest.raises(Overloaded) as info:
-            media.decode_image(data, limits)
-        assert (info.value.code, info.value.http_status) == ("overloaded", 503)
-    finally:
-        release.set()
-        t.join()
-    assert media.decode_image(data, limits).shape == (100, 100, 3)
-    err = refused(media.decode_image, image_bytes(natural_image(200, 100), "PNG"), limits)
-    assert err.code == "too_many_pixels" and "the budget is 15000" in err.message
-    assert MediaLimits(max_pixels=1000).max_decoding_pixels is None  # default: 4 * max_pixels
-    assert refused(media.decode_image, image_bytes(natural_image(40, 30), "PNG"), MediaLimits(max_pixels=1000)).code \
-        == "too_many_pixels"
+async def test_2_a_request_waiting_for_room_holds_no_cpu_worker_then_gets_503(ckpt_encoder):
+    """Issue 22: the wait for decoding room used to happen inside a CPU-pool thread, so with one CPU
+    worker a small image queued behind a request that could not start. Now the waiting request is
+    a coroutine: the small image is served meanwhile, and the waiter gets 503 after --decode-wait-s."""
+    big = image_bytes(natural_image(100, 100), "PNG")  # 10,000 pixels
+    small = image_bytes(natural_image(40, 25), "PNG")  # 1,000 pixels
+    async with run_worker(ckpt_encoder, max_decoding_pixels=15_000, decode_wait_s=3, cpu_workers=1) as w:
+        decoding = w.service.admission.decoding
+        await decoding.acquire(10_000)  # another request's image being decoded
+        try:
+            waiting = asyncio.ensure_future(w.service.encode(_request(w, big)))
+            assert (await w.service.encode(_request(w, small))).source == "forward"
+            assert not waiting.done()
+            with pytest.raises(Overloaded) as info:
+                await waiting
+            assert (info.value.code, info.value.http_status) == ("overloaded", 503)
+        finally:
+            decoding.release(10_000)
+        assert (await w.service.encode(_request(w, big))).source == "forward"
+        with pytest.raises(MediaError) as info:  # could never fit: refused at once
+            await w.service.encode(_request(w, image_bytes(natural_image(200, 100), "PNG")))
+        assert info.value.code == "too_many_pixels" and "the budget is 15000" in info.value.message
+        assert decoding.in_use == 0 and decoding.high_water == 11_000
 
 
 # --- 4. the per-processor identity table ------------------------------------------------------
@@ -288,41 +299,37 @@ def test_png_metadata_zlib_bomb_is_corrupt(kind):
     assert err.code == "corrupt" and "MAX_TEXT_CHUNK" in err.message
 
 
-def test_encoder_paths_surface_the_new_refusals(ckpt_encoder, budget):
+def test_encoder_paths_surface_the_new_refusals(ckpt_encoder):
     assert refused(ckpt_encoder.prepare_media, lying_jpeg(4000, 4000)).code == "corrupt"
     small = ckpt_encoder.configured(limits=MediaLimits(max_video_patches=1000))
-    err = refused(small.prepare_media, static_video(4))
+    err = refused(small.plan, static_video(4))  # what the worker asks before reserving anything
     assert err.code == "too_large" and "8 sampled frames" in err.message
-    assert budget.high_water == 0
+    assert refused(small.prepare_media, static_video(4)).code == "too_large"
 
 
-# --- prepared patches held process-wide (beyond issue 13: a queue of long videos) ---------------
+# --- prepared patches held across requests (beyond issue 13: a queue of long videos) ------------
 
 
-def test_prepared_patches_are_bounded_across_requests_and_released_with_their_tensors(monkeypatch, checkpoint):
+async def test_prepared_patches_are_bounded_across_requests_until_their_forward(ckpt_encoder):
     """Found with bench/hostile_memory.py: a 600 s video holds ~1.7 GB of prepared patches until its
-    forward, and `--max-pending` (64 requests) alone would let 64 of them wait at once."""
-    import gc
-
-    from mm_encoder import Encoder
-
-    fresh = media.Budget("prepared patches", "prepared_capacity", "too_large")
-    monkeypatch.setattr(media, "PREPARED_BUDGET", fresh)
-    enc = Encoder.from_pretrained(checkpoint, dtype="fp32",
-                                  limits=MediaLimits(max_prepared_patches=100, decode_wait_s=0.05))
-    png = image_bytes(natural_image(112, 84, seed=3), "PNG")  # 6 x 8 = 48 patches
-    first, second = enc.prepare_media(png), enc.prepare_media(png)
-    assert fresh.in_use == 96
-    with pytest.raises(Overloaded):  # 144 > 100: waited --decode-wait-s, then 503
-        enc.prepare_media(png)
-    assert fresh.in_use == 96  # the refused one's tensor was freed with it
-    del first
-    gc.collect()
-    third = enc.prepare_media(png)
-    assert fresh.in_use == 96 and fresh.high_water == 96
-    big = image_bytes(natural_image(280, 280, seed=3), "PNG")  # 400 patches: can never fit
-    err = refused(enc.prepare_media, big)
-    assert (err.code, err.http_status) == ("too_large", 413)
-    del second, third
-    gc.collect()
-    assert fresh.in_use == 0
+    forward, and `--max-pending` (64 requests) alone would let 64 of them wait at once. Reserved
+    before the decode (from the header), given back once the forward is done."""
+    png = [image_bytes(natural_image(112, 84, seed=i), "PNG") for i in range(3)]  # 6 x 8 = 48 patches each
+    assert ckpt_encoder.plan(png[0]).patches == 48 == ckpt_encoder.prepare_media(png[0])[0].num_patches
+    async with run_worker(ckpt_encoder, max_prepared_patches=100, decode_wait_s=0.3) as w:
+        prepared = w.service.admission.prepared
+        gate = ForwardGate(w.service)
+        held = [asyncio.ensure_future(w.service.encode(_request(w, d))) for d in png[:2]]
+        await wait_for(lambda: gate.entered >= 1 and prepared.in_use == 96, what="two items at the forward")
+        with pytest.raises(Overloaded):  # 144 > 100: waited --decode-wait-s, then 503
+            await w.service.encode(_request(w, png[2]))
+        assert prepared.in_use == 96
+        gate.release()
+        await asyncio.gather(*held)
+        assert prepared.in_use == 0 and prepared.high_water == 96
+        assert (await w.service.encode(_request(w, png[2]))).source == "forward"
+        big = image_bytes(natural_image(280, 280, seed=3), "PNG")  # 400 patches: can never fit
+        with pytest.raises(MediaError) as info:
+            await w.service.encode(_request(w, big))
+        assert (info.value.code, info.value.http_status) == ("too_large", 413)
+        assert prepared.in_use == 0

@@ -13,7 +13,7 @@ from worker_fixtures import SPEC, run_origin, run_worker
 
 from mm_encoder.client import EncoderChain
 from mm_encoder.core.errors import RemoteError
-from mm_encoder.core.handle import Source
+from mm_encoder.core.requests import EncodeRequest
 
 A = image_bytes(natural_image(112, 84, seed=51))
 B = image_bytes(natural_image(112, 84, seed=52))
@@ -38,12 +38,12 @@ async def test_one_url_for_two_tenants_is_two_entries_at_every_level(chain):
     origin, _, c = chain
     url = origin.url("per-tenant.png")
     origin.files["per-tenant.png"] = A
-    a, where = await c.describe(Source(model=SPEC, url=url, scope="tenant-a"))
+    a, where = await c.describe(EncodeRequest(model=SPEC, url=url, scope="tenant-a"))
     assert where == "http:cluster=MISS"
     origin.files["per-tenant.png"] = B  # what tenant b is served at the same URL
-    b, where = await c.describe(Source(model=SPEC, url=url, scope="tenant-b"))
+    b, where = await c.describe(EncodeRequest(model=SPEC, url=url, scope="tenant-b"))
     assert where == "http:cluster=MISS" and b.mm_hash != a.mm_hash  # its own fetch, not a's entry
-    again, where = await c.describe(Source(model=SPEC, url=url, scope="tenant-a"))
+    again, where = await c.describe(EncodeRequest(model=SPEC, url=url, scope="tenant-a"))
     assert where == "http:cluster=HIT" and again.mm_hash == a.mm_hash
     assert origin.hits["per-tenant.png"] == 2
 
@@ -54,11 +54,11 @@ async def test_an_entry_for_one_model_never_answers_another(chain):
     origin, _, c = chain
     origin.files["m.png"] = A
     url = origin.url("m.png")
-    mine, _ = await c.describe(Source(model=SPEC, url=url))
+    mine, _ = await c.describe(EncodeRequest(model=SPEC, url=url))
     with pytest.raises(RemoteError) as e:  # this worker serves the checkpoint's model only: a shared entry would 200
-        await c.describe(Source(model="tiny", url=url))
+        await c.describe(EncodeRequest(model="tiny", url=url))
     assert e.value.code == "unknown_model" and e.value.http_status == 404
-    same, where = await c.describe(Source(model=SPEC, url=url))
+    same, where = await c.describe(EncodeRequest(model=SPEC, url=url))
     assert where == "http:cluster=HIT" and same.mm_hash == mine.mm_hash
 
 
@@ -68,7 +68,7 @@ async def test_the_same_bytes_under_two_modalities_are_two_entries(chain):
     origin, _, c = chain
     origin.files["x.png"] = A
     url = origin.url("x.png")
-    await c.describe(Source(model=SPEC, url=url, modality="image"))
+    await c.describe(EncodeRequest(model=SPEC, url=url, modality="image"))
     with pytest.raises(RemoteError) as e:
-        await c.describe(Source(model=SPEC, url=url, modality="video"))
+        await c.describe(EncodeRequest(model=SPEC, url=url, modality="video"))
     assert e.value.code == "bad_input"

@@ -29,8 +29,9 @@ import torch
 
 from mm_encoder import wire
 from mm_encoder.client import HandleResolver
-from mm_encoder.core.handle import MediaHandle, Source
-from mm_encoder.core.requests import EngineRequest, MediaInput
+from mm_encoder.core.engine_request import EngineRequest, MediaInput
+from mm_encoder.core.handle import MediaHandle
+from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines.vllm import VllmEngine, parse_engine_args, read_config, relay_events
 from mm_encoder.engines.vllm_inputs import family_for
 from mm_encoder.engines.vllm_kv import KvRelay
@@ -64,9 +65,9 @@ def _body(mm_hash: str, rows: int = 64, width: int = WIDTH, seed: int = 0) -> by
 def _media(body: bytes, spans: list[tuple[int, int]]) -> MediaInput:
     """The item as a frontend in `--media-transport body` sends it: its handle and the body inline."""
     header = wire.peek(body)
-    handle = MediaHandle.build(header, Source(model="kimi-k2.5-vllm-tiny", url=f"https://media.test/{header.mm_hash}"),
-                               chain=None, route="cluster", rpc=None)
-    return MediaInput(handle.to_dict(), spans, body)
+    source = EncodeRequest(model="kimi-k2.5-vllm-tiny", url=f"https://media.test/{header.mm_hash}")
+    handle = MediaHandle.build(header, source, chain=None, route="cluster", rpc=None)
+    return MediaInput(handle, spans, body)
 
 
 def _text(n: int, seed: int) -> list[int]:
