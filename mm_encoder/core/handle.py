@@ -18,7 +18,6 @@ URL now serves other bytes, or the handle was tampered with) is refused, never s
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Literal
 
@@ -27,8 +26,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from . import wire
 from .errors import HandleError, RemoteError, WireError
 from .requests import EncodeRequest
-
-log = logging.getLogger(__name__)
 
 HANDLE_VERSION: Literal[1] = 1
 ROUTE = re.compile(r"[a-z]+(,[a-z]+){0,3}")  # X-Cache-Route: the tier names to visit, e.g. "cluster,shared"

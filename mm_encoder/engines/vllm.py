@@ -43,7 +43,6 @@ from ..core.context import check_fits
 from ..core.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
-    KvOptions,
     endpoint_path,
     kv_event_publisher,
     make_runtime,
@@ -57,8 +56,9 @@ from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos
 from .inputs import fetch_bodies
+from .options import EngineOptions
 from .sampling import Step
-from .stream import STREAM_INTERVAL_MS, batched, pacing
+from .stream import batched, pacing
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
 from .vllm_kv import KvRelay
 
@@ -278,7 +278,7 @@ def read_config(model: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-class AdapterSettings(KvOptions):
+class AdapterSettings(EngineOptions):
     """The adapter's own options, from the command line or `MM_VLLM_<OPTION>`; every other flag is
     vLLM's own (AsyncEngineArgs.add_cli_args)."""
 
@@ -287,13 +287,8 @@ class AdapterSettings(KvOptions):
                                       frozen=True)
 
     model: str = Field(description="the checkpoint directory")
-    name: str | None = Field(None, description="served model name (default: the checkpoint directory's name)")
     kv_events_endpoint: str | None = Field(None, description="where vLLM publishes KV events (default: an ipc "
                                                              "socket of this process)")
-    encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
-                                           "(none: Dynamo RPC to the encode workers only)")
-    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0, description="tokens generated within this many ms "
-                                      "of the last item go out in one item (0: one item per token)")
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm run it as a process

@@ -29,7 +29,6 @@ from ..core.card import ModelCard
 from ..core.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
-    KvOptions,
     endpoint_path,
     kv_event_publisher,
     load_publisher,
@@ -40,13 +39,13 @@ from ..core.dynamo import (
 from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec
-from .stream import STREAM_INTERVAL_MS
+from .options import EngineOptions
 
 log = logging.getLogger(__name__)
 READY = "mm-encoder engine ready"
 
 
-class EngineSettings(KvOptions):
+class EngineSettings(EngineOptions):
     """Every option from the command line or `MM_ENGINE_<OPTION>`."""
 
     model_config = SettingsConfigDict(env_prefix="MM_ENGINE_", cli_kebab_case=True, cli_implicit_flags=True,
@@ -57,17 +56,9 @@ class EngineSettings(KvOptions):
                                          "tokenizer, chat template)")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="the language model's dtype")
     device: str | None = Field(None, description="cpu or cuda[:N] (default: cuda when available)")
-    name: str | None = Field(None, description="served model name (default: the checkpoint directory's name)")
     prefix_cache_tokens: int = Field(1 << 16, ge=0, description="prompt KV kept for reuse, in tokens (0: none)")
     encode_inline: bool = Field(False, description="the aggregated baseline: load the whole model and encode "
                                                    "media here with its own vision tower (no encode worker)")
-    encoder_chain: tuple[str, ...] = Field((), description="cache chain URLs media handles may be fetched from "
-                                           "(none: Dynamo RPC to the encode workers only)")
-    stream_interval_ms: float = Field(
-        STREAM_INTERVAL_MS, ge=0,
-        description="our frontend's requests: tokens generated within this many ms of the last item go out in one "
-                    "item (0: one item per token); the first two are never held; a non-streamed request's wait "
-                    "for the finish after the first")
     frontend: Literal["mm", "stock"] = Field(
         "mm", description="mm: serve this project's frontend (EngineRequest); stock: Dynamo's own frontend "
                           "(preprocessed requests, media via its Encode worker)")

@@ -262,7 +262,7 @@ class Encoder:
         if isinstance(item, (bytes, bytearray, memoryview)):
             data = bytes(item)
             identified = ("image", mm_hash(self.identity(cfg), "image", data))  # bytes here are an image
-            (prepared,) = self.prepare_planned(data, self.plan(data, cfg, identified=identified), cfg)
+            (prepared,) = self.prepare_media(data, cfg, identified=identified)
             return prepared
         if isinstance(item, Image.Image):
             return self._prepare_pil(item, cfg)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..core.errors import MediaError, Overloaded
 from ..core.spec import MediaLimits
@@ -92,14 +92,6 @@ class Budget:
             self.in_use -= n
         else:
             self._loop.call_soon_threadsafe(self.release, n)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, n: int) -> AsyncIterator[None]:
-        await self.acquire(n)
-        try:
-            yield
-        finally:
-            self.release(n)
 
 
 class Admission:

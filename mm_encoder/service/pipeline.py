@@ -204,7 +204,7 @@ class EncodeService:
         if not data:
             raise MediaError("empty", "the media item has no bytes")
         if len(data) > _HASH_IN_THREAD_BYTES:
-            identified = await asyncio.get_running_loop().run_in_executor(self._cpu, self.encoder.identify, data, cfg)
+            identified = await self._in_pool(self.encoder.identify, data, cfg)
         else:
             identified = self.encoder.identify(data, cfg)
         sniffed, h = identified
