@@ -234,12 +234,20 @@ class Loopback:
 # --- the paths ------------------------------------------------------------------------------------
 
 _WIRE = {k: WorkerSettings.model_fields[k].default for k in ("wire_dtype", "wire_byte_planes", "zstd_level")}
+_WIRE["wire_dtype"] = _WIRE["wire_dtype"] or "the model's dtype"  # what the worker packs when unset
+
+
+def _wire_dtype(enc: Encoder) -> str:
+    from mm_encoder.service.batcher import wire_name
+
+    return WorkerSettings.model_fields["wire_dtype"].default or wire_name(enc.dtype)
 
 
 def pack_today(enc: Encoder, h: str, out: torch.Tensor, grid) -> bytes:
-    """The worker's pack (service/batcher.py): wire v1, its default dtype, byte planes and zstd level."""
+    """The worker's pack (service/batcher.py): wire v1, its default dtype (the model's), byte planes and
+    zstd level."""
     return wire.encode(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
-                       dtype=_WIRE["wire_dtype"], byte_planes=_WIRE["wire_byte_planes"], level=_WIRE["zstd_level"])
+                       dtype=_wire_dtype(enc), byte_planes=_WIRE["wire_byte_planes"], level=_WIRE["zstd_level"])
 
 
 @torch.inference_mode()
@@ -282,7 +290,7 @@ def before_pass(enc: Encoder, sd: dict, cfg: dict, data: bytes) -> tuple[dict[st
     times["forward"] = _ms(t0)
     t0 = time.perf_counter()
     body = wire.encode_json(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
-                            dtype=_WIRE["wire_dtype"])
+                            dtype=_wire_dtype(enc))
     times["pack"] = _ms(t0)
     return times, body
 

@@ -305,7 +305,8 @@ def worker_wire() -> dict:
         from mm_encoder.service.settings import WorkerSettings
 
         f = WorkerSettings.model_fields
-        return {"dtype": f["wire_dtype"].default, "byte_planes": f["wire_byte_planes"].default,
+        # unset, the worker packs the dtype its model runs in: bf16 here (fast_dtype)
+        return {"dtype": f["wire_dtype"].default or "bfloat16", "byte_planes": f["wire_byte_planes"].default,
                 "level": f["zstd_level"].default}
     except Exception:
         return {"dtype": "bfloat16", "byte_planes": True, "level": wire.DEFAULT_LEVEL}

@@ -40,10 +40,11 @@ def image_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
 
 def video_bytes(
     width: int = 160, height: int = 96, frames: int = 30, fps: int = 10, codec: str = "mpeg4", fmt: str = "mp4",
-    still: bool = False, seed: int = 7,
+    still: bool = False, seed: int = 7, start: int = 0,
 ) -> bytes:
     """A clip whose frames differ visibly (a moving square over a gradient), or with `still` one
-    frame repeated in a single GOP: a few hundred bytes per second, whatever the frame size."""
+    frame repeated in a single GOP: a few hundred bytes per second, whatever the frame size.
+    `start`: the first frame's presentation time, in frames (a stream that does not start at 0)."""
     import av
 
     buf = io.BytesIO()
@@ -60,7 +61,7 @@ def video_bytes(
                 x0 = (i * 7) % max(1, width - 16)
                 a[8:24, x0 : x0 + 16] = (255, 32, 32)
             frame = av.VideoFrame.from_ndarray(a, format="rgb24")
-            frame.pts = i
+            frame.pts = start + i
             for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
@@ -87,14 +88,14 @@ def k25_image_tokens(width: int, height: int, patch: int = 14, merge: int = 2, m
 
 def sampled_video_chunks(frames: int, fps: float, rows: int, target_fps: float = 2.0,
                          chunk: int = 4) -> list[tuple[str, int]]:
-    """A clip's chunks in a Kimi-K2.5 prompt, (timestamp, rows) each: `min(target, native)` fps
-    evenly over the clip, `chunk` sampled frames per chunk (the last may have fewer: it keeps its
-    real frames), stamped with its first frame's time as hh:mm:ss.mmm; each chunk costs one
-    frame's `rows`."""
-    n = max(1, min(frames, round(frames / fps * min(target_fps, fps))))
-    picked = [0] if n == 1 else sorted({round(i * (frames - 1) / (n - 1)) for i in range(n)})
-    out = []
-    for first in picked[::chunk]:
-        ms = round(first / fps * 1000)
-        out.append((f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}", rows))
-    return out
+    """A clip's chunks in a Kimi-K2.5 prompt, (timestamp, rows) each, by the released processor's
+    rules written out here: n = max(round(N * min(target, fps) / fps), 1) frames at
+    linspace(0, N - 1, n).round(), `chunk` sampled frames per chunk (the last may have fewer: it
+    keeps its real frames), stamped with its first frame's index / fps as %H:%M:%S plus the
+    milliseconds truncated; each chunk costs one frame's `rows`."""
+    import time
+
+    n = max(round(frames * min(target_fps, fps) / fps), 1)
+    picked = np.linspace(0, frames - 1, n).round().astype(int).tolist()
+    stamps = [first / fps for first in picked[::chunk]]
+    return [(time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}", rows) for t in stamps]

@@ -55,6 +55,28 @@ def chat(port: int, content=None, **fields) -> dict:
         return json.loads(r.read())
 
 
+def chat_stream(port: int, content, **fields) -> dict:
+    """`chat`, streamed (SSE, usage included), put back together in the non-streamed answer's shape:
+    the text joined, every chunk's logprobs entries in order, the usage of the last chunk."""
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": content}], **fields,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, entries, usage = [], [], None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for c in event.get("choices") or []:
+                text.append(c.get("delta", {}).get("content") or "")
+                entries += (c.get("logprobs") or {}).get("content") or []
+    return {"choices": [{"message": {"content": "".join(text)}, "logprobs": {"content": entries}}], "usage": usage}
+
+
 def frontend_stats(port: int) -> dict:
     """The frontend's processor stats (GET /mm/stats): counters and the recent routing decisions."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/mm/stats", timeout=30) as r:

@@ -6,6 +6,7 @@ each such test says so."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import itertools
 import json
@@ -292,3 +293,41 @@ def test_kubernetes_manifests_are_well_formed():
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
     args = pod["containers"][0]["args"]
     assert args[:4] == ["cache", "up", "--tier", "shared"]
+
+
+async def test_graphs_of_two_dtypes_behind_one_tier_never_get_each_others_bodies(tmp_path):
+    """One shared tier; behind it first a bf16 encode worker, then (same address) an fp32 one, as two
+    graphs of different `--dtype` share a tier. Each worker packs the dtype its model runs in; the
+    frontend names its dtype in the request, which is part of the tiers' key: the fp32 request is a
+    miss answered with fp32 rows, never the bf16 body the tier holds, and the bf16 one stays a hit.
+    A worker asked for another dtype than it packs answers 409 `dtype_mismatch`, which no tier caches."""
+    from mm_encoder.client import EncoderChain
+    from mm_encoder.core.errors import RemoteError
+    from mm_encoder.core.requests import EncodeRequest
+    from mm_encoder.deploy.local import free_port
+    from mm_encoder.model.encoder import Encoder
+
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(96, 64, seed=5))).decode()
+    bf16, fp32 = (EncodeRequest(model="tiny", url=url, dtype=d) for d in ("bfloat16", "float32"))
+    assert bf16.key() != fp32.key() != EncodeRequest(model="tiny", url=url).key()
+    port = free_port()
+    async with tiers() as start:
+        shared = await start(tmp_path, "s", "shared", "--next", f"127.0.0.1:{port}")
+        chain = EncoderChain(http_url=shared.url(""), route="shared")
+        try:
+            async with run_worker(Encoder.from_pretrained("tiny", dtype="bf16"), http_port=port) as w:
+                body, where = await chain.fetch(bf16)
+                assert where == "http:shared=MISS" and wire.decode(body).dtype == "bfloat16"
+                with pytest.raises(RemoteError) as e:
+                    await chain.fetch(fp32)
+                assert (e.value.code, e.value.http_status) == ("dtype_mismatch", 409)
+                assert forwards(w) == 1
+            async with run_worker(Encoder.from_pretrained("tiny", dtype="fp32"), http_port=port) as w:
+                body32, where = await chain.fetch(fp32)
+                assert where == "http:shared=MISS" and wire.decode(body32).dtype == "float32"
+                again, where = await chain.fetch(bf16)
+                assert where == "http:shared=HIT" and again == body
+                assert forwards(w) == 1
+            assert wire.decode(body).mm_hash == wire.decode(body32).mm_hash  # the same input, other rows
+        finally:
+            await chain.close()

@@ -6,12 +6,16 @@ released layout), with every parameter random. `mm-encoder serve graphs/epd.yaml
 --dtype fp32` (encode worker, cache tiers, two engines, frontend; real processes) and
 `graphs/agg.yaml` on the same directory answer chat requests; the reference is transformers'
 `generate` on the whole model from pixels, in this process, with nothing of this project's in its
-path but the pixels (transformers' image processors need torchvision, which does not install here):
-its chat template rendering is transformers' `apply_chat_template`, the placeholder expansion is
-transformers' processor's rule written as a string, the tokenizer is transformers'.
-For images of several sizes, two images in one prompt and a video whose last chunk is short, the
-greedy tokens are equal (each token's bytes, from the response's logprobs) and
-`usage.prompt_tokens` is the expanded prompt's length.
+path: the pixels, frames, chunks and timestamps come from `released_processor` (Kimi-K2.5's released
+processor's rules written in the tests, PyAV and Pillow decoding, transformers' own `rescale` and
+`normalize`; transformers' image processors need torchvision, which does not install here, and its
+video processor samples other frames than the released code), the chat template rendering is
+transformers' `apply_chat_template`, the tokenizer is transformers'.
+For images of several sizes, two images in one prompt and four clips whose every frame differs (25
+frames at 10 fps, 90 at 30, 7 at 2, 61 at 24: chunks stamped `00:00:02.399`, `00:00:02.366`, ...;
+short last chunks), streamed and not: the greedy tokens are equal (each token's bytes, from the
+response's logprobs), each token's log-probability is within 1e-4 of transformers' (fp32 rows from
+the tower to the engine), and `usage.prompt_tokens` is the expanded prompt's length.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import urllib.request
 from collections import Counter
 
 import pytest
+import released_processor as released
 import torch
 from media_factory import image_bytes, natural_image, video_bytes
 from nginx_fixtures import require_nginx
-from serve_fixtures import frontend_stats, serving
+from serve_fixtures import chat_stream, frontend_stats, serving
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs of subprocesses
@@ -33,6 +38,8 @@ pytestmark = pytest.mark.slow  # two whole graphs of subprocesses
 MAX_TOKENS = 8
 IMAGES = {"small": (112, 84), "medium": (300, 200), "large": (640, 480)}
 VIDEO_PROMPT = "Describe the clip."
+CLIPS = {"25@10": (25, 10), "90@30": (90, 30), "7@2": (7, 2), "61@24": (61, 24)}  # frames, fps
+LOGPROB_TOL = 1e-4
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -73,14 +80,11 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(hf_checkpoint):
-    """transformers' whole model, its tokenizer (template included) and this project's preprocessing."""
+    """transformers' whole model and its tokenizer (template included)."""
     from transformers import AutoTokenizer, Kimi_K25ForConditionalGeneration
 
-    from mm_encoder.model.encoder import Encoder
-
     model = Kimi_K25ForConditionalGeneration.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(hf_checkpoint)
-    return model, tok, Encoder.without_weights(hf_checkpoint, device="cpu", dtype="fp32")
+    return model, AutoTokenizer.from_pretrained(hf_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -95,68 +99,61 @@ def _data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def _chat(port: int, content: list[dict]) -> dict:
-    body = {"model": "kimi-k2.5-hf", "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 1,
-            "messages": [{"role": "user", "content": content}]}
+def _chat(port: int, content: list[dict], stream: bool = False) -> dict:
+    fields = {"model": "kimi-k2.5-hf", "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 1}
+    if stream:
+        return chat_stream(port, content, **fields)
+    body = {**fields, "messages": [{"role": "user", "content": content}]}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
 
-def _expected(reference, content: list[dict], media: list[bytes]) -> tuple[list[int], int]:
-    """transformers' greedy tokens and prompt length for `content`, from pixels."""
-    model, tok, pre = reference
+def _expected(reference, content: list[dict], media: list[bytes]) -> tuple[list[int], list[float], int]:
+    """transformers' greedy tokens, their log-probabilities and the prompt length for `content`, from
+    pixels made by `released_processor`."""
+    model, tok = reference
     text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                    tokenize=False)
     images, videos = [], []
-    for data in media:
-        prepared = pre.prepare_media(data)
-        (videos if prepared[0].modality == "video" else images).append(prepared)
-    pad, video_token = "<|media_pad|>", "<|kimi_k25_video_placeholder|>"
-    head, *rest = text.split(pad)
-    assert len(rest) == len(images)
-    text = head + "".join(pad * p[0].num_tokens + r for p, r in zip(images, rest, strict=True))
-    head, *rest = text.split(video_token)
-    assert len(rest) == len(videos)
-    chunks = ["".join(f"{c.timestamp}<|media_begin|>video<|media_content|>{video_token * c.num_tokens}<|media_end|>"
-                      for c in v) for v in videos]
-    text = head + "".join(c + r for c, r in zip(chunks, rest, strict=True))
-    input_ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-    kwargs = {}
-    if images:
-        flat = [p for ps in images for p in ps]
-        kwargs |= {"pixel_values": torch.cat([p.pixel_values for p in flat]),
-                   "image_grid_thw": torch.tensor([list(p.grid) for p in flat])}
-    if videos:
-        flat = [c for v in videos for c in v]
-        kwargs |= {"pixel_values_videos": torch.cat([c.pixel_values for c in flat]),
-                   "video_grid_thw": torch.tensor([list(c.grid) for c in flat])}
+    for data, part in zip(media, [p for p in content if p["type"] != "text"], strict=True):
+        if part["type"] == "video_url":
+            videos.append(released.video(data))
+        else:
+            images.append(released.image(data))
+    input_ids = torch.tensor([tok(released.expand(text, images, videos), add_special_tokens=False)["input_ids"]])
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, **kwargs)
-    return out[0, input_ids.shape[1] :].tolist(), input_ids.shape[1]
+                             max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, output_logits=True,
+                             return_dict_in_generate=True, **released.model_inputs(images, videos))
+    tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs, input_ids.shape[1]
 
 
 def _answer_bytes(reply: dict) -> list[bytes]:
     return [bytes(e["bytes"]) for e in reply["choices"][0]["logprobs"]["content"]]
 
 
-def _check(reply: dict, reference, tokens: list[int], prompt_len: int) -> None:
-    _, tok, _ = reference
+def _check(reply: dict, reference, expected: tuple[list[int], list[float], int]) -> None:
+    _, tok = reference
     from mm_encoder.core.prompt import ChatTokenizer
 
+    tokens, logprobs, prompt_len = expected
     ours = ChatTokenizer(tok.name_or_path)
     assert reply["usage"]["prompt_tokens"] == prompt_len
     assert reply["usage"]["completion_tokens"] == len(tokens) == MAX_TOKENS
     assert _answer_bytes(reply) == [ours.token_bytes(t) for t in tokens]
     assert reply["choices"][0]["message"]["content"] == tok.decode(tokens, skip_special_tokens=True)
+    got = [e["logprob"] for e in reply["choices"][0]["logprobs"]["content"]]
+    assert got == pytest.approx(logprobs, abs=LOGPROB_TOL)
 
 
 CASES = {
     **{f"image-{k}": ([("text", "What is in this image?"), ("image", v)]) for k, v in IMAGES.items()},
     "two-images": [("text", "Compare"), ("image", IMAGES["small"]), ("text", "with"), ("image", IMAGES["medium"])],
-    "video": [("text", VIDEO_PROMPT), ("video", None)],
+    **{f"video-{k}": [("text", VIDEO_PROMPT), ("video", v)] for k, v in CLIPS.items()},
 }
 
 
@@ -169,8 +166,9 @@ def _content(case: list[tuple]) -> tuple[list[dict], list[bytes]]:
             data = image_bytes(natural_image(*arg, seed=i))
             media.append(data)
             content.append({"type": "image_url", "image_url": {"url": _data_url(data, "image/png")}})
-        else:  # 5 frames at 2 fps sampled: chunks of 4 and 1 (the short last chunk keeps t = 1)
-            data = video_bytes(width=112, height=84, frames=25, fps=10)
+        else:  # every frame differs (a square moving 7 px a frame across 96); short last chunks
+            frames, fps = arg
+            data = video_bytes(width=112, height=84, frames=frames, fps=fps)
             media.append(data)
             content.append({"type": "video_url", "video_url": {"url": _data_url(data, "video/mp4")}})
     return content, media
@@ -179,15 +177,26 @@ def _content(case: list[tuple]) -> tuple[list[dict], list[bytes]]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_epd_and_agg_answer_what_transformers_generate_answers(case, graphs, reference):
     content, media = _content(CASES[case])
-    tokens, prompt_len = _expected(reference, content, media)
+    expected = _expected(reference, content, media)
     for name in ("epd", "agg"):
-        _check(_chat(graphs[name], content), reference, tokens, prompt_len)
+        for stream in (False, True):
+            _check(_chat(graphs[name], content, stream), reference, expected)
 
 
-def test_video_has_a_short_last_chunk(reference):
-    _, _, pre = reference
-    _, media = _content(CASES["video"])
-    assert [p.grid[0] for p in pre.prepare_media(media[0])] == [4, 1]
+def test_the_clips_are_the_released_processors_cases():
+    """What the reference makes of the four clips: the released frame choice, short last chunks,
+    and the timestamps a rounding clock would get wrong (2.399 and 2.366, not 2.400 and 2.367)."""
+    want = {"25@10": (["00:00:00.000", "00:00:02.399"], [4, 1]),
+            "90@30": (["00:00:00.000", "00:00:02.366"], [4, 2]),
+            "7@2": (["00:00:00.000", "00:00:02.000"], [4, 3]),
+            "61@24": (["00:00:00.000", "00:00:02.500"], [4, 1])}
+    assert released.kept_frames(25, 10) == [0, 6, 12, 18, 24]
+    for name, (stamps, ts) in want.items():
+        _, media = _content(CASES[f"video-{name}"])
+        chunks = released.video(media[0])
+        assert ([c.stamp for c in chunks], [c.grid[0] for c in chunks]) == (stamps, ts), name
+        frames = torch.cat([c.pixel_values.view(c.grid[0], -1) for c in chunks])
+        assert len({f.numpy().tobytes() for f in frames}) == len(frames)  # every kept frame differs
 
 
 def test_a_repeated_image_reuses_its_prefix_on_the_engine_that_holds_it(graphs):

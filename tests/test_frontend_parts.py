@@ -531,3 +531,31 @@ async def test_requests_beyond_max_inflight_get_a_503_at_once(tok):
     with pytest.raises(CannotConnect, match="overloaded"):
         await proc.generate({"messages": [{"role": "user", "content": "hi"}]}).__anext__()
     assert proc.stats.errors == {"overloaded": 1} and proc._inflight == 2
+
+
+async def test_the_encoder_client_names_its_dtype_and_refuses_rows_of_another():
+    """With `--wire-dtype`, every encode request names the rows' dtype (so the tiers' key does), and
+    an answer of another dtype (an encoder older than the field) is a 409 `dtype_mismatch`, never
+    spliced. Only the chain's network call is replaced: it records the request and answers a header."""
+    from mm_encoder.core.errors import RemoteError
+
+    packed = wire.pack(mm_hash="ab" * 32, model=SPEC, modality="image", embeds=torch.zeros(4, 8),
+                       grid_thws=[(1, 4, 4)], dtype="bfloat16")
+    asked = []
+
+    async def describe(source):
+        asked.append(source)
+        return packed.header, "http:cluster=HIT"
+
+    for dtype, ok in (("bfloat16", True), ("float32", False), (None, True)):
+        client = EncoderClient(SPEC, rpc_client=object(), dtype=dtype)
+        client.chain.describe = describe
+        ref = MediaRef("image", "https://m.test/a.png")
+        if ok:
+            assert (await client.embed(ref)).handle.source.dtype == dtype
+        else:
+            with pytest.raises(RemoteError) as e:
+                await client.embed(ref)
+            assert (e.value.code, e.value.http_status) == ("dtype_mismatch", 409)
+        assert asked[-1].dtype == dtype
+    assert len({a.key() for a in asked}) == 3

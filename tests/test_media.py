@@ -494,12 +494,41 @@ def test_video_chunks_sampling_and_short_last_chunk():
     assert frames.shape[0] == len(wanted)
     xs = [red_square_x(f) for f in frames]
     assert all(abs(x - (i * 7) % 144) <= 2 for x, i in zip(xs, wanted, strict=True)), xs
-    # timestamps: relative to the first sampled frame, increasing
-    assert chunks[0].timestamp == 0.0
-    assert chunks[1].timestamp == pytest.approx(2.3, abs=0.01)
+    # timestamps: the chunk's first sampled frame index / the stream's rate, milliseconds truncated
+    assert [c.timestamp for c in chunks] == [0 / 10, 23 / 10]
     assert chunks[0].timestamp_str == "00:00:00.000"
-    assert chunks[1].timestamp_str == "00:00:02.300"
+    assert chunks[1].timestamp_str == "00:00:02.299"  # 2.3 % 1 * 1000 = 299.99999999999983
     assert all(c.source_hash is None for c in chunks)
+
+
+@pytest.mark.parametrize(("frames", "fps", "picked", "stamps"), [
+    (25, 10, [0, 6, 12, 18, 24], ["00:00:00.000", "00:00:02.399"]),  # 24 / 10 = 2.4: 399.99.. ms, truncated
+    (90, 30, [0, 18, 36, 53, 71, 89], ["00:00:00.000", "00:00:02.366"]),  # 71 / 30
+    (7, 2, [0, 1, 2, 3, 4, 5, 6], ["00:00:00.000", "00:00:02.000"]),
+    (61, 24, [0, 15, 30, 45, 60], ["00:00:00.000", "00:00:02.500"]),
+])
+def test_video_frames_and_stamps_are_the_released_processors(frames, fps, picked, stamps):
+    """Kimi-K2.5's released processor, its rules written out here: n = max(round(N * min(2, fps) / fps), 1)
+    frames at linspace(0, N - 1, n).round(); each chunk of 4 stamped with its first frame's index / fps,
+    milliseconds truncated. The frames decoded are those (the red square's place names each frame)."""
+    chunks = decode_video(clip(frames, fps), CFG, LIMITS)
+    assert_frames(chunks, picked)
+    assert [c.timestamp_str for c in chunks] == stamps
+
+
+def assert_frames(chunks, picked: list[int]) -> None:
+    """The chunks hold frames `picked`: video_bytes draws frame i's square at x = 7 i mod 144 (160 px wide)."""
+    xs = [red_square_x(f) for c in chunks for f in c.frames]
+    assert len(xs) == len(picked), (xs, picked)
+    assert all(abs(x - i * 7 % 144) <= 2 for x, i in zip(xs, picked, strict=True)), (xs, picked)
+
+
+def test_video_stamps_do_not_read_the_containers_clock():
+    """A stream whose first frame is presented at 2.5 s is stamped from its frame indices, as the
+    released processor does, not from the frames' own presentation times."""
+    chunks = decode_video(video_bytes(160, 96, 25, 10, start=25), CFG, LIMITS)
+    assert [c.timestamp_str for c in chunks] == ["00:00:00.000", "00:00:02.399"]
+    assert_frames(chunks, [0, 6, 12, 18, 24])
 
 
 def test_video_low_fps_keeps_native_rate():
@@ -509,7 +538,7 @@ def test_video_low_fps_keeps_native_rate():
     frames = torch.cat([c.frames for c in chunks])
     xs = [red_square_x(f) for f in frames]
     assert all(abs(x - i * 7) <= 2 for i, x in enumerate(xs)), xs
-    assert [c.timestamp for c in chunks] == pytest.approx([0.0, 4.0], abs=0.01)
+    assert [c.timestamp for c in chunks] == [0.0, 4.0]
 
     chunks = decode_video(clip(5, 1), CFG, LIMITS)  # 5 frames -> chunks of 4 + 1
     assert [c.frames.shape[0] for c in chunks] == [4, 1]
@@ -546,10 +575,12 @@ def test_video_timestamps_increase():
     [
         (0.0, "00:00:00.000"),
         (3725.5, "01:02:05.500"),
-        (59.9996, "00:01:00.000"),
+        (59.9996, "00:00:59.999"),  # truncated, never rounded up into the next second
         (0.001, "00:00:00.001"),
-        (86399.999, "23:59:59.999"),
-        (360000.0, "100:00:00.000"),
+        (2.4, "00:00:02.399"),  # 2.4 % 1 * 1000 = 399.9999999999999
+        (71 / 30, "00:00:02.366"),
+        (86399.999, "23:59:59.998"),  # 998.9999999961583
+        (360000.0, "04:00:00.000"),  # strftime's %H wraps at 24, as the released processor's does
     ],
 )
 def test_timestamp_str(seconds, text):
@@ -565,7 +596,9 @@ def test_timestamp_str(seconds, text):
         (1, 30, 2, [0]),
         (3, 30, 2, [0]),  # 0.1 s clip: still one frame
         (0, 30, 2, []),
-        (10, 0, 2, list(range(10))),  # unknown native rate: every frame
+        (25, 10, 2, [0, 6, 12, 18, 24]),  # transformers 5.24's port takes [0, 5, 10, 15, 20]
+        (90, 30, 2, [0, 18, 36, 53, 71, 89]),
+        (10, 2, 2, list(range(10))),  # no rate: frame_rate gives the sampling rate, every frame
         (60, 30, 2, [0, 20, 39, 59]),  # 2 s -> 4 frames
         (61, 30, 2, [0, 20, 40, 60]),
         (7, 2, 2, list(range(7))),  # native == target: every frame
@@ -582,10 +615,9 @@ def test_sample_indices_cases(n, native, target, expected):
     target=st.floats(0.05, 30),
 )
 def test_sample_indices_properties(n, native, target):
-    idx = sample_indices(n, native, target)
-    fps = min(target, native) if native > 0 else target
-    duration = n / native if native > 0 else n / target
-    count = max(1, min(n, round(duration * fps)))
+    idx = sample_indices(n, native or target, target)
+    fps = native or target  # a stream without a rate is taken at the sampling rate (media.frame_rate)
+    count = max(round(n * min(target, fps) / fps), 1)  # the released processor's count
     assert len(idx) == count  # at least one, no duplicates lost
     assert idx == sorted(set(idx))
     assert idx[0] == 0 and 0 <= idx[-1] < n
@@ -687,7 +719,7 @@ def test_encode_file_video(tiny):
     v = clip(30, 10)
     results = tiny.encode_file(v)
     assert [r.modality for r in results] == ["video", "video"]
-    assert [r.timestamp for r in results] == ["00:00:00.000", "00:00:02.300"]
+    assert [r.timestamp for r in results] == ["00:00:00.000", "00:00:02.299"]
     assert results[0].mm_hash != results[1].mm_hash
     (t0, h, w), (t1, h1, w1) = results[0].grid_thw, results[1].grid_thw
     assert (t0, t1) == (4, 2) and (h1, w1) == (h, w) == (8, 12)

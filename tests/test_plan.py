@@ -166,6 +166,35 @@ def test_dtype_reaches_the_encoders_and_engines_only_when_the_graph_sets_it(grap
                 assert opt(r.argv, "--dtype") == ([want] if dtype and runs_model else []), (r.name, r.argv)
 
 
+@pytest.mark.parametrize("dtype", [None, "fp32", "bf16"])
+def test_the_frontend_names_the_rows_dtype_the_encoders_pack(graph, dtype, tmp_path):
+    """The rows' dtype is the graph's `llm.dtype` in torch's spelling (the encode worker packs what its
+    model runs in): our frontend gets it as `--wire-dtype`, names it in every encode request and so in
+    the tiers' key. No dtype, no flag (the worker's default); an aggregated graph encodes inline."""
+    g = with_llm(graph, dtype=dtype)
+    want = {"fp32": ["float32"], "bf16": ["bfloat16"]}.get(dtype, [])
+    for s in sites(g, tmp_path).values():
+        for c in plan(g, s):
+            ours = c.kind == "frontend" and not g.stock_frontend and not g.inline_encoding
+            for r in c.replicas:
+                assert opt(r.argv, "--wire-dtype") == (want if ours else []), (r.name, r.argv)
+
+
+def test_an_encoders_own_wire_dtype_wins_and_must_be_one(tmp_path):
+    """An encoder's explicit `--wire-dtype` overrides `llm.dtype` for the frontend too; two encoders
+    that disagree are refused by name before anything starts."""
+    g = with_llm(load_graph(GRAPHS / "epd.yaml"), dtype="fp32")
+    enc = g.components["encoder"]
+    g2 = g.model_copy(update={"components": {**g.components, "encoder": enc.model_copy(
+        update={"args": (*enc.args, "--wire-dtype=bfloat16")})}})
+    front = next(c for c in plan(g2, LocalSite(g2, tmp_path)) if c.kind == "frontend")
+    assert opt(front.replicas[0].argv, "--wire-dtype") == ["bfloat16"]
+    g3 = g2.model_copy(update={"components": {**g2.components, "encoder2": enc.model_copy(
+        update={"args": (*enc.args, "--wire-dtype", "float32")})}})
+    with pytest.raises(GraphError, match="--wire-dtype differ"):
+        plan(g3, LocalSite(g3, tmp_path))
+
+
 def test_real_parsers_take_the_dtype_and_checkpoint(tmp_path):
     """The encode worker's and the engine's own settings parse the planned argv into the graph's dtype
     and the one checkpoint directory."""

@@ -344,3 +344,29 @@ async def test_a_request_for_another_checkpoints_revision_is_refused(checkpoint,
     assert a.key() != a.model_copy(update={"revision": "ckpt-0000000000000000"}).key()
     assert a.model_copy(update={"revision": None}).key() == EncodeRequest(model="kimi-k2.5-vision",
                                                                      url="https://m.test/a.png").key()
+
+
+async def test_rows_leave_in_the_dtype_the_model_runs_in_unless_the_operator_says_otherwise(session):
+    """`--dtype fp32` is fp32 from the tower to the engine: with no `--wire-dtype` the worker packs the
+    dtype its model ran in, so the fp32 rows arrive bit for bit (bf16 stays bf16: no extra bytes).
+    An explicit `--wire-dtype` still wins; a request naming another dtype is a 409 `dtype_mismatch`."""
+    from mm_encoder.model.encoder import Encoder
+
+    fp32 = Encoder.from_pretrained("tiny", dtype="fp32")
+    direct = fp32.encode([PNG])[0].embeds
+    assert direct.dtype == torch.float32
+    async with run_worker(fp32) as w:
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+        assert status == 200, body
+        msg = wire.decode(body)
+        assert msg.dtype == "float32" and torch.equal(msg.embeds, direct)
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG), "dtype": "float32"})
+        assert status == 200 and wire.decode(body).dtype == "float32"
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG), "dtype": "bfloat16"})
+        assert status == 409 and json.loads(body)["error"]["code"] == "dtype_mismatch"
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG), "dtype": "fp32"})
+        assert status == 400 and "dtype" in json.loads(body)["error"]["message"]
+    async with run_worker(fp32, wire_dtype="bfloat16") as w:
+        status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
+        assert status == 200 and wire.decode(body).dtype == "bfloat16"
+        assert torch.equal(wire.decode(body).embeds, direct.to(torch.bfloat16))

@@ -8,6 +8,7 @@ HTTP status its transport answers. Callers map errors to responses by reading `c
     ├── MediaError            413/422    the media bytes (codes: MEDIA_ERROR_CODES)
     ├── FetchError            400-504    a media URL refused or not fetched (codes: FETCH_ERROR_STATUS)
     ├── UnknownModelError     404
+    ├── RevisionMismatch, DtypeMismatch   409   the caller expects another checkpoint or row dtype
     ├── RequestTooLarge       413        above a transport's message limit
     ├── Unavailable           503        retry later or elsewhere: Overloaded, Draining,
     │                                    EncoderUnavailable, EngineUnavailable
@@ -87,6 +88,14 @@ class RevisionMismatch(MMEncoderError):
     """The caller expects another revision of the model than this worker serves (another checkpoint)."""
 
     code = "revision_mismatch"
+    http_status = 409
+
+
+class DtypeMismatch(MMEncoderError):
+    """The caller expects rows of another dtype than this worker packs (`--wire-dtype`, by default the
+    dtype its model runs in): answering anyway would hand an fp32 engine bf16 rows, or the reverse."""
+
+    code = "dtype_mismatch"
     http_status = 409
 
 

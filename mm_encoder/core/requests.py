@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import BadRequest, RemoteError
 from .spec import PreprocessConfig
+from .wire_schema import WireDtype
 
 
 class ProcessorOverrides(BaseModel):
@@ -43,11 +44,13 @@ class ProcessorOverrides(BaseModel):
 
 
 def cache_key(model: str, processor: dict[str, Any] | None, url: str, scope: str, modality: str | None = None,
-              revision: str | None = None) -> str:
+              revision: str | None = None, dtype: str | None = None) -> str:
     """The tiers' key for one item: everything the encoder's answer depends on, nothing else (the
-    model's revision, when the request names one: another checkpoint is another answer)."""
+    model's revision and the rows' dtype, when the request names them: another checkpoint or another
+    dtype is another answer, so an fp32 graph never gets a bf16 body from a tier it shares)."""
     ref = url if url[:5].lower() != "data:" else "sha256:" + hashlib.sha256(url.encode()).hexdigest()
     parts = [model, processor or {}, ref, scope, modality] + ([revision] if revision else [])
+    parts += [{"dtype": dtype}] if dtype else []
     doc = stdlib_json.dumps(parts, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()
 
@@ -67,6 +70,8 @@ class EncodeRequest(BaseModel):
     scope: str = Field("", max_length=256, strict=True, description="tenant: URL aliases never answer across scopes")
     revision: str | None = Field(None, max_length=64, strict=True,
                                  description="the model revision the caller expects (its checkpoint's): 409 if not")
+    dtype: WireDtype | None = Field(None, description="the rows' dtype the caller's engines take: 409 if the "
+                                                     "worker packs another")
 
     @model_validator(mode="after")
     def _one_source(self) -> EncodeRequest:
@@ -83,7 +88,7 @@ class EncodeRequest(BaseModel):
         if self.url is None:
             raise ValueError("a request with raw `data` has no cache key: the tiers cache by URL")
         processor = self.processor.model_dump(exclude_none=True) if self.processor else None
-        return cache_key(self.model, processor, self.url, self.scope, self.modality, self.revision)
+        return cache_key(self.model, processor, self.url, self.scope, self.modality, self.revision, self.dtype)
 
     @classmethod
     def parse(cls, body: object, *, json: bool = False) -> EncodeRequest:

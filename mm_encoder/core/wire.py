@@ -40,6 +40,7 @@ from .wire_schema import (  # noqa: F401 (KNOWN_VERSIONS, MODALITIES: part of th
     KNOWN_VERSIONS,
     MODALITIES,
     WIRE_VERSION,
+    WireDtype,
     check_envelope,
     check_fields,
     check_header,

@@ -32,7 +32,7 @@ MODULES: dict[Kind, str] = {
     "frontend": "mm_encoder.frontend",
 }
 VLLM_ENGINE = "mm_encoder.engines.vllm"  # an engine with `backend: vllm`
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torch's spelling: vLLM's --dtype, the wire's dtype
 STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
 DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
@@ -97,6 +97,16 @@ class _Planner:
         self.g, self.site = graph, site
         self.reach: dict[Kind, list[str]] = {}
         self.dtype = ["--dtype", graph.llm.dtype] if graph.llm.dtype else []
+        self.wire_dtype = self._wire_dtype()
+
+    def _wire_dtype(self) -> str | None:
+        """The rows' dtype from encoder to engine: an encoder's explicit `--wire-dtype`, else the
+        graph's `llm.dtype` (the worker packs what its model runs in). The frontend names it in every
+        encode request, so the tiers key it and an encoder packing another refuses (409)."""
+        given = {_flag_value(c.args, "--wire-dtype") for _, c in self.g.of_kind("encoder")} - {None}
+        if len(given) > 1:
+            raise GraphError(f"the encoders' --wire-dtype differ ({', '.join(sorted(given))}): one graph, one dtype")
+        return given.pop() if given else VLLM_DTYPES[self.g.llm.dtype] if self.g.llm.dtype else None
 
     def components(self) -> list[ComponentPlan]:
         out = []
@@ -200,7 +210,20 @@ class _Planner:
         if self.chain():
             url, route = self.chain()
             argv += ["--encoder-http", url, "--encoder-route", route]
+        if self.wire_dtype and not g.inline_encoding:
+            argv += ["--wire-dtype", self.wire_dtype]
         return argv + (["--inline-media"] if g.inline_encoding else [])
+
+
+def _flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The value a component's own `args` give `flag` (`--flag V` or `--flag=V`), the last one winning."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _pairs(flag: str, values: list[str]) -> list[str]:

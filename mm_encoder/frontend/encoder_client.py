@@ -17,8 +17,10 @@ from ..client import EncoderChain
 from ..core import wire
 from ..core.aio import gather_or_cancel
 from ..core.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, endpoint_path
+from ..core.errors import DtypeMismatch, RemoteError
 from ..core.handle import MediaHandle
 from ..core.requests import EncodeRequest
+from ..core.wire_schema import WireDtype
 from .chat import MediaRef
 
 
@@ -32,9 +34,10 @@ class Encoded:
 class EncoderClient:
     def __init__(self, model: str, *, http_url: str | None = None, route: str = "cluster,shared",
                  rpc_client=None, timeout_s: float = 600.0, scope: str = "", namespace: str | None = None,
-                 send_bodies: bool = False, revision: str | None = None):
+                 send_bodies: bool = False, revision: str | None = None, dtype: WireDtype | None = None):
         self.model = model
         self.revision = revision  # the checkpoint's: an encoder serving another refuses, a tier never mixes them
+        self.dtype = dtype  # the engines' rows: likewise
         self.send_bodies = send_bodies
         self.scope = scope
         self.chain = EncoderChain(http_url=http_url, route=route, rpc_client=rpc_client, timeout_s=timeout_s)
@@ -59,13 +62,16 @@ class EncoderClient:
     async def embed(self, item: MediaRef, scope: str = "") -> Encoded:
         self.calls += 1
         source = EncodeRequest(model=self.model, url=item.url, modality=item.modality, scope=scope,
-                               revision=self.revision)
+                               revision=self.revision, dtype=self.dtype)
         body = None
         if self.send_bodies:
             body, where = await self.chain.fetch(source)
             header = wire.peek(body)
         else:
             header, where = await self.chain.describe(source)
+        if self.dtype is not None and header.dtype != self.dtype:  # an encoder older than the `dtype` field
+            raise RemoteError(f"the encoder answered {header.dtype} rows for a request that asks {self.dtype}",
+                              DtypeMismatch.code, DtypeMismatch.http_status)
         handle = MediaHandle.build(header, source, chain=self.chain.http_url, route=self.chain.route,
                                    rpc=self.rpc_path)
         return Encoded(handle, where, body)

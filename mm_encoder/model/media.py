@@ -14,8 +14,9 @@ is refused (`corrupt`) instead of silently filled with grey by libjpeg.
 What an item will cost is known before its pixels are decoded (`open_image`'s header, a video's
 `probe_video`), so a caller can bound the total across requests before the work starts (the encode
 worker's `service.admission`); this module bounds each item on its own.
-Videos (PyAV): sampled at min(fps, native fps) with evenly spaced frame indices, cut into chunks
-of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
+Videos (PyAV): frames are chosen, chunked and stamped as Kimi-K2.5's released processor does
+(`sample_indices`, `chunk_timestamp`; README's video paragraph says where transformers' port differs), cut
+into chunks of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
 video processor passes it and vLLM's grids count it: padding it with repeats of its last frame
 gives the same token count but other embeddings (the frame mean and time embedding change). The
 work a video asks for (sampled frames x patches per frame) is checked against
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,14 +56,29 @@ class VideoChunk:
     """A decoded video chunk: one encoder item with t = frames.shape[0]."""
 
     frames: torch.Tensor  # [t, H, W, 3] uint8
-    timestamp: float  # seconds, of the first frame
+    timestamp: float  # seconds: the chunk's first sampled frame index / the stream's frame rate
     index: int  # chunk number within its video
     source_hash: str | None = None  # content hash of the whole video (mm_hash input)
 
     @property
     def timestamp_str(self) -> str:
-        ms = round(self.timestamp * 1000)
-        return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+        return format_timestamp(self.timestamp)
+
+
+def format_timestamp(seconds: float) -> str:
+    """A chunk's time as its prompt writes it, exactly as Kimi-K2.5's released processor does:
+    `%H:%M:%S` of the whole seconds, then the milliseconds *truncated* from the float remainder,
+    `int(t % 1 * 1000)` (2.4 s prints `00:00:02.399`, 71/30 s `00:00:02.366`). Every digit is prompt
+    text, so rounding instead changes the model's answer. Hours wrap at 24 as the released
+    `strftime` does (a video that long is refused by `max_video_seconds` first)."""
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}"
+
+
+def chunk_timestamp(first_index: int, fps: float) -> float:
+    """A chunk's time in seconds as the released processor computes it: its first sampled frame's
+    index over the stream's average frame rate (`VideoPlan.fps`), not the frame's own container time
+    (which differs for variable frame rates and streams that do not start at 0)."""
+    return first_index / fps
 
 
 def check_dimensions(width: int, height: int, limits: MediaLimits, what: str = "image") -> None:
@@ -184,21 +201,31 @@ def sniff_modality(data: bytes) -> str:
     return "image"
 
 
-def _sample_count(n_frames: int, native_fps: float, target_fps: float) -> int:
-    """How many frames `sample_indices` would pick at most, without building the list."""
+def _sample_count(n_frames: int, fps: float, target_fps: float) -> int:
+    """How many frames `sample_indices` picks, without building the list: the released processor's
+    `max(round(N * min(target, fps) / fps), 1)` (never more than N: min(target, fps) / fps <= 1)."""
     if n_frames <= 0:
         return 0
-    fps = min(target_fps, native_fps) if native_fps > 0 else target_fps
-    duration = n_frames / native_fps if native_fps > 0 else n_frames / target_fps
-    return max(1, min(n_frames, round(duration * fps)))
+    return max(round(n_frames * min(target_fps, fps) / fps), 1)
 
 
-def sample_indices(n_frames: int, native_fps: float, target_fps: float) -> list[int]:
-    """Evenly spaced indices at min(target, native) fps over n_frames; at least one."""
-    n = _sample_count(n_frames, native_fps, target_fps)
-    if n <= 1:
-        return [0] if n else []
-    return sorted({round(i * (n_frames - 1) / (n - 1)) for i in range(n)})
+def sample_indices(n_frames: int, fps: float, target_fps: float) -> list[int]:
+    """The frames Kimi-K2.5's released processor samples from N frames at `fps` (the stream's
+    average rate, `VideoPlan.fps`): n = `_sample_count` indices `np.linspace(0, N - 1, n).round()`,
+    first and last frame included. (transformers 5.24's `Kimi_K25VideoProcessor` differs: it takes
+    `arange` steps and never the last frame, [0, 5, 10, 15, 20] of 25 frames at 10 fps.)"""
+    n = _sample_count(n_frames, fps, target_fps)
+    return np.linspace(0, n_frames - 1, n).round().astype(int).tolist() if n else []
+
+
+def frame_rate(stream, target_fps: float) -> float:
+    """The one clock of a video: the stream's average frame rate (FFmpeg's avg_frame_rate, what the
+    released processor reads), else FFmpeg's guess from the container's timing, else, for a stream
+    that states no rate at all, the sampling rate itself (every frame is then sampled, each
+    1 / target_fps s after the last). It picks the frames (`sample_indices`) and stamps the
+    chunks (`chunk_timestamp`)."""
+    rate = stream.average_rate or stream.guessed_rate
+    return float(rate) if rate and rate > 0 else float(target_fps)
 
 
 def _check_video_work(sampled: int, width: int, height: int, cfg: PreprocessConfig, limits: MediaLimits,
@@ -214,7 +241,7 @@ def _check_video_work(sampled: int, width: int, height: int, cfg: PreprocessConf
     return sampled * gh * gw
 
 
-def _header_checks(container, stream, native_fps: float, cfg: PreprocessConfig, limits: MediaLimits,
+def _header_checks(container, stream, fps: float, cfg: PreprocessConfig, limits: MediaLimits,
                    patch: int) -> None:
     """What the container declares (duration, frame count, size), refused before any demuxing.
     A header may lie the other way; the frame count from demuxing is checked again after."""
@@ -229,9 +256,9 @@ def _header_checks(container, stream, native_fps: float, cfg: PreprocessConfig, 
         seconds = container.duration / 1e6 if container.duration else 0.0
     if seconds > limits.max_video_seconds:
         raise MediaError("too_large", f"video declares {seconds:.1f} s; at most {limits.max_video_seconds:g} s")
-    if seconds > 0 and native_fps > 0:
-        n = min(round(seconds * native_fps), limits.max_video_frames)
-        _check_video_work(_sample_count(n, native_fps, cfg.video_fps), width, height, cfg, limits, patch)
+    if seconds > 0:
+        n = min(round(seconds * fps), limits.max_video_frames)
+        _check_video_work(_sample_count(n, fps, cfg.video_fps), width, height, cfg, limits, patch)
 
 
 @dataclass(frozen=True)
@@ -239,7 +266,7 @@ class VideoPlan:
     """What decoding a video will cost, known before any frame is decoded (`probe_video`)."""
 
     wanted: tuple[int, ...]  # the sampled frame indices
-    native_fps: float
+    fps: float  # the stream's frame rate (`frame_rate`): picks the frames and stamps the chunks
     width: int
     height: int
     chunk_frames: int  # frames a chunk holds (the last may hold fewer)
@@ -287,20 +314,19 @@ def probe_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, patch_s
     """Pass 1: the header's claims, then the frame count by demuxing only (cheap, no decode), both
     bounded by the limits; the frame size from the header (or, where it has none, the first frame)."""
     with _opened(data, limits) as (container, stream):
-        rate = stream.average_rate or stream.guessed_rate
-        native_fps = float(rate) if rate else 0.0
-        _header_checks(container, stream, native_fps, cfg, limits, patch_size)
+        fps = frame_rate(stream, cfg.video_fps)
+        _header_checks(container, stream, fps, cfg, limits, patch_size)
         n_frames = 0
         for packet in container.demux(stream):
             if packet.size:
                 n_frames += 1
                 if n_frames > limits.max_video_frames:
                     raise MediaError("too_large", f"video has more than {limits.max_video_frames} frames")
-        if native_fps > 0 and n_frames / native_fps > limits.max_video_seconds:
+        if n_frames / fps > limits.max_video_seconds:
             raise MediaError(
-                "too_large", f"video is {n_frames / native_fps:.1f} s long; at most {limits.max_video_seconds:g} s"
+                "too_large", f"video is {n_frames / fps:.1f} s long; at most {limits.max_video_seconds:g} s"
             )
-        wanted = sample_indices(n_frames, native_fps, cfg.video_fps)
+        wanted = sample_indices(n_frames, fps, cfg.video_fps)
         width, height = stream.codec_context.width, stream.codec_context.height
         if not (width and height) and wanted:
             container.seek(0)
@@ -310,7 +336,7 @@ def probe_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, patch_s
             raise MediaError("no_frames", "the video has no decodable frames")
         check_dimensions(width, height, limits, "video")
         patches = _check_video_work(len(wanted), width, height, cfg, limits, patch_size)
-        return VideoPlan(tuple(wanted), native_fps, width, height, cfg.video_chunk_frames, patches)
+        return VideoPlan(tuple(wanted), fps, width, height, cfg.video_chunk_frames, patches)
 
 
 def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
@@ -330,15 +356,15 @@ def _decode_chunks(container, stream, plan: VideoPlan, cfg: PreprocessConfig, li
     k, wanted, last = plan.chunk_frames, set(plan.wanted), plan.wanted[-1]
     container.seek(0)
     part: list[torch.Tensor] = []
-    stamp0 = chunk_stamp = None
-    index = 0
+    size = None
+    first = index = 0
     for i, frame in enumerate(container.decode(stream)):
         if i > last:
             break
         if i not in wanted:
             continue
         check_dimensions(frame.width, frame.height, limits, "video frame")
-        if stamp0 is None:  # the real frame size (the header's may be absent or wrong)
+        if size is None:  # the real frame size (the header's may be absent or wrong)
             if frame.width * frame.height > plan.width * plan.height:
                 raise MediaError("corrupt", f"video frames are {frame.width}x{frame.height}, larger than the "
                                             f"{plan.width}x{plan.height} its header declares")
@@ -346,15 +372,13 @@ def _decode_chunks(container, stream, plan: VideoPlan, cfg: PreprocessConfig, li
             size = (frame.height, frame.width)
         elif (frame.height, frame.width) != size:
             raise MediaError("corrupt", "video frames change size mid-stream")
-        t = float(frame.time if frame.time is not None else (i / plan.native_fps if plan.native_fps else 0.0))
-        stamp0 = t if stamp0 is None else stamp0
-        chunk_stamp = t if not part else chunk_stamp
+        first = i if not part else first
         part.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
         if len(part) == k:
-            yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
+            yield VideoChunk(torch.stack(part), chunk_timestamp(first, plan.fps), index, source_hash)
             part, index = [], index + 1
     if part:
-        yield VideoChunk(torch.stack(part), chunk_stamp - stamp0, index, source_hash)
+        yield VideoChunk(torch.stack(part), chunk_timestamp(first, plan.fps), index, source_hash)
         index += 1
     if index == 0:
         raise MediaError("no_frames", "the video has no decodable frames")

@@ -48,6 +48,9 @@ class DeviceBatcher:
         self.encoder = encoder
         self.settings = settings
         self.metrics = metrics
+        # the rows leave in the dtype the model ran in unless the operator says otherwise: --dtype fp32
+        # is fp32 from the tower to the engine, bf16 (production) costs no extra bytes
+        self.wire_dtype: wire.WireDtype = settings.wire_dtype or wire_name(encoder.dtype)
         self._device = ThreadPoolExecutor(1, thread_name_prefix="mm-device")
         self._post = ThreadPoolExecutor(settings.post_workers, "mm-post") if settings.post_workers else None
         self._jobs: deque[Job] = deque()
@@ -162,7 +165,15 @@ class DeviceBatcher:
             embeds=embeds,
             grid_thws=[p.grid for p in job.prepared],
             timestamps=[p.timestamp for p in job.prepared] if job.modality == "video" else None,
-            dtype=self.settings.wire_dtype,
+            dtype=self.wire_dtype,
             byte_planes=self.settings.wire_byte_planes,
             level=self.settings.zstd_level,
         )
+
+
+def wire_name(dtype: torch.dtype) -> wire.WireDtype:
+    """torch's dtype -> its wire name (the wire spells dtypes as torch does)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in wire.DTYPE_SIZES:
+        raise ValueError(f"the encoder runs in {name}, which the wire cannot carry; set --wire-dtype")
+    return name  # type: ignore[return-value]

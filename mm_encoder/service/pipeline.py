@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..core import wire
-from ..core.errors import Draining, MediaError, RevisionMismatch, UnknownModelError
+from ..core.errors import Draining, DtypeMismatch, MediaError, RevisionMismatch, UnknownModelError
 from ..core.requests import EncodeReply, EncodeRequest
 from ..core.spec import PreprocessConfig
 from ..core.timing import ms_since
@@ -130,12 +130,15 @@ class EncodeService:
 
     # --- the request path --------------------------------------------------------------------
 
-    def check_model(self, name: str, revision: str | None = None) -> None:
+    def check_model(self, name: str, revision: str | None = None, dtype: str | None = None) -> None:
         if name.lower() not in self.served_names:
             raise UnknownModelError(name, sorted(self.encoder.spec.served_names))
         if revision is not None and revision != self.encoder.spec.revision:
             raise RevisionMismatch(f"model {name} here is revision {self.encoder.spec.revision}, the request expects "
                                    f"{revision}: the frontend and this encoder read different checkpoints")
+        if dtype is not None and dtype != self.batcher.wire_dtype:
+            raise DtypeMismatch(f"this worker packs {self.batcher.wire_dtype} rows, the request expects {dtype}: "
+                                f"serve both with one dtype (--dtype, or --wire-dtype here)")
 
     async def encode(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
         t0 = time.perf_counter()
@@ -165,7 +168,7 @@ class EncodeService:
         return result
 
     async def _answer(self, req: EncodeRequest) -> EncodeResult:
-        self.check_model(req.model, req.revision)
+        self.check_model(req.model, req.revision, req.dtype)
         cfg = req.processor.apply(self.encoder.spec.preprocess) if req.processor else self.encoder.spec.preprocess
         if req.data is not None:
             return await self._from_bytes(req.data, req.modality, cfg, {})

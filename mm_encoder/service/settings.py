@@ -8,14 +8,13 @@ Dynamo's own settings stay Dynamo's: DYN_DISCOVERY_BACKEND (default here: file),
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from ..core.dynamo import DynamoOptions
 from ..core.registry import DEFAULT_MODEL
 from ..core.spec import MediaLimits
+from ..core.wire import WireDtype
 from ..fetch import FetchPolicy
 from ..model.encoder import BATCH_MAX_PATCHES
 
@@ -53,7 +52,9 @@ class WorkerSettings(DynamoOptions):
     handle_route: str = Field("cluster,shared", description="X-Cache-Route handles name with --handle-chain")
 
     # --- wire format -------------------------------------------------------------------------
-    wire_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="embedding dtype on the wire")
+    wire_dtype: WireDtype | None = Field(
+        None, description="embedding dtype on the wire (default: the dtype the model runs in, so --dtype fp32 is "
+                          "fp32 rows to the engine and bf16 stays bf16); requests that name another get 409")
     wire_byte_planes: bool = Field(True, description="byte-plane split before zstd (smaller bodies; see BENCHMARKS)")
     zstd_level: int = Field(
         1, ge=1, le=19, description="zstd level of bodies (1: smallest and fastest with byte planes; BENCHMARKS.md)"

@@ -91,7 +91,8 @@ class StockEncoder:
 
     async def handles(self, items: list[tuple[str, str]]) -> dict[str, list[MediaHandle]]:
         spec = self.service.encoder.spec
-        sources = [EncodeRequest(model=spec.name, url=url, modality=modality, revision=spec.revision)
+        sources = [EncodeRequest(model=spec.name, url=url, modality=modality, revision=spec.revision,
+                                 dtype=self.service.batcher.wire_dtype)
                    for modality, url in items]
         results = await gather_or_cancel(self.service.encode(s, "dynamo") for s in sources)
         out: dict[str, list[MediaHandle]] = {}
