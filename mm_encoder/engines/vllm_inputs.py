@@ -51,6 +51,7 @@ class Family:
     no_tower: Mapping[str, int] = field(default_factory=dict)  # limit_mm_per_prompt that skips the tower
     deepstack: bool = False  # Qwen3-VL: rows carry the main and every deepstack level, side by side
     vllm_architecture: str | None = None  # the name vLLM registers, when the config states another
+    deepseek: bool = False  # the text model is vLLM's DeepseekV2/V3 (MLA + MoE): `engines.vllm` completes its config
 
     def rows(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
@@ -101,8 +102,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("glm4v", ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
                      "Glm5NextForConditionalGeneration"), token_ids={"image": 151343}),
     Family("kimi_k25", ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"), route="embeds",
-           no_tower={"vision_chunk": 0}, vllm_architecture="KimiK25ForConditionalGeneration"),
-    Family("kimi_vl", ("KimiVLForConditionalGeneration",), route="embeds", no_tower={"image": 0}),
+           no_tower={"vision_chunk": 0}, vllm_architecture="KimiK25ForConditionalGeneration", deepseek=True),
+    Family("kimi_vl", ("KimiVLForConditionalGeneration",), route="embeds", no_tower={"image": 0}, deepseek=True),
 )}
 
 
