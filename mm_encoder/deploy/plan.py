@@ -32,7 +32,7 @@ MODULES: dict[Kind, str] = {
     "frontend": "mm_encoder.frontend",
 }
 VLLM_ENGINE = "mm_encoder.engines.vllm"  # an engine with `backend: vllm`
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torch's spelling: vLLM's --dtype, the wire's dtype
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # llm.dtype as torch spells it: vLLM's --dtype, the wire's
 STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
 DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
@@ -106,7 +106,7 @@ class _Planner:
         given = {_flag_value(c.args, "--wire-dtype") for _, c in self.g.of_kind("encoder")} - {None}
         if len(given) > 1:
             raise GraphError(f"the encoders' --wire-dtype differ ({', '.join(sorted(given))}): one graph, one dtype")
-        return given.pop() if given else VLLM_DTYPES[self.g.llm.dtype] if self.g.llm.dtype else None
+        return given.pop() if given else TORCH_DTYPES[self.g.llm.dtype] if self.g.llm.dtype else None
 
     def components(self) -> list[ComponentPlan]:
         out = []
@@ -177,7 +177,7 @@ class _Planner:
     def engine(self, name: str, i: int) -> list[str]:
         g = self.g
         if g.components[name].backend == "vllm":  # the dtype in vLLM's spelling; the graph's `args` are vLLM's flags
-            dtype = ["--dtype", VLLM_DTYPES[g.llm.dtype]] if g.llm.dtype else []
+            dtype = ["--dtype", TORCH_DTYPES[g.llm.dtype]] if g.llm.dtype else []
             argv = ["--model", self.site.checkpoint_dir, "--name", g.llm.served_name, "--namespace", g.namespace,
                     "--block-size", str(g.block_size), *dtype]
             return argv + (["--encoder-chain", self.chain()[0]] if self.chain() else [])
