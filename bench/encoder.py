@@ -234,13 +234,13 @@ class Loopback:
 # --- the paths ------------------------------------------------------------------------------------
 
 _WIRE = {k: WorkerSettings.model_fields[k].default for k in ("wire_dtype", "wire_byte_planes", "zstd_level")}
-_WIRE["wire_dtype"] = _WIRE["wire_dtype"] or "the model's dtype"  # what the worker packs when unset
 
 
 def _wire_dtype(enc: Encoder) -> str:
+    """What the worker packs: its `--wire-dtype` default, else (unset) the dtype the model ran in."""
     from mm_encoder.service.batcher import wire_name
 
-    return WorkerSettings.model_fields["wire_dtype"].default or wire_name(enc.dtype)
+    return _WIRE["wire_dtype"] or wire_name(enc.dtype)
 
 
 def pack_today(enc: Encoder, h: str, out: torch.Tensor, grid) -> bytes:
@@ -536,6 +536,7 @@ def section(result: dict, plots: Path) -> str:
     mode = result.get("mode", "full")
     today = result.get("default_dtype", "bfloat16")
     w = result.get("wire", _WIRE)
+    packs = w["wire_dtype"] or f"the model's dtype, {today}"
     lines = [
         "## Encoder (`python bench/encoder.py`)",
         "",
@@ -550,7 +551,7 @@ def section(result: dict, plots: Path) -> str:
         "Stages of the worker's path, in ms: fetch = the package's `Fetcher` over http on loopback (a threaded "
         "http.server, keep-alive: a lower bound, a remote origin adds its round trips); mm_hash = `identify`; "
         "decode = JPEG -> RGB; resize + patchify = `preprocess` (torch bicubic, pad, patchify, normalise); forward "
-        f"= tower + projector; pack = wire v1 as the worker packs ({w['wire_dtype']}, byte planes "
+        f"= tower + projector; pack = wire v1 as the worker packs ({packs}, byte planes "
         f"{'on' if w['wire_byte_planes'] else 'off'}, zstd {w['zstd_level']}); respond = the HTTP head + body "
         "written to a loopback TCP socket until the reading peer has the last byte. The full-width tower "
         "(MoonViT 1152 wide + patchmerger -> 7168) is measured with 0 and 2 layers; 27 layers = "

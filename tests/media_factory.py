@@ -86,16 +86,10 @@ def k25_image_tokens(width: int, height: int, patch: int = 14, merge: int = 2, m
     return -(-h // unit) * -(-w // unit)
 
 
-def sampled_video_chunks(frames: int, fps: float, rows: int, target_fps: float = 2.0,
-                         chunk: int = 4) -> list[tuple[str, int]]:
+def sampled_video_chunks(frames: int, fps: float, rows: int) -> list[tuple[str, int]]:
     """A clip's chunks in a Kimi-K2.5 prompt, (timestamp, rows) each, by the released processor's
-    rules written out here: n = max(round(N * min(target, fps) / fps), 1) frames at
-    linspace(0, N - 1, n).round(), `chunk` sampled frames per chunk (the last may have fewer: it
-    keeps its real frames), stamped with its first frame's index / fps as %H:%M:%S plus the
-    milliseconds truncated; each chunk costs one frame's `rows`."""
-    import time
+    rules (`released_processor`: its frames, chunks of 4, their stamps); each chunk costs one frame's
+    `rows`."""
+    from released_processor import CHUNK, kept_frames, stamp
 
-    n = max(round(frames * min(target_fps, fps) / fps), 1)
-    picked = np.linspace(0, frames - 1, n).round().astype(int).tolist()
-    stamps = [first / fps for first in picked[::chunk]]
-    return [(time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}", rows) for t in stamps]
+    return [(stamp(first / fps), rows) for first in kept_frames(frames, fps)[::CHUNK]]

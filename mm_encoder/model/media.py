@@ -14,9 +14,9 @@ is refused (`corrupt`) instead of silently filled with grey by libjpeg.
 What an item will cost is known before its pixels are decoded (`open_image`'s header, a video's
 `probe_video`), so a caller can bound the total across requests before the work starts (the encode
 worker's `service.admission`); this module bounds each item on its own.
-Videos (PyAV): frames are chosen, chunked and stamped as Kimi-K2.5's released processor does
-(`sample_indices`, `chunk_timestamp`; README's video paragraph says where transformers' port differs), cut
-into chunks of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
+Videos (PyAV): frames are chosen and chunks stamped as Kimi-K2.5's released processor does
+(`sample_indices`, `chunk_timestamp`; README's video paragraph says where transformers' port
+differs), in chunks of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
 video processor passes it and vLLM's grids count it: padding it with repeats of its last frame
 gives the same token count but other embeddings (the frame mean and time embedding change). The
 work a video asks for (sampled frames x patches per frame) is checked against
