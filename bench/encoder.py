@@ -51,11 +51,11 @@ from reference import reference_forward  # noqa: E402
 from mm_encoder import Encoder, get_spec  # noqa: E402
 from mm_encoder.core import wire  # noqa: E402
 from mm_encoder.core.spec import ModelSpec  # noqa: E402
+from mm_encoder.encode_worker.settings import WorkerSettings  # noqa: E402
 from mm_encoder.fetch import Fetcher, FetchPolicy  # noqa: E402
 from mm_encoder.model.checkpoint import build_empty  # noqa: E402
 from mm_encoder.model.encoder import default_dtype  # noqa: E402
 from mm_encoder.model.preprocess import preprocess_frames, resize_target  # noqa: E402
-from mm_encoder.service.settings import WorkerSettings  # noqa: E402
 
 SIZES = {"448x448": (448, 448), "full HD": (1920, 1080), "4K": (3840, 2160)}
 STAGES = ("fetch", "hash", "decode", "preprocess", "forward", "pack", "respond")
@@ -238,7 +238,7 @@ _WIRE = {k: WorkerSettings.model_fields[k].default for k in ("wire_dtype", "wire
 
 def _wire_dtype(enc: Encoder) -> str:
     """What the worker packs: its `--wire-dtype` default, else (unset) the dtype the model ran in."""
-    from mm_encoder.service.batcher import wire_name
+    from mm_encoder.encode_worker.batcher import wire_name
 
     return _WIRE["wire_dtype"] or wire_name(enc.dtype)
 

@@ -155,7 +155,7 @@ class Stack:
                                 url=f"http://127.0.0.1:{tier_port}/_cache/health"))
         chain = f"http://127.0.0.1:{tier_port}"
         self.procs.append(start("engine", self.run, {**bodies, "DYN_SYSTEM_PORT": str(self.engine_sys)}, "-m",
-                                "mm_encoder.engines.worker", "--checkpoint", str(model_dir), "--encoder-chain",
+                                "mm_encoder.engines", "--checkpoint", str(model_dir), "--encoder-chain",
                                 chain, ready="engine ready"))
         self.frontend = start("frontend", self.run, bodies if mode == "body" else base,  # handles: default limit
                               "-m", "mm_encoder.frontend", "--model-dir", str(model_dir), "--http-port",

@@ -302,7 +302,7 @@ def worker_wire() -> dict:
     """The worker's wire defaults (dtype, byte planes, zstd level); wire.encode's own when the
     service settings cannot be imported (pydantic-settings is not needed for this benchmark)."""
     try:
-        from mm_encoder.service.settings import WorkerSettings
+        from mm_encoder.encode_worker.settings import WorkerSettings
 
         f = WorkerSettings.model_fields
         # unset, the worker packs the dtype its model runs in: bf16 here (fast_dtype)

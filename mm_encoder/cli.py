@@ -33,7 +33,7 @@ FETCH_TIMEOUT_S = 30
 # subcommand -> (module whose main(argv) runs it, help)
 COMPONENTS = {
     "worker": ("mm_encoder.worker", "run the encode worker (mm-encoder worker --help)"),
-    "engine": ("mm_encoder.engines.worker",
+    "engine": ("mm_encoder.engines.process",
                "run an engine: the checkpoint's language model (mm-encoder engine --help)"),
     "make-checkpoint": ("mm_encoder.engines.tiny_checkpoint", "write a small random Kimi-K2.5 checkpoint directory"),
     "cache": ("mm_encoder.deploy.cache_tiers", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
@@ -118,7 +118,7 @@ async def _demo_service(enc: Encoder, refs: list[str]) -> None:
     import aiohttp
 
     from .core import wire
-    from .service.settings import WorkerSettings
+    from .encode_worker.settings import WorkerSettings
     from .worker import Worker
 
     worker = Worker(WorkerSettings(_cli_parse_args=[], http_port=0), encoder=enc)

@@ -13,14 +13,14 @@ import asyncio
 import logging
 import sys
 
-from .core.dynamo import make_runtime
-from .core.process import parse_settings, run, stop_on_signals
+from .encode_worker.dynamo_server import DynamoServer
+from .encode_worker.http_app import start_http
+from .encode_worker.pipeline import EncodeService
+from .encode_worker.settings import WorkerSettings
+from .encode_worker.stock_encode import StockEncoder
 from .model.encoder import Encoder
-from .service.dynamo_server import DynamoServer
-from .service.http_app import start_http
-from .service.pipeline import EncodeService
-from .service.settings import WorkerSettings
-from .service.stock_encode import StockEncoder
+from .runtime.dynamo import make_runtime
+from .runtime.process import parse_settings, run, stop_on_signals
 
 log = logging.getLogger(__name__)
 

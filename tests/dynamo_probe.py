@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from mm_encoder.core.dynamo import make_runtime
+from mm_encoder.runtime.dynamo import make_runtime
 
 
 async def main(path: str) -> None:

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from mm_encoder.core.wire import Packed, WireHeader
-from mm_encoder.service.caches import AliasCache, BodyCache, SingleFlight
-from mm_encoder.service.settings import WorkerSettings
+from mm_encoder.encode_worker.caches import AliasCache, BodyCache, SingleFlight
+from mm_encoder.encode_worker.settings import WorkerSettings
 from mm_encoder.worker import main
 
 

@@ -110,9 +110,11 @@ def test_torch_free_commands_start_without_torch():
     assert r.returncode == 2 and "no running graph" in r.stderr
 
 
-def test_engine_subcommand_is_the_engine_worker(capsys):
-    """`mm-encoder engine` runs the module the graphs plan for engines; its --help is the engine's own."""
-    assert COMPONENTS["engine"][0] == MODULES["engine"] == "mm_encoder.engines.worker"
+def test_engine_subcommand_is_the_engine_process(capsys):
+    """`mm-encoder engine` runs what the graphs plan for engines (`python -m mm_encoder.engines`, whose
+    `__main__` calls `engines.process.main`); its --help is the engine's own."""
+    assert MODULES["engine"] == "mm_encoder.engines"
+    assert COMPONENTS["engine"][0] == "mm_encoder.engines.process"
     with pytest.raises(SystemExit) as e:
         main(["engine", "--help"])
     out = capsys.readouterr().out

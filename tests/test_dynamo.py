@@ -19,8 +19,8 @@ from worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 
 from mm_encoder import wire
 from mm_encoder.client import call_encode
-from mm_encoder.core.dynamo import endpoint_path, make_runtime
 from mm_encoder.core.errors import RemoteError
+from mm_encoder.runtime.dynamo import endpoint_path, make_runtime
 
 pytest.importorskip("dynamo.runtime")
 

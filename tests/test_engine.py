@@ -259,7 +259,7 @@ def test_the_aggregated_engine_answers_as_the_disaggregated_one(which, checkpoin
     import base64
 
     from mm_encoder.core.engine_request import EngineRequest
-    from mm_encoder.engines.worker import EngineSettings, build_engine
+    from mm_encoder.engines.process import EngineSettings, build_engine
 
     ckpt, spec = (checkpoint, "kimi-k2.5-vision") if which == "kimi" else (glm_checkpoint, "glm-5.2-vision")
     image = image_bytes(natural_image(196, 140, seed=5))

@@ -20,7 +20,7 @@ from media_factory import image_bytes, natural_image, sampled_video_chunks, vide
 from nginx_fixtures import free_port, require_nginx
 from serve_fixtures import MODEL, Graph, checkpoint_copy, data_url, image_rows
 
-from mm_encoder.core.dynamo import PLANES
+from mm_encoder.runtime.dynamo import PLANES
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
@@ -42,7 +42,7 @@ def graph(tmp_path_factory, checkpoint):
                 f"127.0.0.1:{g.tier_port}", "--next", f"127.0.0.1:{g.worker_port}", "--run-dir",
                 str(g.root / "tier"), "--cache-dir", str(g.root / "tier-cache"), "--workers", "1")
         for i in (1, 2):
-            g.start(f"engine{i}", "-m", "mm_encoder.engines.worker", "--checkpoint", ckpt, "--dtype", "fp32",
+            g.start(f"engine{i}", "-m", "mm_encoder.engines", "--checkpoint", ckpt, "--dtype", "fp32",
                     "--encoder-chain", f"http://127.0.0.1:{g.tier_port}", ready="engine ready")
         g.start("frontend", "-m", "mm_encoder.frontend", "--model-dir", ckpt, "--http-port",
                 str(g.frontend_port), "--encoder-http", f"http://127.0.0.1:{g.tier_port}", "--encoder-route",

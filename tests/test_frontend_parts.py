@@ -19,16 +19,16 @@ from transformers import Kimi_K25ForConditionalGeneration
 from worker_fixtures import SERVED, SPEC, MeasuredClient, engine_beside_worker, engine_for, processor_beside
 
 from mm_encoder import wire
+from mm_encoder.client.encoder import EncoderClient
 from mm_encoder.core.engine_request import EngineRequest, MediaInput
 from mm_encoder.core.errors import BadRequest, ContextOverflow, ModelDirError
 from mm_encoder.core.handle import MediaHandle
 from mm_encoder.core.prompt import ChatTokenizer, Splicer
 from mm_encoder.core.registry import get_spec
-from mm_encoder.core.requests import EncodeRequest, cache_key
+from mm_encoder.core.requests import EncodeRequest, MediaRef, cache_key
 from mm_encoder.core.sampling import SamplingParams
 from mm_encoder.engines.engine import Placed, Prompt
-from mm_encoder.frontend.chat import MediaRef, parse_messages
-from mm_encoder.frontend.encoder_client import EncoderClient
+from mm_encoder.frontend.chat import parse_messages
 from mm_encoder.frontend.processor import Limits, MultimodalProcessor
 from mm_encoder.routing import MediaSpan, block_mm_infos, pad_routing_tokens, to_signed64
 
@@ -91,13 +91,13 @@ def test_the_runtime_threads_option_sets_dynamos_variable_and_honours_one_alread
 
 
 def test_every_dynamo_process_takes_the_shared_options_under_its_own_prefix(checkpoint, monkeypatch):
-    """`core.dynamo.DynamoOptions` (namespace, log level) in the encode worker, the engine and the
+    """`runtime.dynamo.DynamoOptions` (namespace, log level) in the encode worker, the engine and the
     frontend, `KvOptions` (block size) in the last two; each reads its own environment prefix, and a
     log level that is not one is refused by name."""
-    from mm_encoder.core.dynamo import DynamoOptions, KvOptions
-    from mm_encoder.engines.worker import EngineSettings
+    from mm_encoder.encode_worker.settings import WorkerSettings
+    from mm_encoder.engines.process import EngineSettings
     from mm_encoder.frontend.settings import FrontendSettings
-    from mm_encoder.service.settings import WorkerSettings
+    from mm_encoder.runtime.dynamo import DynamoOptions, KvOptions
 
     assert issubclass(WorkerSettings, DynamoOptions) and not issubclass(WorkerSettings, KvOptions)
     assert issubclass(EngineSettings, KvOptions) and issubclass(FrontendSettings, KvOptions)

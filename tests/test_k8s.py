@@ -27,7 +27,7 @@ from mm_encoder.deploy.graph import Graph, load_graph
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines.worker"}
+MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines"}
 MODEL_FLAGS = {"encoder": ("--model", "--stock-model-dir"), "engine": ("--checkpoint",),
                "frontend": ("--model-dir",)}
 DGD = "DynamoGraphDeployment"
@@ -370,9 +370,9 @@ def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsy
     """The encode worker's, the frontend's, the engine's and `mm-encoder cache`'s own parsers accept
     the rendered args, and read back the one checkpoint directory, dtype, name and chain."""
     from mm_encoder.deploy.cache_tiers import main as cache_main
-    from mm_encoder.engines.worker import EngineSettings
+    from mm_encoder.encode_worker.settings import WorkerSettings
+    from mm_encoder.engines.process import EngineSettings
     from mm_encoder.frontend.settings import FrontendSettings
-    from mm_encoder.service.settings import WorkerSettings
 
     comps = components(one(epd_docs, DGD))
     worker = WorkerSettings(_cli_parse_args=main_of(comps["encoder"])["args"])

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mm_encoder.core.dynamo import MAX_MESSAGE_SIZE
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy.graph import LLM, Graph, load_graph
 from mm_encoder.deploy.k8s_site import MODEL_DIR, K8sNames, K8sSite
 from mm_encoder.deploy.local import LocalSite
 from mm_encoder.deploy.plan import ORDER, GeneratedCheckpoint, plan
+from mm_encoder.runtime.dynamo import MAX_MESSAGE_SIZE
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 GRAPH_NAMES = sorted(p.stem for p in GRAPHS.glob("*.yaml"))
@@ -102,7 +102,7 @@ def test_local_site_wires_the_chain_by_loopback_ports(tmp_path):
     assert [r.name for r in engine.replicas] == ["engine-0", "engine-1"]
     assert all(opt(r.argv, "--name") == [GENERATED_NAME] for r in engine.replicas) and engine.health_path is None
     assert all(r.port is None for r in engine.replicas)  # an engine serves no HTTP
-    assert engine.module == "mm_encoder.engines.worker"
+    assert engine.module == "mm_encoder.engines"
     assert engine.env["DYN_DISCOVERY_BACKEND"] == "file" and engine.env["DYN_FILE_KV"] == str(tmp_path / "dynamo-store")
     assert engine.env["DYN_TCP_MAX_MESSAGE_SIZE"] == str(MAX_MESSAGE_SIZE)
     assert "DYN_TCP_MAX_MESSAGE_SIZE" not in by_kind["frontend"].env  # it sends handles, never bodies
@@ -198,8 +198,8 @@ def test_an_encoders_own_wire_dtype_wins_and_must_be_one(tmp_path):
 def test_real_parsers_take_the_dtype_and_checkpoint(tmp_path):
     """The encode worker's and the engine's own settings parse the planned argv into the graph's dtype
     and the one checkpoint directory."""
-    from mm_encoder.engines.worker import EngineSettings
-    from mm_encoder.service.settings import WorkerSettings
+    from mm_encoder.encode_worker.settings import WorkerSettings
+    from mm_encoder.engines.process import EngineSettings
 
     g = with_llm(load_graph(GRAPHS / "epd.yaml"), dtype="bf16")
     by_kind = {c.kind: c for c in plan(g, K8sSite(K8sNames(g)))}

@@ -42,7 +42,6 @@ from mm_encoder.client import HandleResolver
 from mm_encoder.core.engine_request import EngineRequest, MediaInput
 from mm_encoder.core.errors import BadRequest
 from mm_encoder.core.handle import MediaHandle
-from mm_encoder.core.process import parse_known_settings
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines import vllm as adapter
 from mm_encoder.engines.inputs import check_spans
@@ -60,6 +59,7 @@ from mm_encoder.engines.vllm_inputs import (
 )
 from mm_encoder.engines.vllm_kv import EMPTY_DIGEST, KvRelay
 from mm_encoder.routing import MediaSpan, block_mm_infos
+from mm_encoder.runtime.process import parse_known_settings
 
 H1, H2, H3 = "ab" * 32, "cd" * 32, "ef" * 32
 R1, R2, R3 = 0xABABABABABABABAB, 0xCDCDCDCDCDCDCDCD, 0xEFEFEFEFEFEFEFEF  # their routing hashes (first 64 bits)
@@ -414,7 +414,7 @@ KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ip
 
 
 def test_the_adapters_own_options_are_the_shared_dynamo_settings_and_the_rest_is_vllms(capsys, monkeypatch):
-    """Namespace, log level and block size are `core.dynamo.KvOptions`, as for every other Dynamo
+    """Namespace, log level and block size are `runtime.dynamo.KvOptions`, as for every other Dynamo
     process; the flags the adapter does not know go to vLLM's parser untouched."""
     monkeypatch.setenv("MM_VLLM_STREAM_INTERVAL_MS", "5")
     args, rest = parse_known_settings(adapter.AdapterSettings, [

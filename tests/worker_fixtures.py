@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from mm_encoder.service.settings import WorkerSettings
+from mm_encoder.encode_worker.settings import WorkerSettings
 from mm_encoder.worker import Worker
 
 
@@ -170,7 +170,7 @@ SPEC = "kimi-k2.5-vision"  # the checkpoint's registry model
 async def engine_for(checkpoint, publisher=None, rpc=None):
     """The real engine as its worker builds it (`build_engine`: the checkpoint's language model, its
     tokenizer and the registry's prompts), on CPU in fp32; its thread is shut down afterwards."""
-    from mm_encoder.engines.worker import EngineSettings, build_engine
+    from mm_encoder.engines.process import EngineSettings, build_engine
 
     settings = EngineSettings(checkpoint=checkpoint, device="cpu", dtype="fp32", block_size=16)
     engine = await asyncio.to_thread(build_engine, settings, publisher, rpc)
@@ -184,9 +184,9 @@ async def engine_for(checkpoint, publisher=None, rpc=None):
 async def engine_beside_worker(encoder, checkpoint, tmp_path, monkeypatch, **worker):
     """A real encode worker (Dynamo RPC, `worker` overriding its settings) and the real engine
     fetching bodies from it by handle, registered as `kimi-k2.5-tiny`, on one Dynamo runtime in this
-    process, through the package's Dynamo seam (`core.dynamo`) as the engine process uses it. Yields
+    process, through the package's Dynamo seam (`runtime.dynamo`) as the engine process uses it. Yields
     (runtime, rpc client of the worker, engine)."""
-    from mm_encoder.core.dynamo import kv_event_publisher, register_engine
+    from mm_encoder.runtime.dynamo import kv_event_publisher, register_engine
 
     monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
     monkeypatch.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
@@ -211,8 +211,8 @@ async def processor_beside(rt, rpc, tokenizer, wrap=None):
     endpoint (its client passed through `wrap` if given), once the KV router sees the engine."""
     from dynamo.llm import KvRouter, KvRouterConfig
 
+    from mm_encoder.client.encoder import EncoderClient
     from mm_encoder.core.registry import get_spec
-    from mm_encoder.frontend.encoder_client import EncoderClient
     from mm_encoder.frontend.processor import Limits, MultimodalProcessor
 
     endpoint = rt.endpoint("mm.engine.generate")

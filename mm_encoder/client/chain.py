@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 
 from ..core import wire
-from ..core.dynamo import TOO_LARGE_HINT, is_too_large
 from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge, WireError
 from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
 from ..core.requests import EncodeReply, EncodeRequest
+from ..runtime.dynamo import TOO_LARGE_HINT, is_too_large
 
 log = logging.getLogger(__name__)
 

@@ -1,2 +1,3 @@
 """The shared vocabulary of every mm-encoder process, torch-free: errors, model specs and the
-registry, the wire format, the messages between processes, the prompt splice, Dynamo's names."""
+registry, the wire format, the messages between processes, embedding handles, the prompt splice.
+How the processes run (Dynamo's runtime, the process lifecycle) is `runtime/`."""

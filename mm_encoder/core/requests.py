@@ -22,6 +22,14 @@ from .spec import PreprocessConfig
 from .wire_schema import WireDtype
 
 
+@dataclass(frozen=True)
+class MediaRef:
+    """One media item as a chat message names it: what the frontend asks the encoders for."""
+
+    modality: str  # image | video
+    url: str
+
+
 class ProcessorOverrides(BaseModel):
     """Per-request processor settings. Each may only lower the model's own value: a client can ask
     for fewer pixels (cheaper), never for more work than the operator configured. Part of mm_hash.

@@ -29,8 +29,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .. import __version__
-from ..core.dynamo import BLOCK_SIZE, NAMESPACE
 from ..core.errors import GraphError
+from ..runtime.dynamo import BLOCK_SIZE, NAMESPACE
 
 Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared"]
 CACHE_KINDS = ("cache-cluster", "cache-router", "cache-shared")
@@ -50,7 +50,7 @@ class Component(_Strict):
     resources: dict[str, dict[str, str]] = Field(default_factory=dict)  # Kubernetes only
     # frontend only: run Dynamo's own `python -m dynamo.frontend` (media through our Encode worker)
     stock: bool = False
-    # engine only: the transformers engine (engines/worker.py) or vLLM (engines/vllm.py; `args` are vLLM's)
+    # engine only: the transformers engine (engines/process.py) or vLLM (engines/vllm.py; `args` are vLLM's)
     backend: Literal["transformers", "vllm"] = "transformers"
     # `serve` only: the interpreter this component runs under (vLLM lives in its own virtualenv:
     # `make vllm-venv`); a relative path is taken from the working directory. Kubernetes: the image's.

@@ -2,7 +2,7 @@
 and how to tell it is ready. `mm-encoder serve` (local.py) starts the plan as processes on one
 machine and `mm-encoder render-k8s` (k8s.py) renders it as pods; the topology (who talks to
 whom, in which order) is written here only, and every default comes from the component's own
-settings (the worker's, the frontend's, `TierConfig`'s, `core.dynamo`'s).
+settings (the worker's, the frontend's, `TierConfig`'s, `runtime.dynamo`'s).
 
 What differs between the two is a `Site`: where components listen, how they reach each other
 (loopback ports here, Service DNS names there), where the model's checkpoint and the caches live,
@@ -17,8 +17,8 @@ import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..core.dynamo import MAX_MESSAGE_SIZE
 from ..core.errors import GraphError
+from ..runtime.dynamo import MAX_MESSAGE_SIZE
 from .graph import Component, Graph, Kind
 
 # Start order: each kind only talks to kinds before it.
@@ -28,7 +28,7 @@ MODULES: dict[Kind, str] = {
     "cache-shared": "mm_encoder.deploy.cache_tiers",
     "cache-router": "mm_encoder.deploy.cache_tiers",
     "cache-cluster": "mm_encoder.deploy.cache_tiers",
-    "engine": "mm_encoder.engines.worker",
+    "engine": "mm_encoder.engines",
     "frontend": "mm_encoder.frontend",
 }
 VLLM_ENGINE = "mm_encoder.engines.vllm"  # an engine with `backend: vllm`

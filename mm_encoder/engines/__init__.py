@@ -1,6 +1,6 @@
 """LLM engines that take token ids plus spliced media embeddings (never pixels).
 
-- `worker`: the engine process (`python -m mm_encoder.engines.worker --checkpoint DIR`): the
+- `worker`: the engine process (`python -m mm_encoder.engines --checkpoint DIR`): the
   checkpoint's own language model through transformers (`llm`), serving Dynamo's generate endpoint
   (`engine`), with prefix reuse (`prefix_cache`) and, for the aggregated baseline, the model's own
   vision tower (`inline`).

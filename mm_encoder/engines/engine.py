@@ -191,7 +191,7 @@ class Engine:
     async def generate_dynamo(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
         """Dynamo's preprocessed request from the stock frontend: Dynamo's output chunks, the last
         with the expanded prompt's length as `completion_usage.prompt_tokens`."""
-        from ..core.dynamo import worker_error
+        from ..runtime.dynamo import worker_error
 
         try:
             req = from_preprocessed(request, self.splicer, self.context_length,

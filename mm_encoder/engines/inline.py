@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..core.aio import gather_or_cancel
 from ..core.engine_request import EngineRequest
 from ..core.errors import BadRequest
 from ..core.prompt import Splicer
 from ..fetch import Fetcher
+from ..runtime.aio import gather_or_cancel
 from .engine import Placed, Prompt
 from .llm import LanguageModel
 

@@ -8,10 +8,10 @@ import torch
 
 from ..client import HandleResolver
 from ..core import wire
-from ..core.aio import gather_or_cancel
 from ..core.engine_request import EngineRequest, MediaInput
 from ..core.errors import BadRequest
 from ..core.handle import MediaHandle, check_body
+from ..runtime.aio import gather_or_cancel
 
 
 def check_spans(item: MediaInput, token_ids: list[int] | None) -> None:

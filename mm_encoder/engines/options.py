@@ -1,11 +1,11 @@
-"""The options both engine processes take, the transformers engine (`engines.worker`) and the
-vLLM adapter (`engines.vllm`), on top of every Dynamo process's (`core.dynamo.KvOptions`)."""
+"""The options both engine processes take, the transformers engine (`engines.process`) and the
+vLLM adapter (`engines.vllm`), on top of every Dynamo process's (`runtime.dynamo.KvOptions`)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from ..core.dynamo import KvOptions
+from ..runtime.dynamo import KvOptions
 from .stream import STREAM_INTERVAL_MS
 
 

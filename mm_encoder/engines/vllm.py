@@ -40,7 +40,12 @@ from pydantic_settings import SettingsConfigDict
 
 from ..client import HandleResolver
 from ..core.context import check_fits
-from ..core.dynamo import (
+from ..core.engine_request import EngineRequest
+from ..core.errors import BadRequest, MMEncoderError
+from ..core.sampling import UNSUPPORTED, SamplingParams
+from ..core.timing import ms_since
+from ..routing import MediaSpan, block_mm_infos
+from ..runtime.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
     endpoint_path,
@@ -49,12 +54,7 @@ from ..core.dynamo import (
     register_engine,
     serve_endpoint,
 )
-from ..core.engine_request import EngineRequest
-from ..core.errors import BadRequest, MMEncoderError
-from ..core.process import LOG_FORMAT, parse_known_settings
-from ..core.sampling import UNSUPPORTED, SamplingParams
-from ..core.timing import ms_since
-from ..routing import MediaSpan, block_mm_infos
+from ..runtime.process import LOG_FORMAT, parse_known_settings
 from .inputs import fetch_bodies
 from .options import EngineOptions
 from .sampling import Step
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     name = args.name or Path(args.model).resolve().name
 
     async def serve() -> None:
-        from ..core.process import stop_on_signals
         from ..core.prompt import ChatTokenizer
+        from ..runtime.process import stop_on_signals
 
         stop = stop_on_signals()
         runtime = make_runtime(asyncio.get_running_loop())

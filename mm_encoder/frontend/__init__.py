@@ -7,7 +7,7 @@ model an engine registers, `MultimodalProcessor` turns the OpenAI request into t
 embeddings and routes it on (tokens, [mm_hash]). Extra route: `GET /mm/stats`.
 """
 
-from .encoder_client import EncoderClient
+from ..client.encoder import EncoderClient
 from .processor import Limits, MultimodalProcessor
 from .settings import FrontendSettings
 

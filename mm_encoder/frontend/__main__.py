@@ -9,9 +9,9 @@ import contextlib
 import os
 import sys
 
-from ..core.dynamo import http_frontend, make_runtime
-from ..core.process import parse_settings, run, stop_on_signals
 from ..core.prompt import check_model_dir
+from ..runtime.dynamo import http_frontend, make_runtime
+from ..runtime.process import parse_settings, run, stop_on_signals
 from .drain import drain
 from .metrics import exposition
 from .provider import ProcessorFactory

@@ -10,19 +10,13 @@ claim media rows nothing fills.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import BadRequest
 from ..core.prompt import ChatTokenizer
+from ..core.requests import MediaRef
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
-
-
-@dataclass(frozen=True)
-class MediaRef:
-    modality: str  # image | video
-    url: str
 
 
 def parse_messages(messages: Any, max_media: int, reserved: tuple[str, ...] = ()

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..client.encoder import EncoderClient
 from ..core.context import room
-from ..core.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
 from ..core.engine_request import EngineRequest, MediaInput
 from ..core.errors import (
     ContextOverflow,
@@ -37,8 +37,8 @@ from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
 from ..routing import MediaSpan, block_mm_infos
+from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
 from .chat import IncrementalDetokenizer, StopStrings, first_tokens, item_text, parse_messages, text_bytes
-from .encoder_client import EncoderClient
 
 log = logging.getLogger(__name__)
 # Prompts with at most this much text are rendered and tokenized on the event loop (well under a

@@ -21,12 +21,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from ..client.encoder import EncoderClient
 from ..core.card import ModelCard
-from ..core.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
 from ..core.prompt import ChatTokenizer
 from ..core.registry import get_spec
 from ..core.spec import ModelSpec
-from .encoder_client import EncoderClient
+from ..runtime.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
 from .processor import Limits, MultimodalProcessor
 from .settings import FrontendSettings
 

@@ -9,8 +9,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from ..core.dynamo import ENGINE_COMPONENT, KvOptions
 from ..core.wire_schema import WireDtype
+from ..runtime.dynamo import ENGINE_COMPONENT, KvOptions
 from .processor import Limits
 
 

@@ -115,8 +115,8 @@ async def served(vllm_checkpoint, vllm_cpu_env, dynamo_env, tmp_path_factory):
     from dynamo.llm import KvEventPublisher, KvRouter, KvRouterConfig, ModelInput, ModelType, WorkerType, register_model
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from mm_encoder.core.dynamo import make_runtime
     from mm_encoder.core.prompt import ChatTokenizer
+    from mm_encoder.runtime.dynamo import make_runtime
 
     ckpt = str(vllm_checkpoint)
     config = read_config(ckpt)

@@ -15,9 +15,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..core.dynamo import endpoint_path, serve_endpoint
 from ..core.errors import MMEncoderError
 from ..core.requests import EncodeRequest
+from ..runtime.dynamo import endpoint_path, serve_endpoint
 from .pipeline import EncodeResult, EncodeService
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings
 
-from .errors import MMEncoderError
+from ..core.errors import MMEncoderError
 
 if TYPE_CHECKING:
     from dynamo.llm import KvEventPublisher, KvRouter, PythonAsyncEngine, WorkerMetricsPublisher

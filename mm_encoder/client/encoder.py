@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..client import EncoderChain
 from ..core import wire
-from ..core.aio import gather_or_cancel
-from ..core.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, endpoint_path
 from ..core.errors import DtypeMismatch, RemoteError
 from ..core.handle import MediaHandle
-from ..core.requests import EncodeRequest
+from ..core.requests import EncodeRequest, MediaRef
 from ..core.wire_schema import WireDtype
-from .chat import MediaRef
+from ..runtime.aio import gather_or_cancel
+from ..runtime.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, endpoint_path
+from .chain import EncoderChain
 
 
 @dataclass

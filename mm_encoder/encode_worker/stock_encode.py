@@ -21,11 +21,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..core.aio import gather_or_cancel
-from ..core.dynamo import endpoint_path, register_encode_worker, serve_endpoint
 from ..core.errors import BadRequest, MMEncoderError
 from ..core.handle import ENCODER_RESULT_VERSION, MediaHandle, encoder_result
 from ..core.requests import EncodeRequest
+from ..runtime.aio import gather_or_cancel
+from ..runtime.dynamo import endpoint_path, register_encode_worker, serve_endpoint
 from .pipeline import EncodeService
 
 log = logging.getLogger(__name__)

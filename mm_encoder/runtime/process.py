@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource
 
-from .errors import MMEncoderError
+from ..core.errors import MMEncoderError
 
 S = TypeVar("S", bound=BaseSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

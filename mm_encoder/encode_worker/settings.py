@@ -11,12 +11,12 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from ..core.dynamo import DynamoOptions
 from ..core.registry import DEFAULT_MODEL
 from ..core.spec import MediaLimits
 from ..core.wire import WireDtype
 from ..fetch import FetchPolicy
 from ..model.encoder import BATCH_MAX_PATCHES
+from ..runtime.dynamo import DynamoOptions
 
 
 class WorkerSettings(DynamoOptions):

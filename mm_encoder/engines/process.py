@@ -1,7 +1,7 @@
-"""The engine worker: a checkpoint's own language model behind Dynamo, through transformers.
+"""The engine process: a checkpoint's own language model behind Dynamo, through transformers.
 
-    python -m mm_encoder.engines.worker --checkpoint DIR [--dtype fp32|bf16] [--device cpu|cuda]
-    python -m mm_encoder.engines.worker --checkpoint DIR --encode-inline     # the aggregated baseline
+    python -m mm_encoder.engines --checkpoint DIR [--dtype fp32|bf16] [--device cpu|cuda]
+    python -m mm_encoder.engines --checkpoint DIR --encode-inline     # the aggregated baseline
 
 It registers `<namespace>.engine.generate` as a chat model (the checkpoint directory is its model
 card: config, tokenizer, chat template) and takes either frontend's request: ours
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +25,9 @@ from pydantic_settings import SettingsConfigDict
 
 from ..client import HandleResolver
 from ..core.card import ModelCard
-from ..core.dynamo import (
+from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
+from ..core.registry import get_spec
+from ..runtime.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
     endpoint_path,
@@ -36,9 +37,7 @@ from ..core.dynamo import (
     register_engine,
     serve_endpoint,
 )
-from ..core.process import parse_settings, run, stop_on_signals
-from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
-from ..core.registry import get_spec
+from ..runtime.process import parse_settings, run, stop_on_signals
 from .options import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class EngineSettings(EngineOptions):
     """Every option from the command line or `MM_ENGINE_<OPTION>`."""
 
     model_config = SettingsConfigDict(env_prefix="MM_ENGINE_", cli_kebab_case=True, cli_implicit_flags=True,
-                                      cli_prog_name="python -m mm_encoder.engines.worker", extra="ignore",
+                                      cli_prog_name="python -m mm_encoder.engines", extra="ignore",
                                       frozen=True)
 
     checkpoint: Path = Field(description="the model's checkpoint directory (config.json, safetensors shards, "
@@ -112,6 +111,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return run(serve(s), s.log_level)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
