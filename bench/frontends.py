@@ -1,6 +1,6 @@
 """Our frontend vs Dynamo's stock frontend (not a test): CPU per request, throughput and latency, side by side.
 
-    python bench/frontends.py [--quick] [--rounds 3] [--duration 5] [--warmup 1] [--ttft-n 10] [--json PATH]
+    python -m bench.frontends [--quick] [--rounds 3] [--duration 5] [--warmup 1] [--ttft-n 10] [--json PATH]
 
 Three whole graphs under `mm-encoder serve GRAPH --checkpoint DIR --dtype fp32`, all up at once on
 loopback, on one generated tiny Kimi-K2.5 checkpoint (`mm-encoder make-checkpoint DIR --preset tiny`),
@@ -42,11 +42,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,12 +53,11 @@ from pathlib import Path
 
 import yaml
 
+from bench import stats
+from harness.serve_fixtures import Served
+from mm_encoder.deploy.local import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-
-from mm_encoder.deploy.local import free_port, leftover_pids  # noqa: E402
 
 WRK = "/usr/bin/wrk"
 SAMPLE = ROOT / "mm_encoder" / "samples" / "sample.jpg"
@@ -275,36 +272,24 @@ def threads(pid: int) -> dict[str, int]:
 
 
 class Setup:
-    """One graph under `mm-encoder serve`, in its own session; its components' process groups from state.json."""
+    """One graph under `mm-encoder serve` (harness.serve_fixtures.Served), with its own etcd and NATS if it
+    needs them; its components' process groups from state.json."""
 
     def __init__(self, name: str, graph: Path, checkpoint: Path, work: Path):
         self.name, self.graph = name, graph
         self.run = work / f"run-{name}"
         self.port = free_port()
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.t0 = time.perf_counter()
-        env = {k: v for k, v in os.environ.items() if k not in ("NATS_SERVER", "ETCD_ENDPOINTS")}  # its own NATS
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_encoder.cli", "serve", str(graph), "--run-dir", str(self.run), "--port",
-             str(self.port), "--status-interval", "0", "--checkpoint", str(checkpoint), "--dtype", "fp32"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if "ready: OpenAI base URL" in line:
-                self.startup_s = time.perf_counter() - self.t0
-                self.ready.set()
-        self.ready.set()  # exited: wait() sees no ready line
+        self.served = Served(str(graph), self.run, self.port, "--checkpoint", str(checkpoint), "--dtype", "fp32",
+                             unset=("NATS_SERVER", "ETCD_ENDPOINTS"))
 
     def wait(self) -> str:
         """The served model's name, once serve prints its ready line."""
-        if not self.ready.wait(STARTUP_S) or self.proc.poll() is not None:
-            tail = "".join(self.lines[-30:])
-            raise RuntimeError(f"{self.name}: {self.graph.name} was not ready in {STARTUP_S} s:\n{tail}")
-        line = next(x for x in self.lines if "ready: OpenAI base URL" in x)
+        proc = self.served.proc
+        try:
+            line = proc.wait_for("ready: OpenAI base URL", STARTUP_S)
+        except AssertionError as e:
+            raise RuntimeError(f"{self.name}: {self.graph.name} was not ready: {e}") from None
+        self.startup_s = proc.times[proc.lines.index(line)] - proc.started
         state = json.loads((self.run / "state.json").read_text())
         self.groups: dict[str, list[int]] = {"frontend": [], "engines": [], "rest": []}
         for c in state["components"]:
@@ -329,23 +314,11 @@ class Setup:
                     found.add(m.group(1))
         return f"{'/'.join(sorted(found))} ms" if found else "1 token per item"
 
-    def stop(self) -> None:
-        groups = set()
-        with contextlib.suppress(OSError, ValueError):
-            state = json.loads((self.run / "state.json").read_text())
-            groups = {c["pid"] for c in state["components"]} | {s["pid"] for s in state["runtime"].get("servers", [])}
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        for pgid in groups | {self.proc.pid}:  # anything serve left behind (it checks, too)
-            if leftover_pids({pgid}):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
+    def __enter__(self) -> Setup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.served.__exit__(*exc)
 
 
 def stock_kv_graph(work: Path) -> Path:
@@ -421,6 +394,21 @@ def _ratio(a: dict | None, b: dict | None) -> float | None:
 
 
 def measure(args, work: Path) -> dict:
+    checkpoint = make_checkpoint(work)
+    graphs = {"ours": ROOT / "graphs" / "epd.yaml", "stock": ROOT / "graphs" / "epd-stock.yaml",
+              "stock-kv": stock_kv_graph(work)}
+    with contextlib.ExitStack() as stack:  # all three start at once; each stopped (and checked) at the end
+        setups = {name: stack.enter_context(Setup(name, graphs[name], checkpoint, work)) for name in SETUPS}
+        out = describe(setups)
+        model = out["model"]
+        idle_cpu(setups, out, model, args.idle)
+        raw, ttfts, ttft_failed = run_rounds(args, setups, model, work)
+    cells = cell_results(args, raw)
+    return {**out, "cells": cells, "cpu_us_per_token": per_token(cells), **ttft_results(ttfts),
+            "ttft_failed": ttft_failed}
+
+
+def make_checkpoint(work: Path) -> Path:
     checkpoint = work / "kimi-k2.5-tiny"
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "mm_encoder.cli", "make-checkpoint", str(checkpoint), "--preset",
@@ -428,67 +416,75 @@ def measure(args, work: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"make-checkpoint failed: {done.stderr[-2000:]}")
     print(f"checkpoint written in {time.perf_counter() - t:.0f} s", flush=True)
-    graphs = {"ours": ROOT / "graphs" / "epd.yaml", "stock": ROOT / "graphs" / "epd-stock.yaml",
-              "stock-kv": stock_kv_graph(work)}
-    setups: dict[str, Setup] = {}
-    try:
-        for name in SETUPS:  # all three start at once
-            setups[name] = Setup(name, graphs[name], checkpoint, work)
-        models = {name: s.wait() for name, s in setups.items()}
-        model = models["ours"]
-        if set(models.values()) != {model}:
-            raise RuntimeError(f"the graphs serve different models: {models}")
-        out: dict = {"model": model, "setups": {}}
-        for name, s in setups.items():
-            out["setups"][name] = {"graph": str(s.graph.relative_to(ROOT)) if s.graph.is_relative_to(ROOT)
-                                   else "graphs/epd-stock.yaml + frontend args --router-mode kv",
-                                   "frontend": s.frontend_cmd, "startup_s": round(s.startup_s, 1),
-                                   "engines_stream_interval": s.stream_interval(),
-                                   "frontend_threads": threads(s.groups["frontend"][0]),
-                                   "ignore_eos": check_ignore_eos(s.port, model)}
-            print(f"{name}: up in {s.startup_s:.0f} s ({s.frontend_cmd}); engines' stream interval "
-                  f"{out['setups'][name]['engines_stream_interval']}; ignore_eos {out['setups'][name]['ignore_eos']}",
-                  flush=True)
-        for s in setups.values():  # one warm request each (the image encoded once per graph)
-            post(s.port, body(model, "image", 1, False))
-        before = {n: s.cpu(cpu_by_group()) for n, s in setups.items()}
-        time.sleep(args.idle)
-        after = {n: s.cpu(cpu_by_group()) for n, s in setups.items()}
-        for n in setups:
-            out["setups"][n]["idle_cpu_ms_per_s"] = {k: (after[n][k] - before[n][k]) * 1e3 / args.idle
-                                                     for k in after[n]}
-        scripts = {}
-        for cell, _, prompt, tokens, stream, _ in CELLS:
-            scripts[cell] = work / f"{cell}.lua"
-            scripts[cell].write_text(LUA.replace("@@BODY@@", json.dumps(body(model, prompt, tokens, stream)))
-                                     .replace("@@TOKENS@@", str(tokens)))
-        raw: dict[str, dict[str, list[dict]]] = {c[0]: {n: [] for n in SETUPS} for c in CELLS}
-        ttfts: dict[str, list[tuple[float, float, bool, float, list[float]]]] = {n: [] for n in SETUPS}
-        ttft_failed = dict.fromkeys(SETUPS, 0)
-        for rnd in range(args.rounds):
-            order = [*SETUPS[rnd % 3:], *SETUPS[:rnd % 3]]
-            for cell, _, _, tokens, _, conc in CELLS:
-                for n in order:
-                    r = measure_cell(setups[n], scripts[cell], conc, args.warmup, window_s(args.duration, tokens))
-                    raw[cell][n].append(r)
-                    cpu = {k: "-" if v is None else f"{v:.2f}" for k, v in r["cpu_ms_per_request"].items()}
-                    print(f"round {rnd + 1}/{args.rounds} {cell:16s} {n:9s} {r['rps']:7.1f} req/s  p50 "
-                          f"{r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  CPU ms/req frontend "
-                          f"{cpu['frontend']:>6s} engines {cpu['engines']:>6s} rest {cpu['rest']:>6s}  "
-                          f"errors {sum(r['errors'].values())}", flush=True)
-            for i in range(args.ttft_n):
-                for n in order:
-                    v = ttft(setups[n].port, model, rnd * args.ttft_n + i)
-                    if v is None:
-                        ttft_failed[n] += 1
-                    else:
-                        ttfts[n].append(v)
-            print(f"round {rnd + 1}/{args.rounds} TTFT c=1 median ms: " + ", ".join(
-                f"{n} {stats.summary(x[1] * 1e3 for x in ttfts[n])['median']:.1f}" for n in SETUPS if ttfts[n]),
-                flush=True)
-    finally:
-        for s in setups.values():
-            s.stop()
+    return checkpoint
+
+
+def describe(setups: dict[str, Setup]) -> dict:
+    """Once every graph is ready: the model they all serve, and per graph what runs and how."""
+    models = {name: s.wait() for name, s in setups.items()}
+    model = models["ours"]
+    if set(models.values()) != {model}:
+        raise RuntimeError(f"the graphs serve different models: {models}")
+    out: dict = {"model": model, "setups": {}}
+    for name, s in setups.items():
+        out["setups"][name] = {"graph": str(s.graph.relative_to(ROOT)) if s.graph.is_relative_to(ROOT)
+                               else "graphs/epd-stock.yaml + frontend args --router-mode kv",
+                               "frontend": s.frontend_cmd, "startup_s": round(s.startup_s, 1),
+                               "engines_stream_interval": s.stream_interval(),
+                               "frontend_threads": threads(s.groups["frontend"][0]),
+                               "ignore_eos": check_ignore_eos(s.port, model)}
+        print(f"{name}: up in {s.startup_s:.0f} s ({s.frontend_cmd}); engines' stream interval "
+              f"{out['setups'][name]['engines_stream_interval']}; ignore_eos {out['setups'][name]['ignore_eos']}",
+              flush=True)
+    return out
+
+
+def idle_cpu(setups: dict[str, Setup], out: dict, model: str, idle_s: float) -> None:
+    """One warm request each (the image encoded once per graph), then each part's CPU while idle."""
+    for s in setups.values():
+        post(s.port, body(model, "image", 1, False))
+    before = {n: s.cpu(cpu_by_group()) for n, s in setups.items()}
+    time.sleep(idle_s)
+    after = {n: s.cpu(cpu_by_group()) for n, s in setups.items()}
+    for n in setups:
+        out["setups"][n]["idle_cpu_ms_per_s"] = {k: (after[n][k] - before[n][k]) * 1e3 / idle_s for k in after[n]}
+
+
+def run_rounds(args, setups: dict[str, Setup], model: str, work: Path) -> tuple[dict, dict, dict]:
+    """Every cell, then the TTFT requests, per round; the graphs' order rotates round by round."""
+    scripts = {}
+    for cell, _, prompt, tokens, stream, _ in CELLS:
+        scripts[cell] = work / f"{cell}.lua"
+        scripts[cell].write_text(LUA.replace("@@BODY@@", json.dumps(body(model, prompt, tokens, stream)))
+                                 .replace("@@TOKENS@@", str(tokens)))
+    raw: dict[str, dict[str, list[dict]]] = {c[0]: {n: [] for n in SETUPS} for c in CELLS}
+    ttfts: dict[str, list[tuple[float, float, bool, float, list[float]]]] = {n: [] for n in SETUPS}
+    ttft_failed = dict.fromkeys(SETUPS, 0)
+    for rnd in range(args.rounds):
+        order = [*SETUPS[rnd % 3:], *SETUPS[:rnd % 3]]
+        for cell, _, _, tokens, _, conc in CELLS:
+            for n in order:
+                r = measure_cell(setups[n], scripts[cell], conc, args.warmup, window_s(args.duration, tokens))
+                raw[cell][n].append(r)
+                cpu = {k: "-" if v is None else f"{v:.2f}" for k, v in r["cpu_ms_per_request"].items()}
+                print(f"round {rnd + 1}/{args.rounds} {cell:16s} {n:9s} {r['rps']:7.1f} req/s  p50 "
+                      f"{r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  CPU ms/req frontend "
+                      f"{cpu['frontend']:>6s} engines {cpu['engines']:>6s} rest {cpu['rest']:>6s}  "
+                      f"errors {sum(r['errors'].values())}", flush=True)
+        for i in range(args.ttft_n):
+            for n in order:
+                v = ttft(setups[n].port, model, rnd * args.ttft_n + i)
+                if v is None:
+                    ttft_failed[n] += 1
+                else:
+                    ttfts[n].append(v)
+        print(f"round {rnd + 1}/{args.rounds} TTFT c=1 median ms: " + ", ".join(
+            f"{n} {stats.summary(x[1] * 1e3 for x in ttfts[n])['median']:.1f}" for n in SETUPS if ttfts[n]),
+            flush=True)
+    return raw, ttfts, ttft_failed
+
+
+def cell_results(args, raw: dict[str, dict[str, list[dict]]]) -> dict:
     cells = {}
     for cell, label, prompt, tokens, stream, conc in CELLS:
         per = {n: summarize(raw[cell][n]) for n in SETUPS}
@@ -501,227 +497,31 @@ def measure(args, work: Path) -> dict:
                                                                 per[other]["cpu_ms_per_request"]["engines"]),
                                           "rps": _ratio(ours["rps"], per[other]["rps"])}
                                   for other in ("stock", "stock-kv")}}
-    per_token = {}
+    return cells
+
+
+def per_token(cells: dict) -> dict:
+    out: dict = {}
     for n in SETUPS:
-        per_token[n] = {}
+        out[n] = {}
         for suffix in ("", "-stream"):
             one, many = cells[f"text-1{suffix}"]["setups"][n], cells[f"text-128{suffix}"]["setups"][n]
-            per_token[n]["streamed" if suffix else "non_streamed"] = {
+            out[n]["streamed" if suffix else "non_streamed"] = {
                 part: _per_token(one["cpu_ms_per_request"][part], many["cpu_ms_per_request"][part])
                 for part in ("frontend", "engines")}
-    out |= {"cells": cells, "cpu_us_per_token": per_token,
-            "ttft_ms": {n: stats.summary(x[1] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
+    return out
+
+
+def ttft_results(ttfts: dict[str, list[tuple[float, float, bool, float, list[float]]]]) -> dict:
+    return {"ttft_ms": {n: stats.summary(x[1] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
             "first_chunk_ms": {n: stats.summary(x[0] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
             "first_chunk_without_text": {n: sum(1 for x in v if not x[2]) for n, v in ttfts.items()},
             "last_chunk_ms": {n: stats.summary(x[3] * 1e3 for x in v) if v else None for n, v in ttfts.items()},
             "text_chunk_gap_ms": {n: stats.summary(g * 1e3 for x in v for g in x[4]) if any(x[4] for x in v)
-                                  else None for n, v in ttfts.items()},
-            "ttft_failed": ttft_failed}
-    return out
+                                  else None for n, v in ttfts.items()}}
 
 
-# --- the section --------------------------------------------------------------------------------
-
-
-def _f(v: dict | float | None, digits: int = 2, spread: bool = True) -> str:
-    return stats.fmt(v, digits, spread)
-
-
-def _r(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b and b > 0 else None
-
-
-def _us(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f} µs"
-
-
-def _eos(ours: dict, stock: dict) -> str:
-    """What the start-up check found about `ignore_eos` (top level, under nvext, absent)."""
-    def got(r: dict) -> str:
-        return f"{r['completion_tokens']} tokens" if r["status"] == 200 else f"HTTP {r['status']}"
-
-    text = (f"top-level `ignore_eos`: {got(ours['top_level'])} in `ours`, {got(stock['top_level'])} in `stock`; "
-            f"`nvext.ignore_eos`: {got(ours['nvext'])} in `ours`, {got(stock['nvext'])} in `stock`")
-    if ours["nvext"]["status"] != 200:
-        text += (" (Dynamo's HTTP layer refuses the field before any chat processor runs, so our "
-                 "`SamplingParams.from_openai` never sees `nvext.ignore_eos`)")
-    return text + (f"; without it: {got(ours['without'])} in `ours`, {got(stock['without'])} in `stock` "
-                   "(random weights rarely pick eos).")
-
-
-def _chunks(setup: dict) -> str:
-    c = setup.get("chunks_per_response")
-    return "-" if c is None else f"{c['median']:.1f}"
-
-
-def _findings(result: dict) -> list[str]:
-    """What this run's figures say, computed from them."""
-    cells, out = result["cells"], []
-    for other in ("stock", "stock-kv"):
-        r = [c["ratios"][other]["frontend_cpu"] for c in cells.values() if c["ratios"][other]["frontend_cpu"]]
-        t = [c["ratios"][other]["rps"] for c in cells.values() if c["ratios"][other]["rps"]]
-        if r and t:
-            out.append(f"- Finding: ours / {other}, frontend CPU per request: {min(r):.2f}-{max(r):.2f} over the "
-                       f"{len(r)} cells; req/s: {min(t):.2f}-{max(t):.2f}.")
-    x = [c["setups"]["ours"]["cpu_ms_per_request"] for c in cells.values()]
-    x = [e["median"] / f["median"] for e, f in ((y["engines"], y["frontend"]) for y in x) if e and f]
-    if x:
-        out.append(f"- The engines' CPU per request is {min(x):.0f}-{max(x):.0f}x the frontend's (ours): on this "
-                   "machine the engines bound throughput, so req/s differences are mostly routing and noise.")
-    no_text = result.get("first_chunk_without_text", {})
-    empty, n = no_text.get("ours"), result["config"]["ttft_n"]
-    total = n * result["config"]["rounds"]
-    ttft, first = result["ttft_ms"], result.get("first_chunk_ms", {})
-    if empty and ttft.get("ours") and first.get("ours"):
-        out.append(f"- Finding: TTFT. In {empty} of {total} single requests ours' first chunk carried no text (the "
-                   "role with empty text: here the first token is part of a UTF-8 character), so the first text "
-                   "came with the engine's next item (the engines send their first two items unheld, "
-                   "engines/stream.py); to the first chunk of "
-                   f"any kind ours took {first['ours']['median']:.1f} ms, stock "
-                   f"{first['stock']['median']:.1f} ms (stock's first chunk, the role alone, had no text in "
-                   f"{no_text.get('stock', '-')} of {total}; its tokens come one per item, so its first text follows "
-                   "at once).")
-    img = cells.get("image-16", {}).get("setups")
-    if img and all(img[x]["cpu_ms_per_request"]["rest"] for x in SETUPS):
-        rest = {x: img[x]["cpu_ms_per_request"]["rest"]["median"] for x in SETUPS}
-        out.append(f"- Finding: image cache hits cost the rest of the graph (encode worker, tiers) "
-                   f"{rest['ours']:.1f} ms per request with ours vs {rest['stock']:.1f} (stock) and "
-                   f"{rest['stock-kv']:.1f} (stock-kv): the stock frontend calls the encode worker for every "
-                   "request with media (graphs/epd-stock.yaml); ours looks the image up through the cache tiers.")
-    return out
-
-
-def section(result: dict, plots: Path) -> str:
-    cfg, cells, setups = result["config"], result["cells"], result["setups"]
-    m = result.get("machine", {})
-    head = "## Our frontend vs Dynamo's stock frontend (`python bench/frontends.py`)"
-    lines = [
-        head,
-        "",
-        "Three whole graphs under `mm-encoder serve GRAPH --checkpoint DIR --dtype fp32`, all up at once on "
-        f"loopback, on one generated tiny Kimi-K2.5 checkpoint (`{result['model']}`), each with the same encode "
-        "worker, cache tiers (cluster, router, 2 shards) and 2 transformers engines; only the frontend differs. "
-        "`ours`: graphs/epd.yaml, our chat processor inside Dynamo's HTTP frontend (`python -m mm_encoder.frontend`, "
-        "which routes by KV overlap). `stock`: graphs/epd-stock.yaml, Dynamo's `python -m dynamo.frontend` in its "
-        "default router mode (round-robin). `stock-kv`: the same with `--router-mode kv`. Frontend CPU is the "
-        "frontend process group's CPU time over the measured window divided by the requests completed in it "
-        f"(median (min-max) over {cfg['rounds']} round(s)); ratios are median over median.",
-        "",
-        "| cell | frontend CPU ms/req: ours | stock | stock-kv | ours / stock | ours / stock-kv | req/s: ours | "
-        "stock | stock-kv | ours / stock | ours / stock-kv |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for c in cells.values():
-        s, r = c["setups"], c["ratios"]
-        cpu = [_f(s[n]["cpu_ms_per_request"]["frontend"]) for n in SETUPS]
-        rps = [_f(s[n]["rps"], 1) for n in SETUPS]
-        lines.append(f"| {c['label']} | {' | '.join(cpu)} | {_r(r['stock']['frontend_cpu'])} | "
-                     f"{_r(r['stock-kv']['frontend_cpu'])} | {' | '.join(rps)} | {_r(r['stock']['rps'])} | "
-                     f"{_r(r['stock-kv']['rps'])} |")
-    for key, what in (("ttft_ms", "first chunk with content"), ("first_chunk_ms", "first chunk of any kind"),
-                      ("last_chunk_ms", "last chunk (the whole answer)"),
-                      ("text_chunk_gap_ms", "gap between chunks with content (inter-token latency as delivered)")):
-        if key not in result:
-            continue
-        ttft = result[key]
-        tm = {n: ttft[n]["median"] if ttft[n] else None for n in SETUPS}
-        lines.append(f"| c=1, streamed, 16 tokens: {what} (ms, median (min-max) of "
-                     f"{cfg['ttft_n'] * cfg['rounds']} requests) | " + " | ".join(_f(ttft[n], 1) for n in SETUPS)
-                     + f" | {_r(_div(tm['ours'], tm['stock']))} | {_r(_div(tm['ours'], tm['stock-kv']))} | | | | | |")
-    tok = result["cpu_us_per_token"]
-    for mode, label in (("non_streamed", "non-streamed"), ("streamed", "streamed")):
-        v = {n: tok[n][mode]["frontend"] for n in SETUPS}
-        lines.append(f"| frontend CPU per generated token, {label} (µs; (128 - 1 tokens) / 127) | "
-                     + " | ".join(_f(v[n], 1) for n in SETUPS)
-                     + f" | {_r(_div(v['ours'], v['stock']))} | {_r(_div(v['ours'], v['stock-kv']))} | | | | | |")
-    lines += [
-        "",
-        "Latency (wrk, whole response), the engines' CPU and what came back, per setup as ours / stock / stock-kv "
-        "(medians over the rounds):",
-        "",
-        "| cell | concurrency | p50 ms | p99 ms | engines CPU ms/req | rest CPU ms/req | SSE chunks per response | "
-        "frontend thread switches per request | requests | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def trio(c: dict, key, digits: int = 1) -> str:
-        vals = []
-        for n in SETUPS:
-            v = c["setups"][n].get(key) if isinstance(key, str) else c["setups"][n][key[0]][key[1]]
-            vals.append("-" if v is None else f"{v['median']:,.{digits}f}")
-        return " / ".join(vals)
-
-    for c in cells.values():
-        chunks = trio(c, "chunks_per_response") if c["stream"] else "-"
-        lines.append(f"| {c['label']} | {c['concurrency']} | {trio(c, 'p50_ms')} | {trio(c, 'p99_ms')} | "
-                     f"{trio(c, ('cpu_ms_per_request', 'engines'), 2)} | {trio(c, ('cpu_ms_per_request', 'rest'), 2)} "
-                     f"| {chunks} | {trio(c, 'frontend_switches_per_request', 0)} | "
-                     f"{' / '.join(str(c['setups'][n]['requests']) for n in SETUPS)} | "
-                     f"{' / '.join(str(c['setups'][n]['errors']) for n in SETUPS)} |")
-    eng = {n: tok[n]["non_streamed"]["engines"] for n in SETUPS}
-    ie = setups["ours"]["ignore_eos"]
-    ie_stock = setups["stock"]["ignore_eos"]
-    intervals = {setups[n]["engines_stream_interval"] for n in SETUPS}
-    stream16 = cells["text-16-stream"]["setups"]
-    idle = {n: setups[n]["idle_cpu_ms_per_s"]["frontend"] for n in SETUPS}
-    lines += [
-        "",
-        f"- Method: closed loops with `wrk` (1 thread, a Lua script building each body): per cell a "
-        f"{cfg['warmup_s']} s warm-up run, then a measured run of {cfg['lead_s']} + {cfg['duration_s']} + "
-        f"{cfg['tail_s']} s; CPU and completed requests (the frontend's `dynamo_frontend_requests_total`, status "
-        f"success) are taken over the middle {cfg['duration_s']} s ({cfg['duration_s'] * cfg.get('long', 1)} s in the "
-        "128-token cells, which complete ~10x fewer requests), where the loop is at its concurrency at both "
-        "edges, so requests in flight at the start and at the end roughly balance. Latency and errors are wrk's over "
-        f"the whole measured run. {cfg['rounds']} round(s); one setup measured at a time while the other two graphs "
-        "idle, the setups alternating cell by cell (the order rotated each round).",
-        f"- Concurrency {CONCURRENCY}: two requests in flight per engine, so both engines stay busy (one request's "
-        "prefill overlaps another's decode) while queues stay short. p50 is then mostly service time, and the "
-        "frontend's CPU per request is not diluted by idle time. More would only add queueing on this machine: "
-        "every process shares its cores.",
-        "- Text prompts are distinct (a counter in the first words, so no two share a KV block); the image prompt "
-        "is the same bundled 1280x720 sample.jpg every time (a data: URL; a cache hit after the warm-up); the "
-        "identical-prompt row sends one text prompt at concurrency 8, where a KV router may pile requests onto "
-        "one engine and round-robin spreads them.",
-        f"- Every request sets `ignore_eos` at the top level and `stream_options.include_usage`; a response counts "
-        "as an error unless it is a 200 whose `usage.completion_tokens` is max_tokens, so every setup generated "
-        f"the same tokens. Checked at start, 128 tokens asked: {_eos(ie, ie_stock)}",
-        f"- The engines' `--stream-interval-ms`: {', '.join(sorted(intervals))} (from their ready lines; "
-        "\"1 token per item\" when they print none). The engines merge tokens into one item for our frontend's "
-        "requests only (`engines/engine.py` `generate`; the stock frontend's requests go through "
-        "`generate_dynamo`, a token per item); for a non-streamed request without stop strings our frontend asks "
-        "for the first token alone and the rest at the finish (`EngineRequest.stream` false: two items per "
-        "answer). SSE chunks per streamed 16-token response (the role and usage "
-        f"chunks included): {_chunks(stream16['ours'])} ours, {_chunks(stream16['stock'])} stock, "
-        f"{_chunks(stream16['stock-kv'])} stock-kv. Fewer than one per token in stock: a token that ends "
-        "mid-character waits for the next one.",
-        "- CPU: utime+stime (+ reaped children) from /proc/PID/stat, summed over each component's process group "
-        "(every replica runs in its own session). Engines: both engines; rest: encode worker, nginx tiers, NATS. "
-        "Frontend CPU per generated token: (CPU at 128 tokens - at 1) / 127; engines, non-streamed: "
-        + ", ".join(f"{n} {_us(eng[n])}" for n in SETUPS) + ".",
-        "- Frontend threads at start: " + "; ".join(
-            f"{n} " + ", ".join(f"{k} {v}" for k, v in sorted(setups[n].get("frontend_threads", {}).items()))
-            for n in SETUPS) + ". Ours runs Dynamo's runtime with 1 worker thread (`--runtime-threads`, default "
-        "1): its processor runs on the one Python thread, and every further Rust worker only adds thread "
-        "switches per request; the stock frontend keeps Dynamo's default. Thread switches per request: the "
-        "frontend process's voluntary + involuntary context switches (/proc/PID/task/*/status) over the window.",
-        "- Idle frontend CPU (all three graphs idle, before the cells): "
-        + ", ".join(f"{n} {idle[n]:.1f} ms/s" for n in SETUPS) + ".",
-        f"- Machine: {m.get('cores')} cores, {m.get('cpu')}; load average at start {result.get('loadavg', '-')}; "
-        "other processes on the machine only add noise, and fall on all three setups alike.",
-    ]
-    lines += _findings(result)
-    errs = {f"{c['label']} ({n})": c["setups"][n] for c in cells.values() for n in SETUPS if c["setups"][n]["errors"]}
-    if errs:
-        lines.append("- **Errors**: " + "; ".join(f"{k}: {v['errors']} (first: `{(v['first_error'] or '')[:120]}`)"
-                                                 for k, v in errs.items()))
-    failed = {n: k for n, k in result.get("ttft_failed", {}).items() if k}
-    if failed:
-        lines.append("- **TTFT requests that failed**: " + ", ".join(f"{n} {k}" for n, k in failed.items()))
-    return "\n".join(lines) + "\n"
+# --- the command ---------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -752,7 +552,7 @@ def main() -> None:
                          "tail_s": TAIL, "long": LONG, "quick": args.quick,
                          "client": "wrk -t1 (closed loop)", "dtype": "fp32", "preset": "tiny"},
               **out}
-    stats.emit(result, args.json, section)
+    stats.emit(result, args.json, "frontends")
     print(f"wall {result['wall_s']:.0f} s")
 
 

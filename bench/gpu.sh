@@ -45,8 +45,8 @@ LIMIT_S=${GPU_TIMEOUT_S:-450}
 # checked together (pydantic pins its pydantic-core exactly).
 WHEEL_PINS="pydantic==2.13.5 pydantic-core==2.46.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 blake3==1.0.11 zstandard==0.25.0"
 # module=pip requirement, for what bench/gpu.py imports: mm_encoder's core, model and wire, and
-# pytest (tests/conftest.py, whose random_model and ref_cfg it uses, imports it)
-REQS="pydantic=pydantic>=2.7 yaml=pyyaml blake3=blake3 msgpack=msgpack zstandard=zstandard PIL=pillow numpy=numpy safetensors=safetensors pytest=pytest"
+# harness's reference, models and media_factory
+REQS="pydantic=pydantic>=2.7 yaml=pyyaml blake3=blake3 msgpack=msgpack zstandard=zstandard PIL=pillow numpy=numpy safetensors=safetensors"
 # the engine stage's (mm_encoder.engines: the checkpoint's language model through transformers, the
 # generated checkpoint's tokenizer); optional: without them the engine stage fails and the rest runs
 ENGINE_REQS="transformers=transformers>=5.24,<6 tokenizers=tokenizers>=0.15"
@@ -185,7 +185,7 @@ echo "bench/gpu.sh: mode $MODE, python $PY, results in $OUT_DIR"
 MODE_ARGS=()
 [[ $MODE == cpu-logic ]] && MODE_ARGS+=(--cpu-logic)
 set +e
-timeout --kill-after=15 "$LIMIT_S" "$PY" "$ROOT/bench/gpu.py" --out "$OUT_DIR" \
+timeout --kill-after=15 "$LIMIT_S" "$PY" -m bench.gpu --out "$OUT_DIR" \
   ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} ${PY_ARGS[@]+"${PY_ARGS[@]}"} 2>&1 | tee "$OUT_DIR/run.log"
 rc=${PIPESTATUS[0]}
 set -e
@@ -200,7 +200,7 @@ VLLM_PY=${VLLM_PYTHON:-$PY}
 if [[ $MODE == gpu ]]; then
   if "$VLLM_PY" -c 'import vllm' >/dev/null 2>&1; then
     set +e
-    timeout --kill-after=15 "${VLLM_TIMEOUT_S:-240}" "$VLLM_PY" "$ROOT/bench/gpu_vllm.py" --out "$OUT_DIR" 2>&1 \
+    timeout --kill-after=15 "${VLLM_TIMEOUT_S:-240}" "$VLLM_PY" -m bench.gpu_vllm --out "$OUT_DIR" 2>&1 \
       | tee -a "$OUT_DIR/run.log"
     vrc=${PIPESTATUS[0]}
     set -e

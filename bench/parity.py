@@ -1,8 +1,8 @@
 """Parity per registered model (not a test; tests/test_parity.py gates the same on small towers):
-the fast path against the independent eager fp32 reference (tests/reference.py) on the same
+the fast path against the independent eager fp32 reference (harness/reference.py) on the same
 random weights, in fp32 and in bf16.
 
-    python bench/parity.py [--quick] [--layers N] [--json PATH]
+    python -m bench.parity [--quick] [--layers N] [--json PATH]
 
 For every model of the registry (`mm-encoder models`): per-token cosine (mean, min), relative L2
 and max |error| of the fast model's output against the reference's, on a few images through the
@@ -23,18 +23,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import stats  # noqa: E402
-from conftest import random_model, ref_cfg  # noqa: E402
-from media_factory import image_bytes, natural_image  # noqa: E402
-from reference import reference_forward  # noqa: E402
-
-from mm_encoder import Encoder, list_models  # noqa: E402
-from mm_encoder.core.spec import ModelSpec  # noqa: E402
-from mm_encoder.model.checkpoint import build_empty  # noqa: E402
+from bench import stats
+from harness.media_factory import image_bytes, natural_image
+from harness.models import random_model, ref_cfg
+from harness.reference import reference_forward
+from mm_encoder import Encoder, list_models
+from mm_encoder.core.spec import ModelSpec
+from mm_encoder.model.checkpoint import build_empty
 
 GATE = 0.9994  # bf16 fast vs fp32 reference, mean per-token cosine
 # (width, height): 448x448 is a 32x32 grid (the 64x64 position table resized), 210x140 a small
@@ -67,7 +62,7 @@ def check(spec: ModelSpec, layers: int | None) -> dict:
     cpu = torch.device("cpu")
     e32 = Encoder(spec, m32, device=cpu, dtype=torch.float32, batch_max_patches=1 << 20)
     e16 = Encoder(spec, m16.eval(), device=cpu, dtype=torch.bfloat16, batch_max_patches=1 << 20)
-    prepared = [e32.prepare(x) for x in items]
+    prepared = [e32.preprocess_item(x) for x in items]
     grids = [p.grid for p in prepared]
     ref = reference_forward(m32.state_dict(), ref_cfg(spec), torch.cat([p.pixel_values for p in prepared]), grids)
     fast32 = [r.embeds for r in e32.encode(items)]
@@ -94,39 +89,6 @@ def run(quick: bool, layers: int | None) -> dict:
               f"{'PASS' if row['gate_pass'] else 'FAIL'}  {row['seconds']:.0f} s", flush=True)
     return {"mode": "quick" if quick else "full", "machine": stats.machine(), "gate": GATE, "models": rows,
             "gate_pass": all(r["gate_pass"] for r in rows)}
-
-
-def section(result: dict, plots: Path) -> str:
-    rows = result["models"]
-    cut = sorted({r["layers"] for r in rows if r["layers"] != r["layers_full"]})
-    depth = (f"Full-width towers run with {', '.join(map(str, cut))} of their layers (the whole tower is too slow "
-             "for this run's budget); " if cut else "Every tower runs with all its layers; ")
-    lines = [
-        "## Parity per model (`python bench/parity.py`)",
-        "",
-        "Every registered model (`mm-encoder models`) against the independent eager fp32 reference "
-        "(tests/reference.py) on the same random weights (std 0.02), on JPEG images through the model's own "
-        "preprocessing; the bf16 model is the fp32 weights cast. Per-token cosine over every output token of "
-        f"the images, relative L2 and max |error| of the whole output. {depth}the narrow `tiny` tower also gets "
-        f"an 896x896 image (its 64x64 grid uses the position table as is). Gate: bf16 mean cosine >= {result['gate']}.",
-        "",
-        "| model | projector -> width | layers run | images (tokens) | fp32 cos mean | fp32 cos min | fp32 rel L2 "
-        "| bf16 cos mean | bf16 cos min | bf16 rel L2 | gate |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        a, b = r["fp32"], r["bf16"]
-        lines.append(f"| {r['model']} | {r['projector']} -> {r['out_dim']:,} | {r['layers']} of {r['layers_full']} | "
-                     f"{', '.join(r['images'])} ({r['tokens']:,}) | {a['cos_mean']:.7f} | {a['cos_min']:.7f} | "
-                     f"{a['rel_l2']:.1e} | {b['cos_mean']:.6f} | {b['cos_min']:.6f} | {b['rel_l2']:.1e} | "
-                     f"{'pass' if r['gate_pass'] else '**FAIL**'} |")
-    worst = min(rows, key=lambda r: r["bf16"]["cos_mean"])
-    lines += ["", f"- {'Every model passes' if result['gate_pass'] else 'NOT every model passes'} the bf16 gate; "
-              f"the lowest bf16 mean cosine is {worst['bf16']['cos_mean']:.6f} ({worst['model']}, "
-              f"{worst['layers']} layers). fp32 matches the reference to rounding on every model."]
-    if result.get("mode") != "full":
-        lines += ["", f"_This section is from a `--{result.get('mode')}` run (fewer layers than `make bench`)._"]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:

@@ -1,17 +1,20 @@
 """BENCHMARKS.md, generated: runs every benchmark module and writes the document from their JSON.
 
-    python bench/report.py [--quick] [--only a,b] [--render-only] [--out BENCHMARKS.md]
+    python -m bench.report [--quick] [--only a,b] [--render-only] [--out BENCHMARKS.md]
                            [--data docs/bench/data] [--plots docs/bench] [--module NAME=PATH] [--timeout S]
 
 `make bench` runs it, `make bench-quick` runs it with --quick (a smoke run of minutes).
 
-1. Runs each module, in the fixed order of MODULES, as its own process:
-   `python <path> --json <data>/<name>.json [--quick]`. The JSON is written to a side file and moved
-   into place only when the module succeeds, so a failed run never leaves half a result behind.
+1. Runs each module, in the fixed order of MODULES, as its own process from the repository root:
+   `python -m bench.<name> --json <data>/<name>.json [--quick]` (a --module PATH: `python PATH ...`).
+   The JSON is written to a side file and moved into place only when the module succeeds, so a failed
+   run never leaves half a result behind.
    What each run did (exit status, when, --quick or not, seconds, its last output lines) goes to
    <data>/_runs.json.
-2. Imports each module and calls its `section(result, plots)`, which returns the module's markdown
-   (starting with `## Title (`python bench/<name>.py`)`) and writes its PNGs into --plots.
+2. Calls each module's `section(result, plots)` (bench/sections/<name>.py: the renderer, apart from
+   the modules, which measure), which returns the module's markdown
+   (starting with `## Title (`python bench/<name>.py`)`, which also runs it as a script in the project's
+   virtualenv) and writes its PNGs into --plots.
 3. Writes the document from scratch: a header (date, command, machine), how to read the figures, a
    contents list, then one section per module, in order.
 
@@ -25,26 +28,24 @@ without stored data, gets a placeholder line. --module NAME=PATH runs another sc
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as dt
+import importlib
 import importlib.util
 import json
-import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 
+from bench import stats
+from harness.processes import Process
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-sys.path.insert(0, str(BENCH))
-
-import stats  # noqa: E402
 
 # The document's order. Paths are relative to the repository root.
 MODULES: dict[str, str] = {
@@ -59,7 +60,7 @@ MODULES: dict[str, str] = {
     "graphs": "bench/graphs.py",
     "discovery": "bench/discovery.py",
     "hostile_memory": "bench/hostile_memory.py",
-    "soak": "tests/reliability/soak.py",
+    "soak": "bench/soak.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25
@@ -84,57 +85,25 @@ def run_module(name: str, script: Path, data: Path, quick: bool, timeout_s: floa
     final = data / f"{name}.json"
     side = data / f".{name}.running.json"
     side.unlink(missing_ok=True)
-    cmd = [sys.executable, str(script), "--json", str(side)] + (["--quick"] if quick else [])
-    shown = " ".join(shlex.quote(x) for x in ["python", _rel(script), "--json", _rel(final), *cmd[4:]])
+    module, flags = _module_name(script), ["--quick"] if quick else []
+    cmd = [sys.executable, *(["-m", module] if module else [str(script)]), "--json", str(side), *flags]
+    shown = " ".join(shlex.quote(x) for x in ["python", *(["-m", module] if module else [_rel(script)]), "--json",
+                                             _rel(final), *flags])
     print(f"== {name}: {shown}", flush=True)
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    t0 = time.perf_counter()
     record = {"name": name, "command": shown, "quick": quick, "started": _now()}
     if not script.is_file():
         record.update(ok=False, rc=None, seconds=0.0, error=f"{_rel(script)} does not exist", tail=[],
                       json_written=False, data_from=previous.get("data_from") if previous else None)
         print(f"== {name}: FAILED ({record['error']})", flush=True)
         return record
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
-
-    def pump() -> None:  # in a thread: a child the module left running may hold the pipe open
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail.append(line)
-            print(f"[{name}] {line}", flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        _kill_group(proc, grace_s=0)
-        raise
-    reader.join(5)
+    t0 = time.perf_counter()
+    rc, timed_out, tail = _run(name, cmd, timeout_s)
     seconds = time.perf_counter() - t0
-    wrote = side.is_file()
-    error = None
-    if timed_out:
-        error = f"timed out after {timeout_s:.0f} s (killed)"
-    elif rc != 0:
-        error = f"exit status {rc}"
-    elif not wrote:
-        error = "exited 0 but wrote no JSON"
-    else:
-        try:
-            json.loads(side.read_text())
-        except ValueError as e:
-            error = f"wrote JSON that does not parse: {e}"
-    record.update(ok=error is None, rc=rc, seconds=round(seconds, 1), error=error, tail=list(tail),
-                  json_written=wrote)
-    if wrote and (error is None or rc != 0):  # a module that fails after writing (a gate) still shows its figures
-        side.replace(final)
+    error = _run_error(rc, timed_out, side, timeout_s)
+    record.update(ok=error is None, rc=rc, seconds=round(seconds, 1), error=error, tail=tail,
+                  json_written=side.is_file())
+    if record["json_written"] and (error is None or rc != 0):  # a module that fails after writing (a gate)
+        side.replace(final)  # still shows its figures
     else:
         side.unlink(missing_ok=True)
         record["json_written"] = False
@@ -146,32 +115,60 @@ def run_module(name: str, script: Path, data: Path, quick: bool, timeout_s: floa
     return record
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
-    """SIGTERM to the module's session (it and whatever it started), SIGKILL after `grace_s`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _run(name: str, cmd: list[str], timeout_s: float) -> tuple[int, bool, list[str]]:
+    """The module as a harness Process from the root, in its own session; stopped (SIGTERM to its
+    session, SIGKILL after 10 s) past `timeout_s`. (exit status, timed out, its last lines)."""
+    proc = Process(cmd, name=name, cwd=ROOT, on_line=lambda line: print(f"[{name}] {line.rstrip()}", flush=True))
+    timed_out = False
+    try:
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        rc = proc.stop(signal.SIGTERM, grace_s=10, group=True)
+    except KeyboardInterrupt:
+        proc.stop(signal.SIGTERM, grace_s=0, group=True)
+        raise
+    proc.stop(grace_s=10)  # what it left in its session; and the rest of its output
+    return rc, timed_out, [line.rstrip("\n") for line in proc.lines[-TAIL_LINES:]]
+
+
+def _run_error(rc: int, timed_out: bool, side: Path, timeout_s: float) -> str | None:
+    if timed_out:
+        return f"timed out after {timeout_s:.0f} s (killed)"
+    if rc != 0:
+        return f"exit status {rc}"
+    if not side.is_file():
+        return "exited 0 but wrote no JSON"
+    try:
+        json.loads(side.read_text())
+    except ValueError as e:
+        return f"wrote JSON that does not parse: {e}"
+    return None
 
 
 # --- rendering ----------------------------------------------------------------------------------
 
 
-def load_module(name: str, script: Path):
-    """The module imported from its file (its own folder and bench/ on sys.path, as when run)."""
-    for folder in (str(script.parent), str(BENCH)):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+def _module_name(script: Path) -> str | None:
+    """`bench.<name>` for a module of this package (run with -m from the root); None for another file."""
+    return f"bench.{script.stem}" if script.resolve().parent == BENCH else None
+
+
+def load_section(name: str, script: Path):
+    """`section(result, plots)` for the module: a module of this package has it in `bench.sections.<name>`
+    (the renderer; the module itself measures); another file (--module) is imported from its path and
+    has its own. None: it has none yet."""
+    if _module_name(script):
+        try:
+            return importlib.import_module(f"bench.sections.{script.stem}").section
+        except ModuleNotFoundError as e:
+            if e.name != f"bench.sections.{script.stem}":
+                raise
+            return None
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return getattr(module, "section", None)
 
 
 def _heading(name: str, script: str) -> str:
@@ -201,13 +198,12 @@ def render_section(name: str, script: Path, data: Path, plots: Path, record: dic
     if not path.is_file():
         if not run_failed:
             notes.append(f"_Placeholder: not measured yet (no {_rel(path)}); run "
-                         f"`python bench/report.py --only {name}`._")
+                         f"`python -m bench.report --only {name}`._")
             status = "placeholder"
         return "\n".join([heading, "", *notes]) + "\n", status
     try:
         result = json.loads(path.read_text())
-        module = load_module(name, script)
-        section = getattr(module, "section", None)
+        section = load_section(name, script)
         if section is None:
             body = (f"{heading}\n\n_Placeholder: {shown} has no `section()` yet; its figures are in "
                     f"[{_rel(path)}]({_rel(path)})._\n")
@@ -247,8 +243,8 @@ def header(command: str, quick: bool) -> str:
     lines = [
         "# Benchmarks",
         "",
-        "_Generated by `bench/report.py` (`make bench`); do not edit by hand: edit a module's `section()` "
-        "and run `python bench/report.py --render-only`._",
+        "_Generated by `python -m bench.report` (`make bench`); do not edit by hand: edit a module's section "
+        "(`bench/sections/<module>.py`) and run `python -m bench.report --render-only`._",
         "",
         f"- Generated: {_now()}, by `{command}`{' (a quick smoke run: fewer sizes and repeats)' if quick else ''}.",
         f"- Machine: {m.get('cores')} cores, {m.get('cpu')}; avx512_bf16: {yes('avx512_bf16')}, "
@@ -315,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     data, plots = args.data.resolve(), args.plots.resolve()
     data.mkdir(parents=True, exist_ok=True)
     argv = sys.argv[1:] if argv is None else argv
-    command = " ".join(["python bench/report.py", *(shlex.quote(a) for a in argv)])
+    command = " ".join(["python -m bench.report", *(shlex.quote(a) for a in argv)])
     ran, run_failed = [], []
     if not args.render_only:
         runs = _load_runs(data)

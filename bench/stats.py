@@ -88,9 +88,11 @@ def save_png(fig, plots, name: str) -> str:
     return f"docs/bench/{name}"
 
 
-def emit(result: dict, json_path, section) -> None:
-    """A module's last step: its JSON first (so a failing `section()` loses no measurement), then
-    its markdown on stdout, with the plots in a throwaway folder (bench/report.py writes the real ones)."""
+def emit(result: dict, json_path, name: str) -> None:
+    """A module's last step: its JSON first (so a failing `section()` loses no measurement), then its
+    markdown on stdout (`bench.sections.<name>`), with the plots in a throwaway folder (bench/report.py
+    writes the real ones)."""
+    import importlib
     import json
     import tempfile
     from pathlib import Path
@@ -98,5 +100,6 @@ def emit(result: dict, json_path, section) -> None:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))
+    section = importlib.import_module(f"bench.sections.{name}").section
     with tempfile.TemporaryDirectory() as plots:
         print(section(result, Path(plots)))

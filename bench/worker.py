@@ -1,6 +1,6 @@
 """Encode-worker benchmark (not a test): requests/s and latency percentiles over loopback HTTP.
 
-    python bench/worker.py [--quick] [--rounds 2] [--json out.json]
+    python -m bench.worker [--quick] [--rounds 2] [--json out.json]
 
 Starts the real worker (`python -m mm_encoder.worker`, model `tiny`) as a separate process and
 drives it from this process with aiohttp at a fixed concurrency, bounded in count and time:
@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,12 +32,11 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import stats
+from harness.media_factory import image_bytes, natural_image
+from harness.processes import Process
 
-import stats  # noqa: E402
-from media_factory import image_bytes, natural_image  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS: Path | None = None  # set in main(): a temporary configs directory with tiny-wide
 
@@ -61,28 +59,23 @@ def bench_configs() -> Path:
 
 
 class WorkerProcess:
+    """`python -m mm_encoder.worker` as a harness Process, once it prints its ready line (its HTTP port)."""
+
     def __init__(self, model: str = "tiny", **settings):
         env = {**os.environ, "MM_ENCODER_HTTP_PORT": "0", "MM_ENCODER_LOG_LEVEL": "WARNING",
                "MM_ENCODER_CONFIGS": str(CONFIGS)}
         env.update({f"MM_ENCODER_{k.upper()}": (json.dumps(v) if isinstance(v, list) else str(v))
                     for k, v in settings.items()})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_encoder.worker", "--model", model],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        line = self.proc.stdout.readline()
-        if "ready" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"worker did not start: {line!r}")
+        self.proc = Process([sys.executable, "-m", "mm_encoder.worker", "--model", model], name="worker", env=env)
+        try:
+            line = self.proc.wait_for("worker ready", 180)
+        except AssertionError as e:
+            self.proc.stop()
+            raise RuntimeError(f"worker did not start: {e}") from None
         self.url = f"http://127.0.0.1:{int(line.split('http_port=')[1].split()[0])}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.proc.stop(grace_s=30)
 
 
 async def drive(session, url: str, bodies, concurrency: int, max_requests: int, max_seconds: float) -> dict:
@@ -151,43 +144,61 @@ async def run(args) -> dict:
             for post in (1, 0):
                 worker = WorkerProcess(post_workers=post, fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
                 try:
-                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-                        warm = images["448x448"][-8:]
-                        await drive(s, worker.url, warm, 2, len(warm), 60)
-                        for name in sizes:
-                            key = f"full encode {name}, post_workers={post}"
-                            bodies = images[name][: n_full[name]]
-                            results.setdefault(key, []).append(
-                                await drive(s, worker.url, bodies, args.concurrency, len(bodies), 120 * scale)
-                            )
-                        if post == 1:
-                            url_req = json.dumps({"model": "tiny", "url": f"http://127.0.0.1:{origin_port}/a.jpg"})
-                            alias = [("application/json", url_req.encode())]
-                            await drive(s, worker.url, alias, 1, 1, 30)
-                            results.setdefault("alias hit (URL)", []).append(
-                                await drive(s, worker.url, alias, 32, int(4000 * scale), 20)
-                            )
-                            byts = [msgpack_body(hit_png)]
-                            results.setdefault("mm_hash hit (448x448 JPEG bytes)", []).append(
-                                await drive(s, worker.url, byts, 32, int(4000 * scale), 20)
-                            )
+                    await tiny_worker(worker, post, images, n_full, hit_png, origin_port, args.concurrency, scale,
+                                      results)
                 finally:
                     worker.stop()
                 # the GPU-like case: one core plays the device, the pack is a large share
                 worker = WorkerProcess("tiny-wide", post_workers=post, torch_threads=1)
                 try:
-                    async with aiohttp.ClientSession() as s:
-                        wide = [msgpack_body(msgpack.unpackb(b)["data"], "tiny-wide") for _, b in images["448x448"]]
-                        await drive(s, worker.url, wide[-8:], 2, 8, 60)
-                        key = f"full encode 448x448 tiny-wide (7168), torch_threads=1, post_workers={post}"
-                        results.setdefault(key, []).append(
-                            await drive(s, worker.url, wide[: n_full["448x448"]], args.concurrency,
-                                        n_full["448x448"], 120 * scale)
-                        )
+                    await wide_worker(worker, post, images["448x448"], n_full["448x448"], args.concurrency, scale,
+                                      results)
                 finally:
                     worker.stop()
     finally:
         await origin.cleanup()
+    return summarize(results)
+
+
+async def tiny_worker(worker: WorkerProcess, post: int, images: dict[str, list], n_full: dict[str, int],
+                      hit_png: bytes, origin_port: int, concurrency: int, scale: float,
+                      results: dict[str, list[dict]]) -> None:
+    """Full encodes per size; with the post pool, the alias and mm_hash hits too."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        warm = images["448x448"][-8:]
+        await drive(s, worker.url, warm, 2, len(warm), 60)
+        for name in images:
+            key = f"full encode {name}, post_workers={post}"
+            bodies = images[name][: n_full[name]]
+            results.setdefault(key, []).append(
+                await drive(s, worker.url, bodies, concurrency, len(bodies), 120 * scale)
+            )
+        if post == 1:
+            url_req = json.dumps({"model": "tiny", "url": f"http://127.0.0.1:{origin_port}/a.jpg"})
+            alias = [("application/json", url_req.encode())]
+            await drive(s, worker.url, alias, 1, 1, 30)
+            results.setdefault("alias hit (URL)", []).append(
+                await drive(s, worker.url, alias, 32, int(4000 * scale), 20)
+            )
+            byts = [msgpack_body(hit_png)]
+            results.setdefault("mm_hash hit (448x448 JPEG bytes)", []).append(
+                await drive(s, worker.url, byts, 32, int(4000 * scale), 20)
+            )
+
+
+async def wide_worker(worker: WorkerProcess, post: int, images: list, n_full: int, concurrency: int, scale: float,
+                      results: dict[str, list[dict]]) -> None:
+    """448x448 full encodes on tiny-wide with one torch thread."""
+    async with aiohttp.ClientSession() as s:
+        wide = [msgpack_body(msgpack.unpackb(b)["data"], "tiny-wide") for _, b in images]
+        await drive(s, worker.url, wide[-8:], 2, 8, 60)
+        key = f"full encode 448x448 tiny-wide (7168), torch_threads=1, post_workers={post}"
+        results.setdefault(key, []).append(
+            await drive(s, worker.url, wide[:n_full], concurrency, n_full, 120 * scale)
+        )
+
+
+def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     summary: dict[str, dict] = {}
     for key, rows in results.items():
         summary[key] = {m: stats.summary(r[m] for r in rows) for m in ("rps", "p50_ms", "p99_ms")}
@@ -201,85 +212,6 @@ async def run(args) -> dict:
             summary[key]["vs_no_pool_rounds"] = stats.summary(
                 a["rps"] / b["rps"] for a, b in zip(results[key], results[other], strict=True))
     return summary
-
-
-LABELS = {
-    "alias hit (URL)": "alias hit (same URL; no download)",
-    "mm_hash hit (448x448 JPEG bytes)": "mm_hash hit (same 448x448 JPEG bytes; hash + lookup)",
-    "full encode 448x448, post_workers=1": "full encode 448x448, postprocess pool",
-    "full encode 448x448, post_workers=0": "full encode 448x448, no pool (pack on the device thread)",
-    "full encode full-HD, post_workers=1": "full encode full HD, postprocess pool",
-    "full encode full-HD, post_workers=0": "full encode full HD, no pool",
-    "full encode 448x448 tiny-wide (7168), torch_threads=1, post_workers=1":
-        "full encode 448x448, `tiny-wide` (-> 7168), 1 torch thread, pool",
-    "full encode 448x448 tiny-wide (7168), torch_threads=1, post_workers=0": "same, no pool",
-}
-WIDE = "full encode 448x448 tiny-wide (7168), torch_threads=1, post_workers=1"
-REFERENCE_OVERLAP = (1.10, 1.20)  # the reference stack: +10-20 % throughput from the overlap, on GPUs
-
-
-def section(result: dict, plots: Path) -> str:
-    rows = result["results"]
-    lines = [
-        "## Encode worker (`python bench/worker.py`)",
-        "",
-        "The real worker process (`python -m mm_encoder.worker`, model `tiny`, CPU) driven over loopback HTTP by "
-        "aiohttp from a second process. Full encodes: a distinct JPEG per request (msgpack body with the bytes), "
-        f"{result.get('concurrency', 8)} concurrent clients; hits: 32 concurrent clients. Both postprocess-pool "
-        "settings (`--post-workers 1`, and `0`: packing on the device thread, so it cannot overlap the next "
-        f"forward) measured in alternating rounds in one run; median (min-max) over {result['rounds']} rounds. "
-        "The overlap where it matters is stood in for by `tiny-wide` (the tiny tower with a 7168-wide projector) "
-        "with one torch thread: one core plays the device, the other packs.",
-        "",
-        "| scenario | requests | req/s | p50 ms | p99 ms | pool / no pool |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    order = [k for k in LABELS if k in rows] + [k for k in rows if k not in LABELS]
-    for key in order:
-        r = rows[key]
-        ratio = ""
-        if "vs_no_pool" in r:
-            ratio = f"{r['vs_no_pool']:.2f}x"
-            if r["vs_no_pool_rounds"]["n"] > 1:
-                ratio += f" ({r['vs_no_pool_rounds']['min']:.2f}-{r['vs_no_pool_rounds']['max']:.2f})"
-            if key == WIDE:
-                ratio = f"**{ratio}**"
-        lines.append(f"| {LABELS.get(key, key)} | {r['requests']} | {stats.fmt(r['rps'])} | {stats.fmt(r['p50_ms'])} "
-                     f"| {stats.fmt(r['p99_ms'])} | {ratio} |")
-    lo, hi = REFERENCE_OVERLAP
-
-    def overlap(key: str) -> str | None:
-        r = rows.get(key)
-        if not r or "vs_no_pool" not in r:
-            return None
-        per = r["vs_no_pool_rounds"]
-        text = f"{r['vs_no_pool']:.2f}x"
-        if per["n"] > 1:
-            text += f" (per round {per['min']:.2f}-{per['max']:.2f})"
-            if per["min"] <= 1.0 <= per["max"]:
-                text += ", within this machine's noise"
-        return text
-
-    tiny, wide = overlap("full encode 448x448, post_workers=1"), overlap(WIDE)
-    wide_r = rows.get(WIDE, {}).get("vs_no_pool")
-    lines += [
-        "",
-        "Reading the numbers:",
-        f"- Pack overlap: the reference stack reported +{(lo - 1) * 100:.0f}-{(hi - 1) * 100:.0f} % throughput on "
-        "GPUs. "
-        + (f"With `tiny` at 448x448: {tiny}. There the forward already uses every core through torch's intra-op "
-           "threads and packing a 256-wide output is a few % of the forward, so there is neither a free core nor "
-           "much to overlap. " if tiny else "")
-        + (f"With the stand-in (`tiny-wide`, one torch thread playing the device, the other core packing): {wide}, "
-           f"{'above' if wide_r > hi else 'within' if wide_r >= lo else 'below'} the reference's range. The "
-           "stand-in's pack share is larger than a real tower's, so expect less on a GPU." if wide else ""),
-        "- A hit is a URL or hash lookup and one write of the cached body; the rate is bound by HTTP handling and "
-        "the client on the same cores. "
-        "An mm_hash hit also pays for receiving the 50 KB body and hashing it.",
-        "- Full HD on `tiny`: the forward runs back to back; latency is queueing behind the clients.",
-        "- Not measured on a GPU here.",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -297,7 +229,7 @@ def main() -> None:
         shutil.rmtree(CONFIGS, ignore_errors=True)
     result = {"machine": stats.machine(), "rounds": args.rounds, "quick": args.quick,
               "concurrency": args.concurrency, "results": summary}
-    stats.emit(result, args.json, section)
+    stats.emit(result, args.json, "worker")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .model.media import VideoChunk
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _MODULES:
         value = importlib.import_module(_MODULES[name], __name__)
     elif name in _EXPORTS:

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .core.errors import MMEncoderError
@@ -48,7 +48,7 @@ def read_media(ref: str, max_bytes: int) -> bytes:
     """A path, an http(s) URL or a data: URL -> bytes (read capped at max_bytes + 1)."""
     if ref.startswith(("http://", "https://", "data:")):
         with urllib.request.urlopen(ref, timeout=FETCH_TIMEOUT_S) as resp:
-            data = resp.read(max_bytes + 1)
+            data: bytes = resp.read(max_bytes + 1)
     else:
         if "://" in ref:
             raise MMEncoderError(f"unsupported URL scheme in {ref[:40]!r}: use a path, http(s):// or data:", "bad_url")
@@ -56,7 +56,7 @@ def read_media(ref: str, max_bytes: int) -> bytes:
     return data
 
 
-def _summary(ref: str, r: EncodedMedia, enc: Encoder) -> dict:
+def _summary(ref: str, r: EncodedMedia, enc: Encoder) -> dict[str, Any]:
     return {
         "media": ref if len(ref) < 80 else ref[:77] + "...",
         "model": enc.name,
@@ -71,7 +71,7 @@ def _summary(ref: str, r: EncodedMedia, enc: Encoder) -> dict:
     }
 
 
-def _print_table(rows: list[dict]) -> None:
+def _print_table(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         label = row["media"] + (f" @{row['timestamp']}" if row["timestamp"] else "")
         t = row["timings_ms"]
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("args", nargs=argparse.REMAINDER)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.cmd in COMPONENTS:
-        return importlib.import_module(COMPONENTS[args.cmd][0]).main(args.args)
+        rc: int = importlib.import_module(COMPONENTS[args.cmd][0]).main(args.args)
+        return rc
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:

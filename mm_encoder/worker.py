@@ -2,7 +2,7 @@
 
     python -m mm_encoder.worker --model tiny --http-port 8090 [--checkpoint DIR] [--dynamo]
 
-Every option also reads from the environment (`MM_ENCODER_<OPTION>`; see `service/settings.py`
+Every option also reads from the environment (`MM_ENCODER_<OPTION>`; see `encode_worker/settings.py`
 and the README). SIGTERM or SIGINT drains: new requests get 503 "draining", in-flight ones finish (up to
 `--drain-timeout-s`), the Dynamo instance deregisters, then the process exits 0.
 """
@@ -13,51 +13,56 @@ import asyncio
 import logging
 import sys
 
+from aiohttp import web
+
 from .encode_worker.dynamo_server import DynamoServer
 from .encode_worker.http_app import start_http
 from .encode_worker.pipeline import EncodeService
 from .encode_worker.settings import WorkerSettings
 from .encode_worker.stock_encode import StockEncoder
 from .model.encoder import Encoder
+from .model.loading import load
+from .model.steps import EncodeSteps
 from .runtime.dynamo import make_runtime
-from .runtime.process import parse_settings, run, stop_on_signals
+from .runtime.process import Lifecycle, parse_settings, run
 
 log = logging.getLogger(__name__)
 
 
 class Worker:
-    """Owns the encoder, the service and its transports; `start()` then `stop()`."""
+    """Owns the encoder (its `EncodeSteps`), the service and its transports; `start()` then `stop()`."""
 
     def __init__(self, settings: WorkerSettings, encoder: Encoder | None = None):
         """`encoder`: an already loaded model (tests, the demo); the settings' limits and batch cap
         apply to it as they would to one the worker loads."""
         self.settings = settings
+        self.encoder: EncodeSteps | None = None
         if encoder is not None:
-            encoder = encoder.configured(limits=settings.media_limits(), batch_max_patches=settings.batch_max_patches)
-        self.encoder = encoder
-        self.service = None
-        self.http_runner = None
+            self.encoder = encoder.steps.configured(limits=settings.media_limits(),
+                                                    batch_max_patches=settings.batch_max_patches)
+        self.service: EncodeService | None = None
+        self.http_runner: web.AppRunner | None = None
         self.http_port: int | None = None
-        self.dynamo = None
-        self.stock = None
-        self._stopped: asyncio.Future | None = None
+        self.dynamo: DynamoServer | None = None
+        self.stock: StockEncoder | None = None
+        self._stopped: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
         s = self.settings
         if self.encoder is None:
             self.encoder = await asyncio.to_thread(load_encoder, s)
-        self.service = EncodeService(self.encoder, s)
-        await self.service.start()
+        service = self.service = EncodeService(self.encoder, s)
+        await service.start()
         if s.http_port >= 0:
-            self.http_runner, self.http_port = await start_http(self.service, s.http_host, s.http_port)
+            self.http_runner, self.http_port = await start_http(service, s.http_host, s.http_port)
             log.info("HTTP on http://%s:%d (POST /v1/encode)", s.http_host, self.http_port)
         if s.dynamo:
-            self.dynamo = DynamoServer(self.service, make_runtime(asyncio.get_running_loop()), s.namespace)
-            await self.dynamo.start()
-        if s.stock_model_dir:  # also Dynamo's Encode worker, for the stock frontend
-            self.stock = StockEncoder(self.service, self.dynamo.runtime, s.namespace, s.stock_model_dir, s.stock_name,
-                                      s.handle_chain, s.handle_route)
-            await self.stock.start()
+            dynamo = self.dynamo = DynamoServer(service, make_runtime(asyncio.get_running_loop()), s.namespace)
+            await dynamo.start()
+            if s.stock_model_dir:  # also Dynamo's Encode worker, for the stock frontend (settings: needs --dynamo)
+                self.stock = StockEncoder(service, dynamo.runtime, s.namespace, s.stock_model_dir, s.stock_name,
+                                          s.handle_chain, s.handle_route)
+                await self.stock.start()
 
     async def stop(self) -> None:
         """Graceful: refuse new work, let in-flight requests finish, then close the transports.
@@ -65,12 +70,12 @@ class Worker:
         if self.service is None:
             return
         if self._stopped is None:
-            self._stopped = asyncio.ensure_future(self._stop())
+            self._stopped = asyncio.ensure_future(self._stop(self.service))
         await asyncio.shield(self._stopped)
 
-    async def _stop(self) -> None:
+    async def _stop(self, service: EncodeService) -> None:
         timeout = self.settings.drain_timeout_s
-        drained = asyncio.ensure_future(self.service.drain(timeout))
+        drained = asyncio.ensure_future(service.drain(timeout))
         if self.dynamo is not None:
             await self.dynamo.stop(timeout)  # shuts the runtime down: both Dynamo endpoints drain
         if self.stock is not None:
@@ -78,33 +83,30 @@ class Worker:
         await drained
         if self.http_runner is not None:
             await self.http_runner.cleanup()
-        await self.service.close()
+        await service.close()
         log.info("stopped")
 
 
-def load_encoder(s: WorkerSettings) -> Encoder:
+def load_encoder(s: WorkerSettings) -> EncodeSteps:
     if s.torch_threads:
         import torch
 
         torch.set_num_threads(s.torch_threads)
-    return Encoder.from_pretrained(
-        s.model, checkpoint=s.checkpoint, device=s.device, dtype=s.dtype, limits=s.media_limits(),
-        batch_max_patches=s.batch_max_patches,
-    )
+    loaded = load(s.model, checkpoint=s.checkpoint, device=s.device, dtype=s.dtype)
+    return EncodeSteps(loaded.spec, loaded.model, device=loaded.device, dtype=loaded.dtype, limits=s.media_limits(),
+                       batch_max_patches=s.batch_max_patches)
 
 
 async def serve(settings: WorkerSettings) -> None:
-    """Run until SIGTERM/SIGINT, then stop gracefully."""
-    stop = stop_on_signals()
-    worker = Worker(settings)
-    try:
+    """Run until SIGTERM/SIGINT, then stop gracefully (`Worker.stop`: drain, then the transports)."""
+    async with Lifecycle("mm-encoder worker") as life:
+        worker = Worker(settings)
+        life.on_stop(worker.stop)
         await worker.start()
-        print(f"mm-encoder worker ready: model={worker.encoder.name} http_port={worker.http_port} "
-              f"dynamo={settings.dynamo}", flush=True)
-        await stop.wait()
+        assert worker.encoder is not None  # start() loaded it
+        life.ready(model=worker.encoder.spec.name, http_port=worker.http_port, dynamo=settings.dynamo)
+        await life.wait()
         log.info("signal received: draining")
-    finally:
-        await worker.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

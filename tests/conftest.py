@@ -7,13 +7,14 @@ import importlib.util
 import pytest
 import torch
 
-from mm_encoder import Encoder, ModelSpec
-from mm_encoder.model.checkpoint import VisionModel, build_empty, init_random
+from harness.venvs import BuildFailed, wait_for_vllm_build
+from mm_encoder import Encoder
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 # tests/vllm/ runs on vLLM's code, in vLLM's own virtualenv (`make test-vllm`); the project's venv has no vLLM.
-# (tests/ is on sys.path: tests/vllm/ itself would be found as a namespace package, which has no origin)
+# (tests/ is on sys.path, pytest's rootdir-relative import of this conftest: tests/vllm/ itself would be found as a
+# namespace package, which has no origin)
 _vllm = importlib.util.find_spec("vllm")
 collect_ignore = [] if _vllm is not None and _vllm.origin is not None else ["vllm"]
 
@@ -21,31 +22,6 @@ collect_ignore = [] if _vllm is not None and _vllm.origin is not None else ["vll
 @pytest.fixture(scope="session")
 def tiny() -> Encoder:
     return Encoder.from_pretrained("tiny")
-
-
-def ref_cfg(spec: ModelSpec) -> dict:
-    """The reference implementation's config dict for a spec."""
-    t, p = spec.tower, spec.projector
-    return {
-        "hidden": t.hidden_size,
-        "heads": t.num_heads,
-        "intermediate": t.intermediate_size,
-        "layers": t.num_layers,
-        "patch": t.patch_size,
-        "pos_h": t.pos_emb_height,
-        "pos_w": t.pos_emb_width,
-        "pos_t": t.pos_emb_time,
-        "merge": list(t.merge_kernel),
-        "rope_theta": t.rope_theta,
-        "ln_eps": t.ln_eps,
-        "projector": p.type,
-        "projector_ln_eps": p.ln_eps,
-        "text_hidden": p.out_dim,
-    }
-
-
-def random_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> VisionModel:
-    return init_random(build_empty(spec), seed, torch.device("cpu"), dtype)
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +37,14 @@ def checkpoint(tmp_path_factory):
 def ckpt_encoder(checkpoint) -> Encoder:
     """The checkpoint's vision tower and projector, as the encode worker loads them (fp32)."""
     return Encoder.from_pretrained(checkpoint, dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def vllm_venv():
+    """.venv-vllm's python, for the tests that run vLLM's engine in it: `make test` builds that
+    virtualenv in the background while the suite runs; this waits for the build (harness.venvs),
+    and fails with the end of its log if it failed."""
+    try:
+        return wait_for_vllm_build()
+    except BuildFailed as e:
+        pytest.fail(str(e), pytrace=False)

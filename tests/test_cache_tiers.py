@@ -17,11 +17,11 @@ import msgpack
 import pytest
 import yaml
 from aiohttp import web
-from media_factory import image_bytes, natural_image
-from nginx_fixtures import require_nginx, tiers
 from pydantic import ValidationError
-from worker_fixtures import ForwardGate, run_worker, wait_for
 
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import require_nginx, tiers
+from harness.worker_fixtures import ForwardGate, run_worker, wait_for
 from mm_encoder import wire
 from mm_encoder.core.errors import CacheTierError
 from mm_encoder.core.registry import config_dir

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_model
-from media_factory import image_bytes, natural_image
 from safetensors.torch import save_file
 
+from harness.media_factory import image_bytes, natural_image
+from harness.models import random_model
 from mm_encoder import CheckpointError, Encoder, get_spec
-from mm_encoder.core.spec import HF_MODEL_TYPES
+from mm_encoder.families import spec_names
 
 VISION = {
     "vt_hidden_size": 32,
@@ -78,7 +78,7 @@ def test_sharded_checkpoint_loads_only_vision_shards(tmp_path):
     weights = _weights()
     ckpt = write_sharded(tmp_path / "ckpt", weights)
     enc = Encoder.from_pretrained(ckpt, dtype="fp32")  # the values as stored (the CPU default may be bf16)
-    assert enc.spec.name == HF_MODEL_TYPES["kimi_k25"]
+    assert enc.spec.name == spec_names()["kimi_k25"]
     assert enc.spec.tower.hidden_size == 32 and enc.spec.tower.pos_emb_height == 8
     assert enc.spec.projector.out_dim == 48 and enc.spec.prompt.placeholder_id == 163605
     assert enc.load_report.shards_opened == ["model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]

@@ -11,11 +11,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from media_factory import image_bytes, natural_image
 
+from harness.media_factory import image_bytes, natural_image
 from mm_encoder.cli import COMPONENTS, main
-from mm_encoder.core.card import ModelCard
 from mm_encoder.deploy.plan import MODULES, GeneratedCheckpoint
+from mm_encoder.families.card import ModelCard
 
 CLI = [sys.executable, "-m", "mm_encoder.cli"]
 

@@ -18,10 +18,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from nginx_fixtures import free_port
-from serve_fixtures import MODEL, Served, chat
 
 import mm_encoder
+from harness.nginx_fixtures import free_port
+from harness.serve_fixtures import MODEL, Served, chat
 from mm_encoder import cli
 
 ROOT = Path(__file__).resolve().parents[1]

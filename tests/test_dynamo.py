@@ -13,10 +13,10 @@ import sys
 
 import aiohttp
 import pytest
-from media_factory import image_bytes, natural_image
-from nginx_fixtures import dynamo_system_port
-from worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import dynamo_system_port
+from harness.worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 from mm_encoder import wire
 from mm_encoder.client import call_encode
 from mm_encoder.core.errors import RemoteError

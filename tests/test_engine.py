@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 import torch
-from media_factory import image_bytes, natural_image
 
+from harness.media_factory import image_bytes, natural_image
 from mm_encoder.core.errors import CheckpointError
 from mm_encoder.core.prompt import ChatTokenizer, Splicer
 from mm_encoder.core.registry import get_spec
@@ -258,7 +258,7 @@ def test_the_aggregated_engine_answers_as_the_disaggregated_one(which, checkpoin
     prompt tokens and the same answer as rows encoded apart and spliced by the frontend's path."""
     import base64
 
-    from mm_encoder.core.engine_request import EngineRequest
+    from mm_encoder.core.engine_request import InlineRequest
     from mm_encoder.engines.process import EngineSettings, build_engine
 
     ckpt, spec = (checkpoint, "kimi-k2.5-vision") if which == "kimi" else (glm_checkpoint, "glm-5.2-vision")
@@ -270,7 +270,7 @@ def test_the_aggregated_engine_answers_as_the_disaggregated_one(which, checkpoin
     text = tok.render([{"role": "user", "content": [{"type": "text", "text": "Describe:"},
                                                     {"type": "image_url", "image_url": {"url": "x"}}]}])
     url = "data:image/png;base64," + base64.b64encode(image).decode()
-    req = EngineRequest("r", [], 6, [], prompt=text, media_refs=[{"url": url, "modality": "image"}])
+    req = InlineRequest("r", [], 6, [], prompt=text, media_refs=[{"url": url, "modality": "image"}])
 
     async def run():
         return [item async for item in agg.generate(req.to_dict())]

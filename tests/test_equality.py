@@ -25,11 +25,12 @@ import urllib.request
 from collections import Counter
 
 import pytest
-import released_processor as released
 import torch
-from hf_reference import Reference, content, write_hf_checkpoint
-from nginx_fixtures import require_nginx
-from serve_fixtures import chat_stream, frontend_stats, serving
+
+from harness import released_processor as released
+from harness.hf_reference import Reference, content, write_hf_checkpoint
+from harness.nginx_fixtures import require_nginx
+from harness.serve_fixtures import chat_stream, frontend_stats, serving
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs of subprocesses
@@ -44,9 +45,10 @@ LOGPROB_TOL = 1e-4
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     """A checkpoint directory written by transformers' own classes, plus the tokenizer and chat template."""
-    from mm_encoder.engines.tiny_checkpoint import _TEXT_COMMON, PRESETS
+    from mm_encoder.families.kimi_k25 import PRESETS, TEXT_DEFAULTS
 
-    path = write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "kimi-k2.5-hf", {**_TEXT_COMMON, **PRESETS["tiny"].text})
+    text = {**TEXT_DEFAULTS, **PRESETS["tiny"].text}
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "kimi-k2.5-hf", text)
     names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(n.startswith("language_model.model.blocks.") for n in names)  # transformers' spelling, not ours
     assert any(n.startswith("vision_tower.encoder.blocks.") and n.endswith("wqkv.weight") for n in names)

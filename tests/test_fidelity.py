@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_model
-from media_factory import image_bytes, natural_image
 from PIL import Image
 from safetensors.torch import save_file
 
+from harness.media_factory import image_bytes, natural_image
+from harness.models import random_model
 from mm_encoder import CheckpointError, Encoder, get_spec, list_models
 from mm_encoder.core.errors import MediaError
 from mm_encoder.core.spec import PreprocessConfig, ProjectorConfig

@@ -16,10 +16,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from media_factory import image_bytes, natural_image, sampled_video_chunks, video_bytes
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import MODEL, Graph, checkpoint_copy, data_url, image_rows
 
+from harness.media_factory import image_bytes, natural_image, sampled_video_chunks, video_bytes
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, Graph, checkpoint_copy, data_url, image_rows
 from mm_encoder.runtime.dynamo import PLANES
 
 pytest.importorskip("dynamo.llm")

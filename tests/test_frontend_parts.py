@@ -14,12 +14,13 @@ import re
 
 import pytest
 import torch
-from media_factory import image_bytes, natural_image
 from transformers import Kimi_K25ForConditionalGeneration
-from worker_fixtures import SERVED, SPEC, MeasuredClient, engine_beside_worker, engine_for, processor_beside
 
+from harness.media_factory import image_bytes, natural_image
+from harness.worker_fixtures import SERVED, SPEC, MeasuredClient, engine_beside_worker, engine_for, processor_beside
 from mm_encoder import wire
 from mm_encoder.client.encoder import EncoderClient
+from mm_encoder.core.engine_reply import TokenBatch, parse_item
 from mm_encoder.core.engine_request import EngineRequest, MediaInput
 from mm_encoder.core.errors import BadRequest, ContextOverflow, ModelDirError
 from mm_encoder.core.handle import MediaHandle
@@ -29,6 +30,7 @@ from mm_encoder.core.requests import EncodeRequest, MediaRef, cache_key
 from mm_encoder.core.sampling import SamplingParams
 from mm_encoder.engines.engine import Placed, Prompt
 from mm_encoder.frontend.chat import parse_messages
+from mm_encoder.frontend.hold import Hold
 from mm_encoder.frontend.processor import Limits, MultimodalProcessor
 from mm_encoder.routing import MediaSpan, block_mm_infos, pad_routing_tokens, to_signed64
 
@@ -386,17 +388,17 @@ async def test_logprob_chunks_carry_the_engines_logprobs_in_openais_form(checkpo
     # Dynamo's per-position records (what its own frontends read): rank, id, text, logprob, bytes
     assert item["top_logprobs"] == [[{"rank": r, "token_id": int(t), **entry(int(t))}
                                      for r, t in enumerate(best.indices, 1)]]
-    assert processor(tok)._logprobs(item, 2) == {
+    assert processor(tok)._logprobs(parse_item(item), 2) == {
         "content": [{**entry(token), "top_logprobs": [entry(int(t)) for t in best.indices]}]}
-    assert processor(tok)._logprobs(item, 1)["content"][0]["top_logprobs"] == [entry(int(best.indices[0]))]
-    assert processor(tok)._logprobs({"token_ids": [token]}, 2) == {"content": []}  # no logprobs asked: none
+    assert processor(tok)._logprobs(parse_item(item), 1)["content"][0]["top_logprobs"] == [entry(int(best.indices[0]))]
+    assert processor(tok)._logprobs(TokenBatch([token]), 2) == {"content": []}  # no logprobs asked: none
 
 
 def test_a_logprob_entrys_bytes_are_the_tokens_own(tok):
     """OpenAI's `bytes` lets a client rebuild characters split across tokens: "é" is 2 tokens here,
     each shown as U+FFFD, with its own byte; a special token's bytes are its text."""
     ids = [*tok.encode("é"), tok.token_id("<|im_end|>")]
-    content = processor(tok)._logprobs({"token_ids": ids, "log_probs": [0.0] * 3, "top_logprobs": [[]] * 3}, 0)
+    content = processor(tok)._logprobs(TokenBatch(ids, None, [0.0] * 3, [[]] * 3), 0)
     assert [(e["token"], e["bytes"]) for e in content["content"]] == [
         ("\ufffd", [0xC3]), ("\ufffd", [0xA9]), ("<|im_end|>", list(b"<|im_end|>"))]
 
@@ -422,7 +424,7 @@ async def test_frontend_holds_no_embeddings(ckpt_encoder, checkpoint, tok, tmp_p
         assert proc.encoder.body_bytes == 0 and proc.encoder.calls == 1
         assert engine.resolver.fetches == 1
         assert [n < len(url) + 4096 for n in proc.engine_client.sizes] == [True]  # the data URL once, no embeddings
-        assert proc.stats.media_requests_in_flight == 0
+        assert proc.capacity.waiting == 0 and proc.snapshot()["media_requests_in_flight"] == 0
 
 
 async def test_a_non_streamed_answer_comes_in_two_engine_items(ckpt_encoder, checkpoint, tok, tmp_path, monkeypatch):
@@ -497,7 +499,8 @@ async def test_the_entry_point_provider_returns_a_working_factory(ckpt_encoder, 
 
     from dynamo.frontend.frontend_args import FrontendArgGroup, FrontendConfig
     from dynamo.llm import PythonAsyncEngine
-    from worker_fixtures import until_routable
+
+    from harness.worker_fixtures import until_routable
 
     (ep,) = [e for e in importlib.metadata.entry_points(group="dynamo.frontend.chat_processors")
              if e.name == "mm-encoder"]
@@ -523,14 +526,17 @@ async def test_the_entry_point_provider_returns_a_working_factory(ckpt_encoder, 
 
 async def test_requests_beyond_max_inflight_get_a_503_at_once(tok):
     """At twice its capacity the frontend used to queue without bound, until 1,484 of 11,160
-    requests hung past their deadline (tests/reliability/soak.py); now the excess is refused."""
+    requests hung past their deadline (bench/soak.py); now the excess is refused."""
     from dynamo.llm.exceptions import CannotConnect
 
     proc = processor(tok, max_inflight_requests=2)
-    proc._inflight = 2  # two requests being served
+    held = [Hold(proc.capacity, rid, lambda rid: None) for rid in ("a", "b")]  # two requests being served
     with pytest.raises(CannotConnect, match="overloaded"):
         await proc.generate({"messages": [{"role": "user", "content": "hi"}]}).__anext__()
-    assert proc.stats.errors == {"overloaded": 1} and proc._inflight == 2
+    assert proc.stats.errors == {"overloaded": 1} and proc.capacity.inflight == 2
+    for hold in held:
+        hold.release()
+    assert proc.capacity.inflight == 0
 
 
 async def test_the_encoder_client_names_its_dtype_and_refuses_rows_of_another():

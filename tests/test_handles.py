@@ -10,10 +10,10 @@ import json
 import aiohttp
 import pytest
 import torch
-from media_factory import image_bytes, natural_image
-from nginx_fixtures import require_nginx, tiers
-from worker_fixtures import run_origin, run_worker
 
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import require_nginx, tiers
+from harness.worker_fixtures import run_origin, run_worker
 from mm_encoder import wire
 from mm_encoder.client import EncoderChain, HandleResolver
 from mm_encoder.core.errors import HandleError, RemoteError

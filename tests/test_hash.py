@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import blake3
-from media_factory import image_bytes, natural_image, video_bytes
 
+from harness.media_factory import image_bytes, natural_image, video_bytes
 from mm_encoder import Encoder, PreprocessConfig
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from media_factory import image_bytes, natural_image
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from harness.media_factory import image_bytes, natural_image
 from mm_encoder import CheckpointError, Encoder, get_spec
 from mm_encoder.model.checkpoint import spec_for_checkpoint, unpermute_rope
 from mm_encoder.model.hf_config import spec_from_hf_config
@@ -136,7 +136,7 @@ def test_each_layout_equals_transformers_get_image_features(hf_model, dirs, layo
     image and video chunks with t = 4, 3 and 1 (cos >= 0.999999, relative L2 <= 1e-5)."""
     enc = Encoder.from_pretrained(dirs[layout], dtype="fp32")
     items = _items()
-    prepared = [enc.prepare(item) for item in items]
+    prepared = [enc.preprocess_item(item) for item in items]
     assert [p.grid[0] for p in prepared] == [1, 4, 3, 1]
     results = enc.encode(items)
     with torch.no_grad():

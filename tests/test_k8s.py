@@ -2,7 +2,7 @@
 
 Checked against the Dynamo operator's v1beta1 DynamoGraphDeployment CRD (`spec.components[]`: `name`, `type`,
 `replicas`, `runtimeVersionOverride`, `podTemplate` with the container `main`), field by field through
-tests/k8s_schema.py. Schema source: ai-dynamo/dynamo
+harness/k8s_schema.py. Schema source: ai-dynamo/dynamo
 `deploy/operator/config/crd/bases/nvidia.com_dynamographdeployments.yaml` at commit
 01cc1c3b677b20c5dd72d9eb76962dc04b55b8be (`versions[name=v1beta1].schema.openAPIV3Schema`), with the Go types
 `deploy/operator/api/v1beta1/{dynamographdeployment_types.go@0fddc01b, dynamocomponentdeployment_types.go@006b6e10,
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_schema import DYNAMO_GRAPH_DEPLOYMENT, errors
 
+from harness.k8s_schema import DYNAMO_GRAPH_DEPLOYMENT, errors
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import k8s
 from mm_encoder.deploy.graph import Graph, load_graph

@@ -16,19 +16,20 @@ ALLOWED = {
     "core": set(),
     "kernels": set(),
     "routing": set(),
-    "model": {"core", "kernels"},
+    "families": {"core"},  # one module per model family, facts only: everything below may read them
+    "model": {"core", "kernels", "families"},
     "runtime": {"core"},
     "fetch": {"core"},
     "encode_worker": {"core", "runtime", "model", "fetch"},
     "client": {"core", "runtime"},
-    "frontend": {"core", "runtime", "routing", "client"},
-    "engines": {"core", "runtime", "routing", "fetch", "model", "client"},
+    "frontend": {"core", "runtime", "routing", "client", "families"},
+    "engines": {"core", "runtime", "routing", "fetch", "model", "client", "families"},
     "deploy": {"core", "runtime"},
 }
 TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt", "mm_encoder.core.card",
               "mm_encoder.core.requests", "mm_encoder.runtime.dynamo", "mm_encoder.frontend",
               "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.client", "mm_encoder.fetch",
-              "mm_encoder.engines.model_dir",
+              "mm_encoder.engines.model_dir", "mm_encoder.families", "mm_encoder.families.card",
               "mm_encoder.deploy.local", "mm_encoder.deploy.k8s", "mm_encoder.deploy.cache_tiers",
               "mm_encoder.deploy.status"]
 MAX_LINES = 450

@@ -18,9 +18,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from media_factory import image_bytes, natural_image, video_bytes
 from PIL import Image
 
+from harness.media_factory import image_bytes, natural_image, video_bytes
 from mm_encoder import Encoder
 from mm_encoder.core.errors import MEDIA_ERROR_CODES, MediaError
 from mm_encoder.core.spec import MediaLimits, PreprocessConfig

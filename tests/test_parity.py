@@ -1,14 +1,14 @@
-"""Fast path vs the independent eager reference (tests/reference.py), same random weights, CPU."""
+"""Fast path vs the independent eager reference (harness/reference.py), same random weights, CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_model, ref_cfg
-from media_factory import image_bytes, natural_image
-from reference import reference_forward
 
+from harness.media_factory import image_bytes, natural_image
+from harness.models import random_model, ref_cfg
+from harness.reference import reference_forward
 from mm_encoder import Encoder, VideoChunk, get_spec
 from mm_encoder.core.spec import ProjectorConfig, TowerConfig
 from mm_encoder.model.checkpoint import build_empty
@@ -50,7 +50,7 @@ def _run_both(spec, items, dtype=torch.float32):
     fast = enc.encode(items)
     pixels, grids = [], []
     for item in items:  # the same preprocessing, then the reference forward on fp32 weights
-        pre = enc.prepare(item, spec.preprocess)
+        pre = enc.preprocess_item(item, spec.preprocess)
         pixels.append(pre.pixel_values.float())
         grids.append(pre.grid)
     sd = {k: v.float() for k, v in model.state_dict().items()}

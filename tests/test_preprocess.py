@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from media_factory import image_bytes, natural_image
 from PIL import Image
 
+from harness.media_factory import image_bytes, natural_image
 from mm_encoder.core.spec import PreprocessConfig
 from mm_encoder.model.preprocess import num_tokens, preprocess_frames, resize_target, resize_uint8
 

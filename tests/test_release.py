@@ -125,7 +125,7 @@ def test_what_is_installed_is_what_the_constraints_pin():
 
 @pytest.mark.skipif(not VLLM_PY.exists() and os.environ.get("MM_ENCODER_REQUIRE_VLLM") != "1",
                     reason="no .venv-vllm (make vllm-venv)")
-def test_what_vllms_virtualenv_holds_is_what_its_constraints_pin():
+def test_what_vllms_virtualenv_holds_is_what_its_constraints_pin(vllm_venv):
     want = pins("constraints-vllm.txt")
     probe = "import importlib.metadata as m, sys; print(*[m.version(n) for n in sys.argv[1:]])"
     got = subprocess.run([str(VLLM_PY), "-c", probe, *want], capture_output=True, text=True, timeout=60,

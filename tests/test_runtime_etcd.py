@@ -11,8 +11,6 @@ import base64
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,10 +18,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from media_factory import image_bytes, natural_image
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import MODEL, Served, chat, sample_tokens
 
+from harness.dynamo_probe import Probe
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, Served, chat, sample_tokens
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import infra
 
@@ -123,42 +122,6 @@ class Load:
         while len(self.results) < n:
             assert time.monotonic() < deadline and self.thread.is_alive(), self.results[-5:]
             time.sleep(0.05)
-
-
-class Probe:
-    """tests/dynamo_probe.py watching one endpoint's instances; `.n` is the latest count."""
-
-    def __init__(self, env: dict[str, str], path: str):
-        self.events: list[dict] = []
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("dynamo_probe.py")), path],
-                                     env={**os.environ, "DYN_DISCOVERY_BACKEND": "etcd", "DYN_REQUEST_PLANE": "nats",
-                                          "DYN_EVENT_PLANE": "nats", "DYN_LOG": "error", **env},
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.reader = threading.Thread(target=lambda: [self.events.append(json.loads(line))
-                                                       for line in self.proc.stdout if line.startswith("{")],
-                                       daemon=True)
-        self.reader.start()
-
-    def wait_count(self, n: int, timeout: float) -> float | None:
-        """The probe's clock time when the count became n (None: not within timeout)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            hit = next((e["t"] for e in self.events if e["n"] == n), None)
-            if hit is not None:
-                return hit
-            time.sleep(0.05)
-        return None
-
-    def __enter__(self) -> Probe:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def test_the_graph_serves_multimodal_requests_on_etcd_and_nats(graph):

@@ -13,10 +13,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from media_factory import k25_image_tokens
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, frontend_stats, sample_tokens
 
+from harness.media_factory import k25_image_tokens
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, frontend_stats, sample_tokens
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy.graph import load_graph
 from mm_encoder.deploy.local import listeners

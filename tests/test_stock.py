@@ -12,9 +12,10 @@ import json
 import urllib.request
 
 import pytest
-from media_factory import sampled_video_chunks, video_bytes
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import MODEL, QUESTION, SAMPLE, PromptCount, Served, checkpoint_copy, data_url, image_rows
+
+from harness.media_factory import sampled_video_chunks, video_bytes
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, QUESTION, SAMPLE, PromptCount, Served, checkpoint_copy, data_url, image_rows
 
 pytest.importorskip("dynamo.frontend")
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

@@ -8,25 +8,32 @@ import math
 
 import pytest
 
+from mm_encoder.core.engine_reply import TokenBatch, Usage, parse_item
+from mm_encoder.core.engine_request import EngineRequest
+from mm_encoder.core.errors import BadEngineReply, RemoteError
+from mm_encoder.engines.front_door import FrontDoor
 from mm_encoder.engines.stream import IMMEDIATE, batched, pacing
-from mm_encoder.frontend.chat import IncrementalDetokenizer, StopStrings, first_tokens, item_text
+from mm_encoder.frontend.chat import IncrementalDetokenizer, StopStrings, item_text
 
 
-def _item(token: int, finish: str | None = None, **extra) -> dict:
-    return {"token_ids": [token], "finish_reason": finish, "log_probs": [-float(token)],
-            "top_logprobs": [[{"rank": 1, "token_id": token, "logprob": -float(token)}]], **extra}
+def _item(token: int, finish: str | None = None, prompt_tokens: int | None = None,
+          timings_ms: dict | None = None) -> TokenBatch:
+    usage = None if prompt_tokens is None else Usage(prompt_tokens, 0, timings_ms or {})
+    return TokenBatch([token], finish, [-float(token)], [[{"rank": 1, "token_id": token, "logprob": -float(token)}]],
+                      usage)
 
 
-async def _run(items: list[dict], interval_s: float, immediate: int = IMMEDIATE) -> list[dict]:
+async def _run(items: list[TokenBatch], interval_s: float, immediate: int = IMMEDIATE) -> list[dict]:
+    """The batched stream as the wire carries it (`TokenBatch.to_dict`)."""
     async def source():
         for item in items:
             yield item
-    return [x async for x in batched(source(), interval_s, immediate)]
+    return [x.to_dict() async for x in batched(source(), interval_s, immediate)]
 
 
 async def test_without_an_interval_every_item_goes_out_as_it_came():
     items = [_item(1, prompt_tokens=7), _item(2), _item(3, "length")]
-    assert await _run(items, 0) == items
+    assert await _run(items, 0) == [i.to_dict() for i in items]
 
 
 async def test_the_first_items_go_alone_the_rest_merge_until_the_finish():
@@ -50,17 +57,46 @@ async def test_a_stream_that_ends_without_a_finish_still_delivers_its_tokens():
 async def test_a_non_streamed_request_gets_its_first_token_then_the_rest_at_the_finish():
     """`EngineRequest.stream` False (the client reads the answer at once): one item alone, then one
     with everything else, whatever the engine's interval; absent or True: the engine's interval."""
-    assert pacing({"stream": False}, 0.02) == (math.inf, 1)
-    assert pacing({}, 0.02) == pacing({"stream": True}, 0.02) == (0.02, IMMEDIATE)
+    assert pacing(False, 0.02) == (math.inf, 1)
+    assert pacing(True, 0.02) == (0.02, IMMEDIATE)
+    assert EngineRequest.from_dict({"request_id": "r", "token_ids": [1], "max_tokens": 1}).stream  # absent: True
     items = [_item(1, prompt_tokens=7), _item(2), _item(3), _item(4, "length")]
-    out = await _run(items, *pacing({"stream": False}, 0))
+    out = await _run(items, *pacing(False, 0))
     assert [x["token_ids"] for x in out] == [[1], [2, 3, 4]]
     assert out[1]["finish_reason"] == "length" and out[1]["log_probs"] == [-2.0, -3.0, -4.0]
 
 
-async def test_an_error_item_goes_out_at_once():
-    err = {"error": {"code": "bad_request", "message": "no", "status": 400}}
-    assert await _run([err], 3600) == [err]
+async def test_a_refusal_is_the_one_item_and_goes_out_at_once():
+    """The front door answers a refused request with its error as the only item, unpaced (a
+    request whose protocol is another's is refused by name before anything else)."""
+    door = _Door()
+    request = {"protocol": "mm-encoder.engine/9", "request_id": "r", "token_ids": [1], "max_tokens": 1}
+    (err,) = [x async for x in door.generate(request)]
+    assert err == {"error": {"code": "bad_request", "status": 400,
+                             "message": "this engine speaks 'mm-encoder.engine/1', not protocol 'mm-encoder.engine/9'"}}
+    (err,) = [x async for x in door.generate({"request_id": "r", "token_ids": [1], "max_tokens": 5})]
+    assert err["error"]["code"] == "context_length_exceeded" and door.generated == 0
+
+
+class _Door(FrontDoor):
+    """A front door over an engine that would generate one token (context length 4)."""
+
+    stream_interval_s = 3600.0
+    generated = 0
+
+    @property
+    def context_length(self) -> int:
+        return 4
+
+    def sampling(self, req):
+        return None
+
+    async def inputs(self, req, media):
+        return None
+
+    async def tokens(self, req, inputs, sampling, context):
+        self.generated += 1
+        yield TokenBatch([1], "length"), 0
 
 
 class _Tok:
@@ -95,6 +131,25 @@ def test_without_stop_strings_an_item_is_decoded_at_once():
 
 
 def test_an_item_is_cut_to_its_first_tokens_with_their_records():
-    item = {**_item(1), "token_ids": [1, 2, 3], "log_probs": [-1.0, -2.0, -3.0], "top_logprobs": [[], [], []]}
-    cut = first_tokens(item, 2)
-    assert (cut["token_ids"], cut["log_probs"], len(cut["top_logprobs"])) == ([1, 2], [-1.0, -2.0], 2)
+    item = TokenBatch([1, 2, 3], None, [-1.0, -2.0, -3.0], [[], [], []])
+    cut = item.first(2)
+    assert (cut.token_ids, cut.log_probs, len(cut.top_logprobs)) == ([1, 2], [-1.0, -2.0], 2)
+
+
+def test_the_frontend_reads_every_reply_field_and_refuses_a_malformed_item():
+    """`core.engine_reply.parse_item` on arrival: an item round-trips with every field, a refusal is
+    the engine's own error (code and status kept), anything else a 502 `bad_engine_reply`."""
+    item = TokenBatch([5, 6], "stop", [-0.5, -1.5], [[{"rank": 1, "token_id": 5, "logprob": -0.5}], []],
+                      Usage(12, 8, {"fetch": 1.5, "prefill": 3.0}))
+    assert parse_item(item.to_dict()) == item
+    assert parse_item({"token_ids": [1]}) == TokenBatch([1])
+    with pytest.raises(RemoteError) as e:
+        parse_item({"error": {"code": "context_length_exceeded", "message": "too long", "status": 400}})
+    assert (e.value.code, e.value.http_status, e.value.message) == ("context_length_exceeded", 400, "too long")
+    bad = [[1], {"token_ids": ["a"]}, {"token_ids": [1], "finish_reason": 3},
+           {"token_ids": [1, 2], "log_probs": [-1.0]}, {"token_ids": [1], "top_logprobs": [1]},
+           {"token_ids": [1], "prompt_tokens": -1}, {"token_ids": [1], "prompt_tokens": 3, "timings_ms": {"x": "y"}}]
+    for obj in bad:
+        with pytest.raises(BadEngineReply) as e:
+            parse_item(obj)
+        assert (e.value.code, e.value.http_status) == ("bad_engine_reply", 502), obj

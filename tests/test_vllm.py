@@ -39,32 +39,33 @@ import torch
 
 from mm_encoder import wire
 from mm_encoder.client import HandleResolver
-from mm_encoder.core.engine_request import EngineRequest, MediaInput
+from mm_encoder.core.engine_request import EngineRequest, InlineRequest, MediaInput
 from mm_encoder.core.errors import BadRequest
 from mm_encoder.core.handle import MediaHandle
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.engines import vllm as adapter
-from mm_encoder.engines.inputs import check_spans
+from mm_encoder.engines.inputs import Media, check_spans
 from mm_encoder.engines.vllm import VllmEngine, engine_overrides, parse_engine_args, read_config, sampling_kwargs
 from mm_encoder.engines.vllm_checkpoint import DEEPSEEK_V3_IMPLIED, deepseek_text_overrides, native_rope_on_cpu
-from mm_encoder.engines.vllm_inputs import (
-    FAMILIES,
-    block_digests,
-    collapse_runs,
-    embeds_width,
-    family_for,
-    items,
-    mixed_prompt,
-    mm_prompt,
-)
+from mm_encoder.engines.vllm_inputs import block_digests, collapse_runs, family_for, mixed_prompt, mm_prompt
+from mm_encoder.engines.vllm_inputs import items as vllm_items
 from mm_encoder.engines.vllm_kv import EMPTY_DIGEST, KvRelay
+from mm_encoder.families import embeds_width, vllm_inputs
 from mm_encoder.routing import MediaSpan, block_mm_infos
 from mm_encoder.runtime.process import parse_known_settings
 
 H1, H2, H3 = "ab" * 32, "cd" * 32, "ef" * 32
+
+
+def items(req: EngineRequest, bodies: list[bytes], family):
+    """The adapter's `items` over the bodies decoded as the front door decodes them (`inputs.decode_media`)."""
+    return vllm_items(req, [Media(i, wire.decode(b)) for i, b in zip(req.media, bodies, strict=True)], family)
+
+
 R1, R2, R3 = 0xABABABABABABABAB, 0xCDCDCDCDCDCDCDCD, 0xEFEFEFEFEFEFEFEF  # their routing hashes (first 64 bits)
 # Qwen2.5-VL <|image_pad|> <|video_pad|> <|vision_start|> <|vision_end|>
 IMG, VID, VS, VE = 151655, 151656, 151652, 151653
+FAMILIES = vllm_inputs()  # vLLM family name -> how it takes embeddings, over every model family
 QWEN25 = FAMILIES["qwen2_5_vl"]
 M = 163605  # Kimi-K2.5's <|media_pad|> (any id works on this route: vLLM reads the rows)
 KIMI_CFG = {"architectures": ["Kimi_K25ForConditionalGeneration"], "text_config": {"hidden_size": 16}}
@@ -603,7 +604,7 @@ def _engine(family=KIMI, relay=None, llm=None, max_model_len=64):
 
 def _admit(engine: VllmEngine, req: EngineRequest):
     """What vLLM is handed for the request (the relay registers the prompt's blocks on the way)."""
-    return asyncio.run(engine.engine_input(req, {}))
+    return asyncio.run(engine.prepare(req, {}))
 
 
 class _VllmSide:
@@ -841,7 +842,7 @@ async def test_generate_answers_refusals_as_one_error_item(vllm_stub):
     bad = EngineRequest("r", [1, M, M, M, M], 5, [], [_item(narrow, [(1, 4)], inline=True)])
     (err,) = await _collect(_engine(llm=llm), bad)
     assert err["error"]["code"] == "bad_request" and "8 wide; vLLM's kimi_k25 takes 16" in err["error"]["message"]
-    inline = EngineRequest("r", [], 5, prompt="hi <image>")
+    inline = InlineRequest("r", [], 5, prompt="hi <image>")
     (err,) = await _collect(_engine(llm=llm), inline)
     assert err["error"]["code"] == "bad_request" and "--encode-inline" in err["error"]["message"]
     assert llm.generated == []

@@ -30,10 +30,11 @@ import os
 from pathlib import Path
 
 import pytest
-from hf_reference import Reference, content, write_hf_checkpoint
-from media_factory import image_bytes, natural_image, video_bytes
-from nginx_fixtures import require_nginx
-from serve_fixtures import chat, chat_stream, data_url, frontend_stats, serving
+
+from harness.hf_reference import Reference, content, write_hf_checkpoint
+from harness.media_factory import image_bytes, natural_image, video_bytes
+from harness.nginx_fixtures import require_nginx
+from harness.serve_fixtures import chat, chat_stream, data_url, frontend_stats, serving
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs, one of them vLLM's engine
@@ -54,7 +55,7 @@ def _require_vllm() -> None:
 
 
 @pytest.fixture(scope="module")
-def graphs(tmp_path_factory):
+def graphs(tmp_path_factory, vllm_venv):
     _require_vllm()
     from mm_encoder.engines.tiny_checkpoint import write_checkpoint
 
@@ -157,7 +158,7 @@ def hf_written(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_graph(hf_written, tmp_path_factory):
+def hf_graph(hf_written, tmp_path_factory, vllm_venv):
     _require_vllm()
     with serving({"vllm": "graphs/epd-vllm.yaml"}, tmp_path_factory, "--checkpoint", str(hf_written),
                  "--dtype", "fp32", timeout=400) as ports:

@@ -11,9 +11,9 @@ import aiohttp
 import msgpack
 import pytest
 import torch
-from media_factory import image_bytes, natural_image, video_bytes
-from worker_fixtures import ForwardGate, post_json, run_canary, run_origin, run_worker, url_for, wait_for
 
+from harness.media_factory import image_bytes, natural_image, video_bytes
+from harness.worker_fixtures import ForwardGate, post_json, run_canary, run_origin, run_worker, url_for, wait_for
 from mm_encoder import wire
 
 PNG = image_bytes(natural_image(120, 90, seed=1))
@@ -317,7 +317,8 @@ def test_batch_composition_does_not_change_bits_on_cpu(tiny):
     """An item's embeddings are bit-identical alone or packed with others (CPU), so a body does not
     depend on what else was queued. On CUDA, kernels chosen per batch shape may differ in the last
     bit; there the mm_hash cache, not recomputation, keeps answers stable."""
-    items = [tiny.prepare(image_bytes(natural_image(w, h, seed=s))) for w, h, s in ((120, 90, 1), (640, 480, 2))]
+    items = [tiny.preprocess_item(image_bytes(natural_image(w, h, seed=s)))
+             for w, h, s in ((120, 90, 1), (640, 480, 2))]
     alone = tiny.forward(items[:1])[0][0]
     for batch in ([items[1], items[0]], [items[0], items[1]]):
         outputs = tiny.forward(batch)[0]
@@ -329,8 +330,8 @@ async def test_a_request_for_another_checkpoints_revision_is_refused(checkpoint,
     tensor index) exactly as the encode worker computes its own; a request naming another revision
     (a frontend pointed at another checkpoint) is a 409, never another model's embeddings, and the
     tiers' cache key differs with the revision, so a cache never answers for another checkpoint."""
-    from mm_encoder.core.card import ModelCard
     from mm_encoder.core.requests import EncodeRequest
+    from mm_encoder.families.card import ModelCard
 
     revision = ModelCard.read(checkpoint).revision
     assert revision == ckpt_encoder.spec.revision and revision.startswith("ckpt-")

@@ -12,6 +12,7 @@ here (POST through the chain) and sent to the engine with the handle.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..core import wire
 from ..core.errors import DtypeMismatch, RemoteError
@@ -32,7 +33,7 @@ class Encoded:
 
 class EncoderClient:
     def __init__(self, model: str, *, http_url: str | None = None, route: str = "cluster,shared",
-                 rpc_client=None, timeout_s: float = 600.0, scope: str = "", namespace: str | None = None,
+                 rpc_client: Any = None, timeout_s: float = 600.0, scope: str = "", namespace: str | None = None,
                  send_bodies: bool = False, revision: str | None = None, dtype: WireDtype | None = None):
         self.model = model
         self.revision = revision  # the checkpoint's: an encoder serving another refuses, a tier never mixes them

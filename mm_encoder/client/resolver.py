@@ -37,8 +37,15 @@ class HandleResolver:
         return self._chains[key]
 
     async def body(self, handle: MediaHandle) -> bytes:
+        """The handle's body, checked against it (its header read)."""
+        return check_body(handle, await self.fetch(handle))
+
+    async def fetch(self, handle: MediaHandle) -> bytes:
+        """The handle's body, not yet checked: for a caller that decodes it and checks the decoded
+        message (`core.handle.check_header`), reading it once."""
         self.fetches += 1
-        return await resolve(handle, self.chain_for(handle))
+        body, _ = await self.chain_for(handle).fetch(handle.source)
+        return body
 
     async def close(self) -> None:
         for chain in self._chains.values():

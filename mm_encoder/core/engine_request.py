@@ -1,18 +1,32 @@
 """The frontend's message to an engine: token ids with placeholder runs, and per media item its
 handle (`core.handle`, parsed once on arrival) and where its rows go.
 
-Travels as msgpack over Dynamo RPC on our own endpoint. The engine fetches each body itself, so
-the message is kilobytes. The engine's response stream: `{"token_ids": [int], "finish_reason":
-None | "stop" | "length"}` per step.
+Travels as msgpack over Dynamo RPC on the engines' `generate` endpoint, which also takes Dynamo's
+own preprocessed request (from the stock frontend): ours declares itself (`"protocol": PROTOCOL`),
+and `protocol_of` tells the two apart by that declaration. The engine fetches each body itself, so
+the message is kilobytes. The engine's answer is a stream of `core.engine_reply` items.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .errors import BadRequest
 from .handle import MediaHandle
+
+PROTOCOL = "mm-encoder.engine/1"  # what our frontend's requests declare; another version is refused by name
+
+
+def protocol_of(request: Any) -> Literal["mm", "dynamo"]:
+    """Which protocol a request on the engines' endpoint speaks: ours when it declares `PROTOCOL`
+    (or another `protocol`, which `EngineRequest.from_dict` then refuses by name); Dynamo's
+    preprocessed request when it declares none and carries Dynamo's `stop_conditions`. A request
+    that declares nothing and is not Dynamo's is a 0.2 frontend's, which predates the declaration
+    (kept for rolling upgrades; to be removed with 0.4)."""
+    if not isinstance(request, dict) or "protocol" in request or "stop_conditions" not in request:
+        return "mm"
+    return "dynamo"
 
 
 @dataclass
@@ -53,17 +67,13 @@ class EngineRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     media: list[MediaInput] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)  # core.sampling.SamplingParams.to_dict()
-    # The aggregated baseline (no encode worker): the rendered chat template (one placeholder per
-    # media item) and the media the engine fetches, encodes and splices itself; token_ids is then
-    # empty and the engine reports prompt_tokens.
-    prompt: str | None = None
-    media_refs: list[dict[str, str]] = field(default_factory=list)
     # False: the client reads the whole answer at once, so the engine holds every token after the
     # first until the finish (`engines.stream.pacing`); sent only then
     stream: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         d = {
+            "protocol": PROTOCOL,
             "request_id": self.request_id,
             "token_ids": self.token_ids,
             "max_tokens": self.max_tokens,
@@ -71,24 +81,40 @@ class EngineRequest:
             "sampling": self.sampling,
             "media": [m.to_dict() for m in self.media],
         }
-        if self.prompt is not None:
-            d["prompt"] = self.prompt
-            d["media_refs"] = self.media_refs
         if not self.stream:
             d["stream"] = False
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> EngineRequest:
-        """A peer's request, its media handles parsed and checked once (BadRequest or HandleError)."""
+        """A peer's request, its media handles parsed and checked once (BadRequest or HandleError);
+        one that carries a rendered `prompt` is the aggregated baseline's (`InlineRequest`)."""
         if not isinstance(d, dict):
             raise BadRequest(f"an engine request is a map, not a {type(d).__name__}")
+        if d.get("protocol", PROTOCOL) != PROTOCOL:
+            raise BadRequest(f"this engine speaks {PROTOCOL!r}, not protocol {d['protocol']!r}")
         try:
             media = [MediaInput.from_dict(m) for m in d.get("media", [])]
-            return cls(str(d["request_id"]), list(d["token_ids"]), int(d["max_tokens"]),
-                       list(d.get("eos_token_ids", [])), media, dict(d.get("sampling") or {}), d.get("prompt"),
-                       list(d.get("media_refs", [])), d.get("stream", True) is not False)
+            args = (str(d["request_id"]), list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
+                    media, dict(d.get("sampling") or {}), d.get("stream", True) is not False)
+            if d.get("prompt") is not None:
+                return InlineRequest(*args, prompt=str(d["prompt"]), media_refs=list(d.get("media_refs", [])))
+            return EngineRequest(*args)
         except KeyError as e:
             raise BadRequest(f"the engine request has no {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise BadRequest(f"malformed engine request: {e}") from None
+
+
+@dataclass
+class InlineRequest(EngineRequest):
+    """The aggregated baseline's request (no encode worker; an engine started with
+    `--encode-inline` takes it): the rendered chat template (one placeholder per media item) and
+    the media the engine fetches, encodes and splices itself. `token_ids` is then empty and the
+    engine reports the prompt's length in its first item's usage."""
+
+    prompt: str = ""
+    media_refs: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "prompt": self.prompt, "media_refs": self.media_refs}

@@ -15,7 +15,8 @@ HTTP status its transport answers. Callers map errors to responses by reading `c
     ├── RemoteError           any        an error another component returned, code and status kept
     ├── WireError             502        a peer's wire-v1 body is broken
     ├── HandleError           502        an embedding handle that does not resolve to its own body
-    └── configuration (operator's mistakes, 4xx/500): CheckpointError, ModelDirError, GraphError,
+    ├── BadEngineReply        502        an engine's reply item is not `core.engine_reply`'s
+    └── configuration (operator's mistakes, 4xx/500): CheckpointError (NotACheckpoint), ModelDirError, GraphError,
         CacheTierError
 """
 
@@ -216,6 +217,14 @@ class HandleError(MMEncoderError):
     http_status = 502
 
 
+class BadEngineReply(MMEncoderError):
+    """An engine answered an item that is not a `core.engine_reply` item (a bug or a mismatched
+    release): the request fails as the engine's fault, never half-read."""
+
+    code = "bad_engine_reply"
+    http_status = 502
+
+
 # --- the operator's configuration -----------------------------------------------------------
 
 
@@ -224,6 +233,11 @@ class CheckpointError(MMEncoderError):
 
     code = "bad_checkpoint"
     http_status = 500
+
+
+class NotACheckpoint(CheckpointError, ValueError):
+    """A checkpoint directory without a readable config.json (`families.read_config`); a ValueError
+    too, as the vLLM adapter refuses its arguments before vLLM starts."""
 
 
 class ModelDirError(MMEncoderError):

@@ -7,9 +7,10 @@ Dynamo RPC as the fallback). The engine pulls the wire-v1 body itself. A level t
 the entry forwards the request and the encoder re-encodes it to the same bytes, so a handle never
 points at nothing: eviction costs one re-encode, not a failure.
 
-A handle is the item's one description: `parse` checks a peer's once, and its `header` is parsed
-once per process (the frontend builds it from a header it already checked). Everything else (token
-counts per grid, the tiers' cache key) is derived from it, never carried twice.
+A handle is the item's one description: `parse` checks a peer's once, and holds its `header`
+(parsed once per process; the frontend builds a handle from a header it already checked). Everything
+else (its mm_hash, token counts per grid, the tiers' cache key) is derived from it, never held twice;
+the JSON form (`_HandleForm`) writes the mm_hash beside the header's fields for readers of the wire.
 
 The network client that asks the encoders for headers and bodies is `mm_encoder.client`.
 `check_body` checks a fetched body against its handle: a body whose mm_hash or grids differ (the
@@ -19,9 +20,10 @@ URL now serves other bytes, or the handle was tampered with) is refused, never s
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import wire
 from .errors import HandleError, RemoteError, WireError
@@ -42,8 +44,8 @@ def chain_url(url: str) -> str:
     return url if url.endswith("/v1/encode") else url + "/v1/encode"
 
 
-class MediaHandle(BaseModel):
-    """One media item's embeddings, by reference (JSON-valued: it rides in Dynamo's typed fields)."""
+class _HandleForm(BaseModel):
+    """A handle as it travels (JSON): what `MediaHandle.parse` validates and `to_dict` writes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -54,7 +56,6 @@ class MediaHandle(BaseModel):
     chain: str | None = Field(None, max_length=2048)  # the first tier's /v1/encode URL; None: RPC only
     route: str = Field("cluster,shared", pattern=f"^{ROUTE.pattern}$")
     rpc: str | None = Field(None, max_length=256)  # the encode workers' Dynamo endpoint path
-    _header: wire.WireHeader | None = PrivateAttr(None)
 
     @field_validator("source")
     @classmethod
@@ -63,13 +64,26 @@ class MediaHandle(BaseModel):
             raise ValueError("a handle's source names its media by `url`, never by raw `data`")
         return source
 
+
+@dataclass(frozen=True)
+class MediaHandle:
+    """One media item's embeddings, by reference: its wire header (mm_hash, grids, dtype, shape,
+    timestamps: what a frontend splices and routes on), held once, and where its body is."""
+
+    header: wire.WireHeader
+    source: EncodeRequest  # by URL: re-sent as is when the body must be fetched again
+    chain: str | None = None  # the first tier's /v1/encode URL; None: RPC only
+    route: str = "cluster,shared"  # X-Cache-Route
+    rpc: str | None = None  # the encode workers' Dynamo endpoint path
+
     @classmethod
     def build(cls, header: wire.WireHeader, source: EncodeRequest, *, chain: str | None, route: str,
               rpc: str | None) -> MediaHandle:
-        """The handle for an item whose header this process has (checked by whoever made it)."""
-        handle = cls(mm_hash=header.mm_hash, meta=header.to_meta(), source=source, chain=chain, route=route, rpc=rpc)
-        handle._header = header
-        return handle
+        """The handle for an item whose header this process has (checked by whoever made it); the
+        rest is checked as a peer's would be."""
+        _HandleForm.model_validate({"mm_hash": header.mm_hash, "meta": {}, "source": source, "chain": chain,
+                                    "route": route, "rpc": rpc})
+        return cls(header, source, chain, route, rpc)
 
     @classmethod
     def parse(cls, obj: Any) -> MediaHandle:
@@ -80,29 +94,25 @@ class MediaHandle(BaseModel):
             obj = dict(obj)
             legacy = {k: obj.pop(k) for k in _LEGACY_FIELDS if k in obj}
         try:
-            handle = cls.model_validate(obj)
+            form = _HandleForm.model_validate(obj)
         except ValidationError as e:
             err = e.errors(include_url=False)[0]
             where = ".".join(str(x) for x in err["loc"])
             raise HandleError(f"malformed media handle: {where + ': ' if where else ''}{err['msg']}") from None
         try:
-            header = wire.WireHeader.from_meta(handle.meta)
+            header = wire.WireHeader.from_meta(form.meta)
         except WireError as e:
-            raise HandleError(f"media handle {handle.mm_hash[:12]}: {e.message}") from None
+            raise HandleError(f"media handle {form.mm_hash[:12]}: {e.message}") from None
         tokens = header.tokens_per_grid
-        if header.mm_hash != handle.mm_hash or legacy.get("num_tokens", tokens) != tokens:
-            raise HandleError(f"media handle {handle.mm_hash[:12]}: its fields disagree with its header")
-        if "key" in legacy and legacy["key"] != handle.source.key():  # a tier would have stored it under this
-            raise HandleError(f"media handle {handle.mm_hash[:12]}: its key is not its source's key")
-        handle._header = header
-        return handle
+        if header.mm_hash != form.mm_hash or legacy.get("num_tokens", tokens) != tokens:
+            raise HandleError(f"media handle {form.mm_hash[:12]}: its fields disagree with its header")
+        if "key" in legacy and legacy["key"] != form.source.key():  # a tier would have stored it under this
+            raise HandleError(f"media handle {form.mm_hash[:12]}: its key is not its source's key")
+        return cls(header, form.source, form.chain, form.route, form.rpc)
 
     @property
-    def header(self) -> wire.WireHeader:
-        """The wire header, parsed once (a handle made by `parse` or `build` already has it)."""
-        if self._header is None:
-            self._header = wire.WireHeader.from_meta(self.meta)
-        return self._header
+    def mm_hash(self) -> str:
+        return self.header.mm_hash
 
     @property
     def num_tokens(self) -> list[int]:
@@ -110,17 +120,27 @@ class MediaHandle(BaseModel):
         return self.header.tokens_per_grid
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
+        """The JSON form (`_HandleForm`): the header's fields under `meta`, its mm_hash also on top."""
+        d: dict[str, Any] = {"v": HANDLE_VERSION, "mm_hash": self.mm_hash, "meta": self.header.to_meta(),
+                             "source": self.source.model_dump(mode="json", exclude_none=True),
+                             "chain": self.chain, "route": self.route, "rpc": self.rpc}
+        return {k: v for k, v in d.items() if v is not None}
 
 
 def check_body(handle: MediaHandle, body: bytes) -> bytes:
-    """`body`, if it is the one `handle` announced (mm_hash, grids, shape, dtype); else HandleError."""
-    got = wire.peek(body)
+    """`body`, if it is the one `handle` announced (mm_hash, grids, shape, dtype); else HandleError.
+    Reads only the body's header (`wire.peek`); an engine that decodes the body anyway checks the
+    decoded message with `check_header` instead, reading it once."""
+    check_header(handle, wire.peek(body))
+    return body
+
+
+def check_header(handle: MediaHandle, got: wire.WireHeader) -> None:
+    """A fetched body's header (or its decoded message) is the one `handle` announced; else HandleError."""
     want = handle.header
     if (got.mm_hash, got.grid_thws, got.shape, got.dtype) != (want.mm_hash, want.grid_thws, want.shape, want.dtype):
         raise HandleError(f"media handle {handle.mm_hash[:12]}: the fetched body is {got.mm_hash[:12]} "
                           f"{list(got.shape)}, not what the handle announced; refusing to splice it")
-    return body
 
 
 # --- Dynamo's encoder handoff ---------------------------------------------------------------

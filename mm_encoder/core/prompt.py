@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,7 @@ class ChatTokenizer:
         return tid
 
 
-MediaItem = tuple[str, list[int], "list[str] | None"]  # (modality, rows per image or chunk, chunk timestamps)
+MediaItem = tuple[str, list[int], "Sequence[str] | None"]  # (modality, rows per image or chunk, chunk timestamps)
 
 
 @dataclass
@@ -154,7 +155,7 @@ class Splicer:
         """The modality of each media item a one-placeholder-per-item prompt holds, in order."""
         return [self._kinds[t] for t in token_ids if t in self._kinds]
 
-    def expand_text(self, text: str, media: list[MediaItem]) -> Spliced:
+    def expand_text(self, text: str, media: Sequence[MediaItem]) -> Spliced:
         """The rendered template (one placeholder per item) -> token ids with every item's rows."""
         videos = [m for m in media if m[0] == "video"]
         if videos:
@@ -166,7 +167,7 @@ class Splicer:
             text = parts[0] + "".join(c + p for c, p in zip(chunks, parts[1:], strict=True))
         return self._expand(self.tok.encode(text), media, ModelDirError)
 
-    def expand_ids(self, token_ids: list[int], media: list[MediaItem]) -> Spliced:
+    def expand_ids(self, token_ids: list[int], media: Sequence[MediaItem]) -> Spliced:
         """The same from token ids with one placeholder per item (each chunk prompt tokenized alone)."""
         out: list[int] = []
         videos = iter([m for m in media if m[0] == "video"])
@@ -188,10 +189,10 @@ class Splicer:
             raise BadRequest(f"this model takes no video in a chat prompt ({n} given)", "unsupported_modality")
         return self.prompt.video_placeholder
 
-    def _chunk_prompts(self, counts: list[int], stamps: list[str] | None) -> str:
+    def _chunk_prompts(self, counts: list[int], stamps: Sequence[str] | None) -> str:
         return "".join(self.prompt.video.format(timestamp=_stamp(stamps, c)) for c in range(len(counts)))
 
-    def _expand(self, ids: list[int], media: list[MediaItem], error: type[MMEncoderError]) -> Spliced:
+    def _expand(self, ids: list[int], media: Sequence[MediaItem], error: type[MMEncoderError]) -> Spliced:
         """Each run token (one per image, one per video chunk) -> its rows; the runs must be the items'."""
         runs = [(m, n) for m, counts, _ in media for n in counts]
 
@@ -244,7 +245,7 @@ def _byte_decoder() -> dict[str, int]:
     return table
 
 
-def _stamp(stamps: list[str] | None, i: int) -> str:
+def _stamp(stamps: Sequence[str] | None, i: int) -> str:
     return stamps[i] if stamps and i < len(stamps) else ""
 
 

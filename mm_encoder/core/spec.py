@@ -2,8 +2,8 @@
 
 Specs are plain data validated by pydantic; `configs/` holds one small YAML file per model and per
 shared tower. A checkpoint overrides them with its own files (`model/hf_config.py`, beside the
-loader); here only what every process reads of a checkpoint: which registry model a `model_type`
-is, and a checkpoint's revision.
+loader); here only what every process reads of a checkpoint: its revision. Which registry model a
+`model_type` is, is its model family's (`families/`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ PreprocessPolicy = Literal["kimi-k2.5", "kimi-vl"]
 class PreprocessConfig(_Frozen):
     """What decides the pixels the model sees; part of mm_hash (see model/hashing.py).
 
-    `policy` is the model's own resize rule (model/preprocess.py has both):
+    `policy` is the model's own resize rule (its family module states it, `families/`; model/preprocess.py
+    applies it):
     - "kimi-k2.5": scale down to at most `in_patch_limit` patches (`in_patch_limit_each_frame` for a
       video frame) and `patch_limit_on_one_side` per side; zero-pad to a multiple of patch*merge.
     - "kimi-vl" (KimiVLImageProcessor): scale down to at most `in_patch_limit` patches (its
@@ -198,9 +199,7 @@ class ModelSpec(_Frozen):
 
 
 # --- Hugging Face config.json ------------------------------------------------------------------
-
-# model_type -> registry name that supplies what config.json does not say (preprocessing, prompt).
-HF_MODEL_TYPES = {"kimi_k25": "kimi-k2.5-vision", "kimi_vl": "kimi-vl-a3b", "glm4v": "glm-5.2-vision"}
+# Which registry model a config.json `model_type` is: its family's (`families.spec_names`).
 
 
 def file_revision(*blobs: bytes) -> str:

@@ -211,7 +211,7 @@ def check_install() -> tuple[str, str]:
         missing.append("lua-resty-core (resty/core.lua, pulled in by libnginx-mod-http-lua)")
     if not any((Path(d) / "nginx" / "sha256.lua").is_file() for d in LUA_DIRS):
         missing.append("lua-nginx-string (nginx/sha256.lua)")
-    if missing:
+    if missing or nginx is None or modules is None:  # each None is named in `missing`
         raise CacheTierError(
             "the cache tiers need nginx with its Lua module; missing: " + "; ".join(missing)
             + f". On Debian/Ubuntu: sudo apt-get install -y --no-install-recommends {PACKAGES}"

@@ -33,7 +33,7 @@ from ..core.errors import GraphError
 from ..runtime.dynamo import BLOCK_SIZE, NAMESPACE
 
 Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared"]
-CACHE_KINDS = ("cache-cluster", "cache-router", "cache-shared")
+CACHE_KINDS: tuple[Kind, ...] = ("cache-cluster", "cache-router", "cache-shared")
 _PKG = Path(__file__).resolve().parents[1]  # the mm_encoder package
 
 

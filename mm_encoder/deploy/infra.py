@@ -15,10 +15,15 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.errors import GraphError
+
+if TYPE_CHECKING:
+    from .graph import Runtime
 
 LOOPBACK = "127.0.0.1"
 PACKAGES = {"etcd": "etcd-server", "nats-server": "nats-server"}
@@ -27,7 +32,8 @@ PACKAGES = {"etcd": "etcd-server", "nats-server": "nats-server"}
 def _port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def check_install(binary: str) -> str:
@@ -46,9 +52,13 @@ class Server:
     cmd: list[str]
     env: dict[str, str]
     probe: tuple[str, int] | str  # (host, port) for NATS' INFO line, or etcd's /health URL
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     data: Path | None = field(default=None)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
 
     def start(self, log: Path) -> None:
         self.log = log
@@ -59,13 +69,16 @@ class Server:
         try:
             if isinstance(self.probe, str):
                 with urllib.request.urlopen(self.probe, timeout=2) as r:
-                    return json.loads(r.read()).get("health") == "true"
+                    health: object = json.loads(r.read()).get("health")
+                    return health == "true"
             with socket.create_connection(self.probe, timeout=2) as s:
                 return s.recv(5) == b"INFO "
         except (OSError, ValueError):
             return False
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
+        if self.popen is None:
+            raise GraphError(f"{self.name} was never started")
         deadline = time.monotonic() + timeout_s
         while not self.ready():
             if self.popen.poll() is not None:
@@ -108,7 +121,7 @@ def nats(data_dir: Path, port: int | None = None) -> Server:
     return Server("nats", cmd, {"NATS_SERVER": f"nats://{LOOPBACK}:{port}"}, (LOOPBACK, port), data=data_dir)
 
 
-def servers_for(runtime, run_dir: Path, environ: dict[str, str]) -> list[Server]:
+def servers_for(runtime: Runtime, run_dir: Path, environ: Mapping[str, str]) -> list[Server]:
     """The servers a graph's runtime needs that the environment does not already name."""
     out = []
     if runtime.needs_etcd and not environ.get("ETCD_ENDPOINTS"):

@@ -64,6 +64,8 @@ def _env(values: dict[str, str]) -> list[dict[str, str]]:
 def _size_bytes(value: str) -> int:
     """An nginx size TierConfig has validated (512k, 64m, 2g) in bytes."""
     m = _SIZE.match(value)
+    if m is None:
+        raise ValueError(f"{value!r} is not an nginx size")
     return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": _MI, "g": _GI}[m.group(2).lower()]
 
 
@@ -237,7 +239,8 @@ def _tier_memory(max_size: int, keys_zone: int, c: Component) -> tuple[str, dict
                                    "limits": {"memory": _quantity(limit)}}
 
 
-def _tier_pod(names: K8sNames, cp: ComponentPlan, resources: dict[str, Any], cache_size_limit: str | None) -> dict:
+def _tier_pod(names: K8sNames, cp: ComponentPlan, resources: dict[str, Any],
+              cache_size_limit: str | None) -> dict[str, Any]:
     def probe(period: int) -> dict[str, Any]:
         return {"httpGet": {"path": cp.health_path, "port": "http"}, "periodSeconds": period, "failureThreshold": 3}
 
@@ -345,7 +348,8 @@ def render(graph: Graph) -> list[dict[str, Any]]:
     _check_components(graph)
     components = plan(graph, K8sSite(names))
     objects = [_graph_deployment(names, components), *_encoder_services(names), *_tiers(names, components)]
-    return json.loads(json.dumps(objects))  # plain, unshared data: no YAML anchors, safe to mutate
+    plain: list[dict[str, Any]] = json.loads(json.dumps(objects))  # unshared data: no YAML anchors, safe to mutate
+    return plain
 
 
 def render_yaml(graph: Graph) -> str:

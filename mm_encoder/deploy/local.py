@@ -27,6 +27,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from ..core.errors import GraphError
 from . import infra
@@ -41,7 +43,8 @@ LOOPBACK = "127.0.0.1"
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class LocalSite(Site):
@@ -96,7 +99,7 @@ class Proc:
 
     component: ComponentPlan
     replica: Replica
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     restarts: int = 0
     state: str = "new"
@@ -145,14 +148,15 @@ class GraphRunner:
 
     # --- running -----------------------------------------------------------------------------
 
-    def spawn(self, p: Proc) -> None:
+    def spawn(self, p: Proc) -> subprocess.Popen[bytes]:
         p.log = self.run_dir / f"{p.name}.log"
         env = {**os.environ, **(self.runtime_env if p.kind in DYNAMO_KINDS else {}), **p.component.env}
         with p.log.open("a") as log:
-            p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       cwd=self.run_dir)
-        self.sessions.add(p.popen.pid)  # every session ever started: the leftover check covers them all
+            popen = p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True, cwd=self.run_dir)
+        self.sessions.add(popen.pid)  # every session ever started: the leftover check covers them all
         p.state = "starting"
+        return popen
 
     def healthy(self, p: Proc) -> bool:
         if p.component.health_path is None:
@@ -168,10 +172,13 @@ class GraphRunner:
             return False
 
     def wait_healthy(self, p: Proc) -> None:
+        popen = p.popen
+        if popen is None:
+            raise GraphError(f"{p.name} was never started")
         deadline = time.monotonic() + self.start_timeout_s
         while not self.healthy(p):
-            if p.popen.poll() is not None:
-                raise GraphError(f"{p.name} exited with {p.popen.returncode} while starting:\n{self.tail(p)}")
+            if popen.poll() is not None:
+                raise GraphError(f"{p.name} exited with {popen.returncode} while starting:\n{self.tail(p)}")
             if time.monotonic() > deadline:
                 raise GraphError(f"{p.name} was not healthy after {self.start_timeout_s:.0f} s:\n{self.tail(p)}")
             time.sleep(0.1)
@@ -185,9 +192,9 @@ class GraphRunner:
         self.procs = self.prepare()
         self.start_servers()
         for p in self.procs:
-            self.spawn(p)
+            popen = self.spawn(p)
             self.wait_healthy(p)
-            print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid}" + (f"  {p.url}" if p.url else ""), flush=True)
+            print(f"  {p.name:12s} {p.kind:14s} up   pid {popen.pid}" + (f"  {p.url}" if p.url else ""), flush=True)
         self.write_state()
 
     def start_servers(self) -> None:
@@ -198,7 +205,7 @@ class GraphRunner:
             server.start(self.run_dir / f"{server.name}.log")
             server.wait_ready()
             self.runtime_env |= server.env
-            print(f"  {server.name:12s} {'runtime':14s} up   pid {server.popen.pid}  {next(iter(server.env.values()))}",
+            print(f"  {server.name:12s} {'runtime':14s} up   pid {server.pid}  {next(iter(server.env.values()))}",
                   flush=True)
 
     def write_state(self) -> None:
@@ -208,7 +215,7 @@ class GraphRunner:
             "supervisor_pid": os.getpid(),
             "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
                             "url": p.url, "log": str(p.log)} for p in self.procs],
-            "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.popen.pid} for s in self.servers]},
+            "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.pid} for s in self.servers]},
         }
         (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
 
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path(f"/tmp/mm-encoder-{graph.name}")
     runner = GraphRunner(graph, run_dir, restart=args.restart)
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..core.errors import GraphError
 from ..runtime.dynamo import MAX_MESSAGE_SIZE
@@ -103,7 +104,7 @@ class _Planner:
         """The rows' dtype from encoder to engine: an encoder's explicit `--wire-dtype`, else the
         graph's `llm.dtype` (the worker packs what its model runs in). The frontend names it in every
         encode request, so the tiers key it and an encoder packing another refuses (409)."""
-        given = {_flag_value(c.args, "--wire-dtype") for _, c in self.g.of_kind("encoder")} - {None}
+        given = {v for _, c in self.g.of_kind("encoder") if (v := _flag_value(c.args, "--wire-dtype")) is not None}
         if len(given) > 1:
             raise GraphError(f"the encoders' --wire-dtype differ ({', '.join(sorted(given))}): one graph, one dtype")
         return given.pop() if given else TORCH_DTYPES[self.g.llm.dtype] if self.g.llm.dtype else None
@@ -159,8 +160,8 @@ class _Planner:
                 *self._http(name, "encoder", i)]
         if self.g.stock_frontend:  # Dynamo's Encode worker for the model; its handles name the chain
             argv += ["--stock-model-dir", self.site.checkpoint_dir, "--stock-name", self.g.llm.served_name]
-            if self.chain():
-                argv += ["--handle-chain", self.chain()[0], "--handle-route", self.chain()[1]]
+            if chain := self.chain():
+                argv += ["--handle-chain", chain[0], "--handle-route", chain[1]]
         return argv
 
     def shared(self, name: str, i: int) -> list[str]:
@@ -180,13 +181,14 @@ class _Planner:
             dtype = ["--dtype", TORCH_DTYPES[g.llm.dtype]] if g.llm.dtype else []
             argv = ["--model", self.site.checkpoint_dir, "--name", g.llm.served_name, "--namespace", g.namespace,
                     "--block-size", str(g.block_size), *dtype]
-            return argv + (["--encoder-chain", self.chain()[0]] if self.chain() else [])
+            chain = self.chain()
+            return argv + (["--encoder-chain", chain[0]] if chain else [])
         argv = ["--checkpoint", self.site.checkpoint_dir, *self.dtype, "--name", g.llm.served_name,
                 "--namespace", g.namespace, "--block-size", str(g.block_size)]
         if g.inline_encoding:  # the aggregated baseline: the whole model, its own vision tower on pixels
             argv += ["--encode-inline"]
-        elif self.chain():  # the chain the engine trusts to fetch bodies from (handles name it)
-            argv += ["--encoder-chain", self.chain()[0]]
+        elif chain := self.chain():  # the chain the engine trusts to fetch bodies from (handles name it)
+            argv += ["--encoder-chain", chain[0]]
         return argv + (["--frontend", "stock"] if g.stock_frontend else [])
 
     def chain(self) -> tuple[str, str] | None:
@@ -207,8 +209,8 @@ class _Planner:
             return [*self._http(name, "frontend", i), "--namespace", g.namespace]
         argv = ["--model-dir", self.site.checkpoint_dir, *self._http(name, "frontend", i), "--namespace", g.namespace,
                 "--block-size", str(g.block_size)]
-        if self.chain():
-            url, route = self.chain()
+        if chain := self.chain():
+            url, route = chain
             argv += ["--encoder-http", url, "--encoder-route", route]
         if self.wire_dtype and not g.inline_encoding:
             argv += ["--wire-dtype", self.wire_dtype]
@@ -248,7 +250,7 @@ class GeneratedCheckpoint:
         """`python -m <MODULE>` arguments that write it into `target`."""
         return [target, "--preset", self.preset]
 
-    def write(self, target, python: str = sys.executable) -> None:
+    def write(self, target: str | Path, python: str = sys.executable) -> None:
         done = subprocess.run([python, "-m", self.MODULE, *self.argv(str(target))], capture_output=True, text=True)
         if done.returncode != 0:
             raise GraphError(f"writing the generated {self.preset} checkpoint into {target} failed:\n"

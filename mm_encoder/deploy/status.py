@@ -19,7 +19,8 @@ from prometheus_client.samples import Sample
 def _get(url: str, timeout: float = 2.0) -> bytes | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.read()
+            body: bytes = r.read()
+            return body
     except OSError:
         return None
 

@@ -16,16 +16,22 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
 from ..core import wire
 from ..core.timing import ms_since
-from ..model.encoder import Encoder, Prepared
+from ..core.wire_schema import DTYPE_SIZES, WireDtype
+from ..model.steps import EncodeSteps, Prepared
 from .metrics import ServiceMetrics
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+# What the device thread hands back per job: its rows, and its packed body with the pack time when
+# there is no postprocess pool to pack it in.
+_Packed = tuple[wire.Packed, float]
+_Done = tuple[list[torch.Tensor], float, float, _Packed | None]  # rows, queue ms, forward ms, packed
 
 
 @dataclass
@@ -35,7 +41,7 @@ class Job:
     mm_hash: str
     modality: str
     prepared: list[Prepared]
-    future: asyncio.Future
+    future: asyncio.Future[_Done]
     enqueued: float
 
     @property
@@ -44,18 +50,18 @@ class Job:
 
 
 class DeviceBatcher:
-    def __init__(self, encoder: Encoder, settings: WorkerSettings, metrics: ServiceMetrics):
+    def __init__(self, encoder: EncodeSteps, settings: WorkerSettings, metrics: ServiceMetrics):
         self.encoder = encoder
         self.settings = settings
         self.metrics = metrics
         # the rows leave in the dtype the model ran in unless the operator says otherwise: --dtype fp32
         # is fp32 from the tower to the engine, bf16 (production) costs no extra bytes
-        self.wire_dtype: wire.WireDtype = settings.wire_dtype or wire_name(encoder.dtype)
+        self.wire_dtype: WireDtype = settings.wire_dtype or wire_name(encoder.dtype)
         self._device = ThreadPoolExecutor(1, thread_name_prefix="mm-device")
         self._post = ThreadPoolExecutor(settings.post_workers, "mm-post") if settings.post_workers else None
         self._jobs: deque[Job] = deque()
         self._ready: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         """Jobs waiting for the device (the `mm_encoder_queue_depth` gauge)."""
@@ -87,24 +93,31 @@ class DeviceBatcher:
         loop = asyncio.get_running_loop()
         job = Job(mm_hash, modality, prepared, loop.create_future(), time.perf_counter())
         self._jobs.append(job)
-        self._ready.set()
-        outputs, queue_ms, forward_ms, packed = await job.future
+        self._started().set()
+        outputs, queue_ms, forward_ms, packed_here = await job.future
         timings = {"queue": queue_ms, "forward": forward_ms}
-        if packed is None:
+        if packed_here is None:
             t0 = time.perf_counter()
             packed = await loop.run_in_executor(self._post, self.pack, job, outputs)
             timings["pack"] = ms_since(t0)
         else:
-            packed, timings["pack"] = packed
+            packed, timings["pack"] = packed_here
         return packed, timings
+
+    def _started(self) -> asyncio.Event:
+        """The event that wakes the batching task (made by `start`, in the serving loop)."""
+        if self._ready is None:
+            raise RuntimeError("the device batcher is not started")
+        return self._ready
 
     async def _run(self) -> None:
         """Forms batches from queued jobs and runs them, one at a time, on the device thread."""
         loop = asyncio.get_running_loop()
+        ready = self._started()
         while True:
             while not self._jobs:
-                self._ready.clear()
-                await self._ready.wait()
+                ready.clear()
+                await ready.wait()
             batch = self._take(self.encoder.batch_max_patches)
             if not batch:
                 continue
@@ -139,18 +152,19 @@ class DeviceBatcher:
             patches += job.patches
         return batch
 
-    def _forward(self, batch: list[Job]) -> tuple[list[list[torch.Tensor]], float, list]:
+    def _forward(self, batch: list[Job]) -> tuple[list[list[torch.Tensor]], float, list[_Packed | None]]:
         """Device thread: one forward over every chunk of every job; packs here too if there is
         no postprocess pool."""
         flat = [p for job in batch for p in job.prepared]
         outputs, forward_ms = self.encoder.forward(flat)
-        per_job, i = [], 0
+        per_job: list[list[torch.Tensor]] = []
+        i = 0
         for job in batch:
             per_job.append(outputs[i : i + len(job.prepared)])
             i += len(job.prepared)
         if self._post is not None:
             return per_job, forward_ms, [None] * len(batch)
-        packed = []
+        packed: list[_Packed | None] = []
         for job, outs in zip(batch, per_job, strict=True):
             t0 = time.perf_counter()
             packed.append((self.pack(job, outs), ms_since(t0)))
@@ -164,16 +178,27 @@ class DeviceBatcher:
             modality=job.modality,
             embeds=embeds,
             grid_thws=[p.grid for p in job.prepared],
-            timestamps=[p.timestamp for p in job.prepared] if job.modality == "video" else None,
+            timestamps=_timestamps(job),
             dtype=self.wire_dtype,
             byte_planes=self.settings.wire_byte_planes,
             level=self.settings.zstd_level,
         )
 
 
-def wire_name(dtype: torch.dtype) -> wire.WireDtype:
+def _timestamps(job: Job) -> list[str] | None:
+    """A video's chunk stamps (every video chunk has one); None for an image."""
+    if job.modality != "video":
+        return None
+    return [p.timestamp for p in job.prepared if p.timestamp is not None]
+
+
+def wire_name(dtype: torch.dtype) -> WireDtype:
     """torch's dtype -> its wire name (the wire spells dtypes as torch does)."""
     name = str(dtype).removeprefix("torch.")
-    if name not in wire.DTYPE_SIZES:
+    if not _is_wire_dtype(name):
         raise ValueError(f"the encoder runs in {name}, which the wire cannot carry; set --wire-dtype")
-    return name  # type: ignore[return-value]
+    return name
+
+
+def _is_wire_dtype(name: str) -> TypeGuard[WireDtype]:
+    return name in DTYPE_SIZES

@@ -25,6 +25,9 @@ import cachetools
 from ..core.wire import Packed
 
 T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+_AliasKey = tuple[str, str, bytes]  # (scope, url, processor identity)
 
 
 @dataclass
@@ -35,23 +38,23 @@ class CacheStats:
     expirations: int = 0
 
 
-class _CountsEvictions:
+class _CountsEvictions(cachetools.Cache[K, V]):
     """Counts the entries a cachetools cache evicts to stay within its cap."""
 
     stats: CacheStats
 
-    def popitem(self):
+    def popitem(self) -> tuple[K, V]:
         item = super().popitem()
         self.stats.evictions += 1
         return item
 
 
-class _LRU(_CountsEvictions, cachetools.LRUCache):
+class _LRU(_CountsEvictions[str, Packed], cachetools.LRUCache[str, Packed]):
     pass
 
 
-class _TTL(_CountsEvictions, cachetools.TTLCache):
-    def expire(self, time=None):
+class _TTL(_CountsEvictions[_AliasKey, str], cachetools.TTLCache[_AliasKey, str, float]):
+    def expire(self, time: float | None = None) -> list[tuple[_AliasKey, str]]:
         expired = super().expire(time)
         self.stats.expirations += len(expired)
         return expired
@@ -101,7 +104,7 @@ class BodyCache:
 
     @property
     def bytes(self) -> int:
-        return self._entries.currsize
+        return int(self._entries.currsize)  # a sum of body lengths
 
     def get(self, mm_hash: str) -> Packed | None:
         entry = self._entries.get(mm_hash)
@@ -171,6 +174,6 @@ class SingleFlight(Generic[T]):
             self._flights.pop(key, None)
 
 
-def _retrieve(task: asyncio.Task) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()

@@ -13,12 +13,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import MMEncoderError
 from ..core.requests import EncodeRequest
 from ..runtime.dynamo import endpoint_path, serve_endpoint
 from .pipeline import EncodeResult, EncodeService
+
+if TYPE_CHECKING:
+    from ..runtime.dynamo import Context, DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +29,11 @@ log = logging.getLogger(__name__)
 class DynamoServer:
     """Serves one EncodeService on a Dynamo endpoint; `stop()` drains, then deregisters."""
 
-    def __init__(self, service: EncodeService, runtime, namespace: str):
+    def __init__(self, service: EncodeService, runtime: DistributedRuntime, namespace: str):
         self.service = service
         self.runtime = runtime
         self.path = endpoint_path(namespace)
-        self._task: asyncio.Future | None = None
+        self._task: asyncio.Future[Any] | None = None
 
     async def start(self) -> None:
         endpoint = self.runtime.endpoint(self.path)
@@ -39,7 +42,7 @@ class DynamoServer:
         self._task = serve_endpoint(endpoint, self.encode, health_check=True)
         log.info("serving Dynamo endpoint %s", self.path)
 
-    async def encode(self, request: Any, context) -> AsyncIterator[dict[str, Any]]:
+    async def encode(self, request: Any, context: Context | None) -> AsyncIterator[dict[str, Any]]:
         if isinstance(request, dict) and request.get("health_check"):
             yield {"ready": self.service.ready}
             return
@@ -60,14 +63,15 @@ class DynamoServer:
             return
         yield result.reply(header_only).to_dict()
 
-    async def _unless_stopped(self, req: EncodeRequest, context) -> EncodeResult:
+    async def _unless_stopped(self, req: EncodeRequest, context: Context | None) -> EncodeResult:
         """Run the request, cancelling it if the caller stops the stream (queued work is dropped)."""
         work = asyncio.ensure_future(self.service.encode(req, "dynamo"))
         stopped = context.async_killed_or_stopped() if context is not None else None
         if stopped is None:
             return await work
+        either: set[asyncio.Future[Any]] = {work, stopped}
         try:
-            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not work.done():
                 work.cancel()

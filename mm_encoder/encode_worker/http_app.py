@@ -22,6 +22,7 @@ import logging
 
 import msgpack
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from ..core import wire
 from ..core.errors import BadRequest, MMEncoderError, UnsupportedEncoding, code_for_status
@@ -50,7 +51,7 @@ def _header_text(text: str, limit: int = 512) -> str:
 
 
 @web.middleware
-async def _admit_bodies(request: web.Request, handler) -> web.StreamResponse:
+async def _admit_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # aiohttp would inflate it while reading
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not accepted for request bodies; send them "
@@ -64,7 +65,7 @@ async def _admit_bodies(request: web.Request, handler) -> web.StreamResponse:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure becomes a typed JSON error; nothing escapes as a bare 500 page."""
     retry = request.app[SERVICE_KEY].settings.retry_after_s
     try:

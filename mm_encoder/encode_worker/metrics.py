@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .admission import Admission
@@ -24,8 +24,8 @@ class _CacheCollector(Collector):
     def __init__(self, alias: AliasCache, body: BodyCache):
         self.alias, self.body = alias, body
 
-    def collect(self) -> Iterator:
-        levels = {"alias": self.alias, "mm_hash": self.body}
+    def collect(self) -> Iterator[Metric]:
+        levels: dict[str, AliasCache | BodyCache] = {"alias": self.alias, "mm_hash": self.body}
         for name, doc, attr in (
             ("hits", "Cache hits", "hits"),
             ("misses", "Cache misses", "misses"),

@@ -32,7 +32,7 @@ from ..core.requests import EncodeReply, EncodeRequest
 from ..core.spec import PreprocessConfig
 from ..core.timing import ms_since
 from ..fetch import Fetcher
-from ..model.encoder import Encoder, Prepared
+from ..model.steps import EncodeSteps, Prepared
 from .admission import Admission
 from .batcher import DeviceBatcher
 from .caches import AliasCache, BodyCache, SingleFlight
@@ -81,14 +81,14 @@ class EncodeResult:
 
 
 class EncodeService:
-    def __init__(self, encoder: Encoder, settings: WorkerSettings, fetcher: Fetcher | None = None):
+    def __init__(self, encoder: EncodeSteps, settings: WorkerSettings, fetcher: Fetcher | None = None):
         self.encoder = encoder
         self.settings = settings
         self.fetcher = fetcher or Fetcher(settings.fetch_policy())
         self.alias = AliasCache(settings.alias_cache_entries, settings.alias_ttl_s)
         self.bodies = BodyCache(settings.cache_bytes)
-        self._url_flights: SingleFlight = SingleFlight()
-        self._hash_flights: SingleFlight = SingleFlight()
+        self._url_flights: SingleFlight[EncodeResult] = SingleFlight()
+        self._hash_flights: SingleFlight[tuple[wire.Packed, dict[str, float]]] = SingleFlight()
         self._cpu = ThreadPoolExecutor(settings.cpu_workers, thread_name_prefix="mm-cpu")
         self.admission = Admission(max_receiving_bytes=settings.max_receiving_bytes, max_pending=settings.max_pending,
                                    retry_after_s=settings.retry_after_s, limits=encoder.limits)
@@ -142,8 +142,11 @@ class EncodeService:
 
     async def encode(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
         t0 = time.perf_counter()
+        idle = self._idle
+        if idle is None:
+            raise RuntimeError("the encode service is not started")
         self._inflight += 1
-        self._idle.clear()
+        idle.clear()
         try:
             if self.draining:
                 raise Draining("this worker is shutting down; retry on another replica")
@@ -157,7 +160,7 @@ class EncodeService:
         finally:
             self._inflight -= 1
             if self._inflight == 0:
-                self._idle.set()
+                idle.set()
         result.timings_ms["total"] = ms_since(t0)
         self.metrics.served(transport, result.source, result.timings_ms, len(result.body))
         log.log(
@@ -172,33 +175,35 @@ class EncodeService:
         cfg = req.processor.apply(self.encoder.spec.preprocess) if req.processor else self.encoder.spec.preprocess
         if req.data is not None:
             return await self._from_bytes(req.data, req.modality, cfg, {})
-        if req.url[:5].lower() == "data:":  # inline content: nothing to alias, nothing to download
-            fetched = await self.fetcher.fetch(req.url)
+        url = req.url
+        assert url is not None  # a request holds exactly one of `url` and `data` (EncodeRequest checks)
+        if url[:5].lower() == "data:":  # inline content: nothing to alias, nothing to download
+            fetched = await self.fetcher.fetch(url)
             return await self._from_bytes(fetched.data, req.modality, cfg, {})
         identity = self.encoder.identity(cfg)
-        h = self.alias.get(req.scope, req.url, identity)
+        h = self.alias.get(req.scope, url, identity)
         if h is not None:
             packed = self.bodies.get(h)
             if packed is not None:
                 hit = EncodeResult(packed, "alias")
                 _check_modality(req.modality, hit.header.modality)  # answer as a miss would
                 return hit
-        key = (req.scope, req.url, identity, req.modality)
-        result, joined = await self._url_flights.run(key, lambda: self._from_url(req, cfg, identity))
+        key = (req.scope, url, identity, req.modality)
+        result, joined = await self._url_flights.run(key, lambda: self._from_url(req, url, cfg, identity))
         if joined:
             self.metrics.coalesced.labels("fetch").inc()
             return EncodeResult(result.packed, "coalesced", dict(result.timings_ms))
         return result
 
-    async def _from_url(self, req: EncodeRequest, cfg: PreprocessConfig, identity: bytes) -> EncodeResult:
+    async def _from_url(self, req: EncodeRequest, url: str, cfg: PreprocessConfig, identity: bytes) -> EncodeResult:
         with self.admission.pending.hold():
             t0 = time.perf_counter()
             self.metrics.fetches.inc()
-            fetched = await self.fetcher.fetch(req.url)
+            fetched = await self.fetcher.fetch(url)
             self.metrics.fetch_bytes.inc(len(fetched.data))
             timings = {"fetch": ms_since(t0)}
         result = await self._from_bytes(fetched.data, req.modality, cfg, timings)
-        self.alias.put(req.scope, req.url, identity, result.mm_hash)  # only after success: errors are not cached
+        self.alias.put(req.scope, url, identity, result.mm_hash)  # only after success: errors are not cached
         return result
 
     async def _from_bytes(
@@ -229,7 +234,7 @@ class EncodeService:
             prepare: Future[list[Prepared]] | None = None
             try:
                 await self.admission.decoding.acquire(plan.pixels)
-                prepare = self._cpu.submit(self.encoder.prepare_planned, data, plan, cfg)
+                prepare = self._cpu.submit(self.encoder.decode, data, plan, cfg)
                 # the pixels are given back when the decode ends, even if this request is cancelled first
                 prepare.add_done_callback(lambda _: self.admission.decoding.release_soon(plan.pixels))
                 prepared = await asyncio.wrap_future(prepare)

@@ -13,9 +13,9 @@ from pydantic_settings import SettingsConfigDict
 
 from ..core.registry import DEFAULT_MODEL
 from ..core.spec import MediaLimits
-from ..core.wire import WireDtype
+from ..core.wire_schema import WireDtype
 from ..fetch import FetchPolicy
-from ..model.encoder import BATCH_MAX_PATCHES
+from ..model.steps import BATCH_MAX_PATCHES
 from ..runtime.dynamo import DynamoOptions
 
 

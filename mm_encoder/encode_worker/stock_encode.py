@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import BadRequest, MMEncoderError
 from ..core.handle import ENCODER_RESULT_VERSION, MediaHandle, encoder_result
@@ -27,6 +27,9 @@ from ..core.requests import EncodeRequest
 from ..runtime.aio import gather_or_cancel
 from ..runtime.dynamo import endpoint_path, register_encode_worker, serve_endpoint
 from .pipeline import EncodeService
+
+if TYPE_CHECKING:
+    from ..runtime.dynamo import Context, DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,8 @@ def media_items(request: Any) -> list[tuple[str, str]]:
 class StockEncoder:
     """Serves one EncodeService as Dynamo's Encode worker for one LLM directory."""
 
-    def __init__(self, service: EncodeService, runtime, namespace: str, model_dir: str, name: str | None,
-                 chain: str | None, route: str):
+    def __init__(self, service: EncodeService, runtime: DistributedRuntime, namespace: str, model_dir: str,
+                 name: str | None, chain: str | None, route: str):
         self.service = service
         self.runtime = runtime
         self.namespace = namespace
@@ -67,7 +70,7 @@ class StockEncoder:
         self.name = name
         self.chain, self.route = chain, route
         self.rpc = endpoint_path(namespace)
-        self._task: asyncio.Future | None = None
+        self._task: asyncio.Future[Any] | None = None
 
     async def start(self) -> None:
         from ..core.handle import chain_url
@@ -78,7 +81,7 @@ class StockEncoder:
         await register_encode_worker(endpoint, self.model_dir, self.name)
         log.info("registered as Dynamo's Encode worker for %s", self.name or self.model_dir)
 
-    async def generate(self, request: Any, context=None) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: Any, context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
         if isinstance(request, dict) and request.get("health_check"):
             yield {"token_ids": [], "index": 0, "finish_reason": "stop", "encoder_result": {"ready": True}}
             return
@@ -96,8 +99,8 @@ class StockEncoder:
                    for modality, url in items]
         results = await gather_or_cancel(self.service.encode(s, "dynamo") for s in sources)
         out: dict[str, list[MediaHandle]] = {}
-        for source, r in zip(sources, results, strict=True):
-            out.setdefault(source.modality, []).append(
+        for (modality, _), source, r in zip(items, sources, results, strict=True):
+            out.setdefault(modality, []).append(
                 MediaHandle.build(r.header, source, chain=self.chain, route=self.route, rpc=self.rpc))
         return out
 

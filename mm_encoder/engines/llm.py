@@ -11,6 +11,8 @@ Per family (the checkpoint's `model_type`):
 - `glm4v`: GLM-4.1V's text model with M-RoPE (`model.language_model.*`, `lm_head.*`): positions are
   3-D, from each image's grid, computed by transformers' own `Glm4vModel.get_rope_index`.
 - `kimi_vl` and anything else: refused at start-up with what would serve it.
+Each family's classes, tensor-name rules and M-RoPE flag are its module's `TransformersFacts`
+(`families/`); this module holds what runs them.
 
 `load(..., monolithic=True)` loads the whole transformers model instead (vision tower included):
 the aggregated baseline, which is also what the equality tests compare against. Either way the engine
@@ -23,80 +25,62 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..core.errors import CheckpointError
+from ..families import Family, NotServed, TransformersFacts, all_families, by_model_type, read_config
+
+if TYPE_CHECKING:  # transformers is not analysed (pyproject's [tool.mypy]): these are Any to mypy
+    from transformers import Cache, PreTrainedConfig
+
+# transformers' M-RoPE index: (input ids [1, T], token types [1, T], grids [n, 3]) -> (position ids [3, 1, T], deltas)
+RopeIndex = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 log = logging.getLogger(__name__)
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 
 
-@dataclass(frozen=True)
-class Family:
-    """How one `model_type` maps onto transformers: its classes and its tensor names."""
-
-    name: str
-    renames: tuple[tuple[str, str], ...]  # checkpoint name pattern -> the text model's own name
-    mrope: bool
-    monolithic: str | None  # transformers' class for the whole model, when its vision tower is the checkpoint's
-
-
-FAMILIES = {
-    "kimi_k25": Family("kimi_k25", ((r"^language_model\.model\.blocks\.", "model.layers."),
-                                    (r"^language_model\.model\.", "model."),
-                                    (r"^language_model\.lm_head\.", "lm_head."),
-                                    (r"^model\.language_model\.", "model."),  # transformers' in-memory names
-                                    (r"^lm_head\.", "lm_head.")),
-                       mrope=False, monolithic="Kimi_K25ForConditionalGeneration"),
-    "glm4v": Family("glm4v", ((r"^model\.language_model\.", "model."), (r"^lm_head\.", "lm_head.")),
-                    mrope=True, monolithic=None),  # its vision tower is MoonViT, not GLM's own ViT
-}
-REFUSED = {
-    "kimi_vl": "Kimi-VL has no transformers model class (its modeling code is Hub remote code, which this engine "
-               "does not run): serve it with vLLM behind this project's encoder",
-}
-
-
-def read_config(checkpoint: Path) -> dict[str, Any]:
-    try:
-        return json.loads((checkpoint / "config.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint}: no config.json (not a model checkpoint)") from None
-    except ValueError as e:
-        raise CheckpointError(f"{checkpoint}/config.json: not JSON ({e})") from None
-
-
 def family_of(config: dict[str, Any], checkpoint: Path) -> Family:
-    model_type = config.get("model_type")
-    if model_type in REFUSED:
-        raise CheckpointError(f"{checkpoint}: {REFUSED[model_type]}")
-    if model_type not in FAMILIES:
-        raise CheckpointError(f"{checkpoint}: model_type {model_type!r} has no engine here; this engine serves "
-                              f"{sorted(FAMILIES)} through transformers")
-    return FAMILIES[model_type]
+    """The checkpoint's family, where the transformers engine serves it; else refused with the reason."""
+    family = by_model_type(config.get("model_type"))
+    if family is not None and isinstance(family.transformers, NotServed):
+        raise CheckpointError(f"{checkpoint}: {family.transformers.reason}")
+    if family is None:
+        served = sorted(t for f in all_families() if isinstance(f.transformers, TransformersFacts)
+                        for t in f.model_types)
+        raise CheckpointError(f"{checkpoint}: model_type {config.get('model_type')!r} has no engine here; this "
+                              f"engine serves {served} through transformers")
+    return family
 
 
-def hf_config(config: dict[str, Any], family: Family):
+def facts(family: Family) -> TransformersFacts:
+    """The family's transformers facts (`family_of` refused the families without)."""
+    assert isinstance(family.transformers, TransformersFacts), family.name
+    return family.transformers
+
+
+def hf_config(config: dict[str, Any], family: Family) -> PreTrainedConfig:
     """transformers' config object for the whole model (it reads both Kimi-K2.5 formats)."""
     import transformers
 
-    cls = {"kimi_k25": transformers.Kimi_K25Config, "glm4v": transformers.Glm4vConfig}[family.name]
+    cls = getattr(transformers, facts(family).config_class)
     return cls.from_dict({k: v for k, v in config.items() if k != "transformers_version"})
 
 
 class _CausalLM(nn.Module):
     """A text model and its LM head: logits for the last position only, as `generate` computes them."""
 
-    def __init__(self, base: nn.Module, lm_head: nn.Module):
+    def __init__(self, base: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         self.base, self.lm_head = base, lm_head
 
-    def forward(self, inputs_embeds: torch.Tensor, cache, position_ids: torch.Tensor | None = None):
+    def forward(self, inputs_embeds: torch.Tensor, cache: Cache | None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Cache]:
         out = self.base(inputs_embeds=inputs_embeds, cache=cache, use_cache=True, position_ids=position_ids)
         return self.lm_head(out.last_hidden_state[:, -1:, :])[0, -1], out.cache
 
@@ -105,7 +89,7 @@ class LanguageModel:
     """One checkpoint's language model on one device; not thread-safe (the engine runs it on one thread)."""
 
     def __init__(self, family: Family, config: dict[str, Any], lm: _CausalLM, *, device: torch.device,
-                 dtype: torch.dtype, monolithic: nn.Module | None = None):
+                 dtype: torch.dtype, monolithic: nn.Module | None = None) -> None:
         self.family, self.config, self.lm = family, config, lm
         self.device, self.dtype = device, dtype
         self.monolithic = monolithic  # the whole transformers model (vision tower too): the aggregated baseline
@@ -114,7 +98,7 @@ class LanguageModel:
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
         self.context_length: int = text.max_position_embeddings
-        self._rope_index = None
+        self._rope_index: RopeIndex | None = None
 
     # --- loading -----------------------------------------------------------------------------
 
@@ -132,8 +116,8 @@ class LanguageModel:
         family = family_of(config, checkpoint)
         _quiet_transformers()
         whole = None
-        if monolithic and family.monolithic:
-            whole = getattr(transformers, family.monolithic).from_pretrained(str(checkpoint), dtype=dtype)
+        if monolithic and (whole_class := facts(family).monolithic):
+            whole = getattr(transformers, whole_class).from_pretrained(str(checkpoint), dtype=dtype)
             whole = whole.to(device).eval()
             lm = _CausalLM(whole.model.language_model, whole.lm_head)
         else:
@@ -152,16 +136,18 @@ class LanguageModel:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.lm.base.get_input_embeddings()(ids)
 
-    def forward(self, inputs_embeds: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None):
+    def forward(self, inputs_embeds: torch.Tensor, cache: Cache | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Cache]:
         """A prefill ([T, hidden] after `cache`'s positions) or a step: (last position's logits [V], cache)."""
         pos = None if position_ids is None else position_ids.to(self.device)[:, None, :]
-        return self.lm(inputs_embeds.to(self.dtype)[None], cache, pos)
+        logits, cache = self.lm(inputs_embeds.to(self.dtype)[None], cache, pos)
+        return logits, cache
 
     def positions(self, token_ids: list[int], media: list[tuple[str, list[tuple[int, int]], list[list[int]]]]
                   ) -> torch.Tensor | None:
         """M-RoPE position ids [3, T] for a prompt (None for plain RoPE: positions follow the cache).
         `media`: per item its modality, its (offset, rows) spans and its grids (t, h, w) in patches."""
-        if not self.family.mrope:
+        if not facts(self.family).mrope:
             return None
         ids = torch.tensor([token_ids], dtype=torch.long)
         types = torch.zeros_like(ids, dtype=torch.int32)
@@ -173,7 +159,7 @@ class LanguageModel:
         position_ids, _ = self._get_rope_index()(ids, types, torch.tensor(grids or [[1, 1, 1]], dtype=torch.long))
         return position_ids[:, 0, :]
 
-    def _get_rope_index(self):
+    def _get_rope_index(self) -> RopeIndex:
         """transformers' own M-RoPE index (a method of the whole GLM model; it reads only the merge size)."""
         if self._rope_index is None:
             from types import SimpleNamespace
@@ -206,7 +192,8 @@ def _language_model_tensors(checkpoint: Path, family: Family) -> dict[str, torch
             weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
     else:
         raise CheckpointError(f"{checkpoint}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
-    rules = [(re.compile(p), r) for p, r in family.renames]
+    renames = facts(family).renames
+    rules = [(re.compile(p), r) for p, r in renames]
     by_shard: dict[str, list[tuple[str, str]]] = {}
     for name, shard in weight_map.items():
         for pattern, repl in rules:
@@ -215,7 +202,7 @@ def _language_model_tensors(checkpoint: Path, family: Family) -> dict[str, torch
                 break
     if not by_shard:
         raise CheckpointError(f"{checkpoint}: no language-model tensors (expected names like "
-                              f"{family.renames[-1][0].lstrip('^').replace(chr(92), '')}...)")
+                              f"{renames[-1][0].lstrip('^').replace(chr(92), '')}...)")
     out: dict[str, torch.Tensor] = {}
     for shard, names in sorted(by_shard.items()):
         if not (checkpoint / shard).is_file():
@@ -227,19 +214,20 @@ def _language_model_tensors(checkpoint: Path, family: Family) -> dict[str, torch
     return out
 
 
-def _from_state_dict(family: Family, text_cfg, state: dict[str, torch.Tensor], dtype: torch.dtype,
+def _from_state_dict(family: Family, text_cfg: PreTrainedConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                      checkpoint: Path) -> nn.Module:
     """transformers' text model filled from `state` by its own loader (it fuses MoE experts); any
     missing, unexpected or mis-shaped tensor is an error that names it."""
     import transformers
 
-    if family.name == "kimi_k25":
-        model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+    text_model = getattr(transformers, facts(family).text_model)
+    if not facts(family).head_apart:
+        model, info = text_model.from_pretrained(
             None, config=text_cfg, state_dict=state, dtype=dtype, output_loading_info=True)
     else:  # GLM: the text model, then its head
         head = state.pop("lm_head.weight", None)
         base_state = {k.removeprefix("model."): v for k, v in state.items()}
-        base, info = transformers.Glm4vTextModel.from_pretrained(
+        base, info = text_model.from_pretrained(
             None, config=text_cfg, state_dict=base_state, dtype=dtype, output_loading_info=True)
         if head is None and not text_cfg.tie_word_embeddings:
             info["missing_keys"] = {*info["missing_keys"], "lm_head.weight"}

@@ -2,82 +2,24 @@
 
 `write_text_files` writes what the frontend, Dynamo's stock frontend and the engines read besides
 weights: a byte-level BPE `tokenizer.json` trained on a fixed corpus with the family's special
-tokens, `tokenizer_config.json` with a chat template shaped like the family's own (OpenAI content
-parts as given; Kimi-K2.5: an image part writes the image prompt with one `<|media_pad|>`, a video
-part one `<|kimi_k25_video_placeholder|>`; GLM-4.xV: `<|begin_of_image|><|image|><|end_of_image|>`),
-and `generation_config.json`. The same call writes the same
-files everywhere, so a frontend and its engines always agree. The weights are
-`engines.tiny_checkpoint`'s.
+tokens, `tokenizer_config.json` with a chat template shaped like the family's own (both from the
+family module's `CheckpointWriter.chat`, e.g. `families.kimi_k25.CHAT`; OpenAI content parts as
+given; Kimi-K2.5: an image part writes the image prompt with one `<|media_pad|>`, a video part one
+`<|kimi_k25_video_placeholder|>`; GLM-4.xV: `<|begin_of_image|><|image|><|end_of_image|>`), and
+`generation_config.json`. The same call writes the same files everywhere, so a frontend and its
+engines always agree. The weights are `engines.tiny_checkpoint`'s.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.kimi_tokenizer import KIMI_PATTERN, TIKTOKEN_FILE
 from ..core.prompt import ChatTokenizer
+from ..families import CheckpointWriter, by_name
 
-# Kimi-K2.5's chat template, reduced to what a chat needs: roles, text and media parts. Dynamo's
-# stock frontend passes media parts as {"type": "image"} / {"type": "video"}, OpenAI clients as
-# image_url / video_url; both render the same.
-KIMI_TEMPLATE = (
-    "{%- macro render_content(content) -%}"
-    "{%- if content is string -%}{{ content }}"
-    "{%- elif content is not none -%}{%- for part in content -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ('image', 'image_url') -%}"
-    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-    "{%- elif part['type'] in ('video', 'video_url') -%}<|kimi_k25_video_placeholder|>"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
-    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- endif -%}"
-    "{{ render_content(m['content']) }}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-)
-# GLM-4.xV's: `[gMASK]<sop>`, a role tag and a newline per message, images between their markers.
-GLM_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{%- for m in messages -%}<|{{ m['role'] }}|>\n"
-    "{%- if m['content'] is string -%}{{ m['content'] }}"
-    "{%- elif m['content'] is not none -%}{%- for part in m['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ('image', 'image_url') -%}<|begin_of_image|><|image|><|end_of_image|>"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
-)
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """A family's special tokens and chat template (the real vocabularies have the specials after
-    ~160k ordinary tokens; here they follow a small trained vocabulary)."""
-
-    template: str
-    specials: tuple[str, ...]
-    bos: str
-    eos: str  # what ends an assistant turn: generation_config's eos
-    pad: str
-
-
-FORMATS = {
-    "kimi_k25": ChatFormat(KIMI_TEMPLATE, (
-        "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-        "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<think>", "</think>", "[PAD]",
-        "<|kimi_k25_video_placeholder|>"), bos="[BOS]", eos="<|im_end|>", pad="[PAD]"),
-    "glm4v": ChatFormat(GLM_TEMPLATE, (
-        "<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|begin_of_image|>",
-        "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"),
-        bos="<sop>", eos="<|user|>", pad="<|endoftext|>"),
-}
 _CORPUS = """The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
 Describe the image in detail. What is in this picture? Compare the two images and the video.
 Large language models read tokens; a vision encoder turns pixels into embeddings first.
@@ -92,11 +34,14 @@ def write_text_files(path: str | Path, *, family: str = "kimi_k25", vocab_size: 
     the special tokens' ids and `vocab_size` (the caller's config.json names the media tokens by id)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    fmt = FORMATS[family]
+    writer = by_name(family).checkpoint
+    if not isinstance(writer, CheckpointWriter):
+        raise ValueError(f"no generated checkpoint for family {family}: {writer.reason}")
+    fmt = writer.chat
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
-    if family == "kimi_k25":  # Kimi's split, then bytes as characters: what its tiktoken tokenizer does
+    if fmt.tiktoken:  # Kimi's split, then bytes as characters: what its tiktoken tokenizer does
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -108,8 +53,12 @@ def write_text_files(path: str | Path, *, family: str = "kimi_k25", vocab_size: 
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     tok.add_special_tokens(list(fmt.specials))  # after the trained vocabulary, as in the real ones
     tok.save(str(path / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in fmt.specials}
-    if family == "kimi_k25":  # the same vocabulary as Kimi releases it: base64(token bytes) and rank per line
+    ids: dict[str, int] = {}
+    for t in fmt.specials:
+        tid = tok.token_to_id(t)
+        assert tid is not None, t  # added just above
+        ids[t] = tid
+    if fmt.tiktoken:  # the same vocabulary as Kimi releases it: base64(token bytes) and rank per line
         bytes_of = ChatTokenizer.piece_bytes
         ranks = sorted((i, t) for t, i in tok.get_vocab(with_added_tokens=False).items())
         (path / TIKTOKEN_FILE).write_text("".join(f"{base64.b64encode(bytes_of(t)).decode()} {i}\n" for i, t in ranks))

@@ -13,6 +13,9 @@ from __future__ import annotations
 import copy
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
+
+_Cache = TypeVar("_Cache")  # a transformers KV cache (transformers is not analysed by mypy)
 
 
 @dataclass
@@ -55,7 +58,7 @@ class PrefixCache:
         self.reused_tokens += usable * self.block_size
         return Reuse(usable * self.block_size, cache)
 
-    def add(self, hashes: list[int], cache) -> tuple[list[int], list[int]]:
+    def add(self, hashes: list[int], cache: object) -> tuple[list[int], list[int]]:
         """Keep a copy of `cache` cut to the full blocks `hashes` name; returns the block hashes
         newly held (to publish as stored) and those no longer held (removed)."""
         key = tuple(hashes)
@@ -86,7 +89,7 @@ class PrefixCache:
         return gone
 
 
-def _cut(cache, n: int):
+def _cut(cache: _Cache, n: int) -> _Cache:
     """A private copy of a transformers KV cache holding its first `n` positions: each layer's keys
     and values are copied once, cut (not the whole cache, then cut)."""
     memo: dict[int, object] = {}

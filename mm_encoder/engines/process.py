@@ -5,43 +5,47 @@
 
 It registers `<namespace>.engine.generate` as a chat model (the checkpoint directory is its model
 card: config, tokenizer, chat template) and takes either frontend's request: ours
-(`core.requests.EngineRequest`, media by handle) or Dynamo's preprocessed request from the stock
-`python -m dynamo.frontend` (`--frontend stock` registers the card that makes the stock frontend
-call the Encode worker first). It loads only the language-model shards; with `--encode-inline`
-it loads the whole model and runs the model's own vision tower (`engines.inline`). KV events
-for what its prefix store holds go to Dynamo's router (`engines.engine`).
+(`core.engine_request.EngineRequest`, media by handle, which declares its protocol) or Dynamo's
+preprocessed request from the stock `python -m dynamo.frontend` (`--frontend stock` registers
+the card that makes the stock frontend call the Encode worker first). It loads only the
+language-model shards; with `--encode-inline` it loads the whole model and runs the model's own
+vision tower (`engines.inline.InlineEngine`, chosen here at start-up). KV events for what its
+prefix store holds go to Dynamo's router (`engines.engine`). Its life (signals, runtime, ready
+line, shutdown) is `runtime.process.Lifecycle`, as every process's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from ..client import HandleResolver
-from ..core.card import ModelCard
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec
+from ..families.card import ModelCard
 from ..runtime.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
     endpoint_path,
     kv_event_publisher,
     load_publisher,
-    make_runtime,
     register_engine,
     serve_endpoint,
 )
-from ..runtime.process import parse_settings, run, stop_on_signals
+from ..runtime.process import Lifecycle, parse_settings, run
 from .options import EngineOptions
 
+if TYPE_CHECKING:
+    from ..runtime.dynamo import Client, KvEventPublisher
+    from .engine import Engine
+
 log = logging.getLogger(__name__)
-READY = "mm-encoder engine ready"
+NAME = "mm-encoder engine"  # its ready line contains deploy.plan.READY_LINE
 
 
 class EngineSettings(EngineOptions):
@@ -63,12 +67,23 @@ class EngineSettings(EngineOptions):
                           "(preprocessed requests, media via its Encode worker)")
 
 
-def build_engine(s: EngineSettings, publisher=None, rpc=None):
+class _EngineParts(TypedDict):
+    """`Engine`'s keyword arguments, as `build_engine` gives either engine."""
+
+    splicer: Splicer
+    block_size: int
+    publisher: KvEventPublisher | None
+    resolver: HandleResolver
+    prefix_tokens: int
+    stream_interval_s: float
+
+
+def build_engine(s: EngineSettings, publisher: KvEventPublisher | None = None, rpc: Client | None = None) -> Engine:
     """The engine for `s` (loads the model): importable, so tests run it in-process."""
     import torch
 
     from .engine import Engine
-    from .inline import InlineMedia
+    from .inline import InlineEngine, InlineMedia
     from .llm import LanguageModel
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
@@ -76,33 +91,31 @@ def build_engine(s: EngineSettings, publisher=None, rpc=None):
     lm = LanguageModel.load(s.checkpoint, device=device, dtype=dtype, monolithic=s.encode_inline)
     # the registry model that says how this checkpoint's prompts place media, as the frontend reads it
     splicer = Splicer(ChatTokenizer(s.checkpoint), get_spec(ModelCard.read(s.checkpoint).spec_name).prompt)
-    inline = InlineMedia(s.checkpoint, lm) if s.encode_inline else None
-    return Engine(lm, splicer=splicer, block_size=s.block_size, publisher=publisher, inline=inline,
-                  resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens,
-                  stream_interval_s=s.stream_interval_ms / 1e3)
+    kw = _EngineParts(splicer=splicer, block_size=s.block_size, publisher=publisher,
+                      resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens,
+                      stream_interval_s=s.stream_interval_ms / 1e3)
+    if s.encode_inline:  # the aggregated baseline: a strategy chosen here, not a branch per request
+        return InlineEngine(lm, InlineMedia(s.checkpoint, lm), **kw)
+    return Engine(lm, **kw)
 
 
 async def serve(s: EngineSettings) -> None:
-    stop = stop_on_signals()
-    runtime = make_runtime(asyncio.get_running_loop())
-    path = endpoint_path(s.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
-    endpoint = runtime.endpoint(path)
-    rpc = None if s.encode_inline else await runtime.endpoint(endpoint_path(s.namespace)).client()
-    engine = await asyncio.to_thread(build_engine, s, None, rpc)
-    engine.publisher = kv_event_publisher(endpoint, s.block_size)
-    engine.metrics = await load_publisher(endpoint)
-    name = s.name or s.checkpoint.resolve().name
-    serving = serve_endpoint(endpoint, engine.respond)
-    # stock: Dynamo's frontend calls the Encode worker first and forwards its result here
-    await register_engine(endpoint, str(s.checkpoint), name, s.block_size, after_encode=s.frontend == "stock")
-    lm = engine.lm
-    print(f"{READY}: model={name} family={lm.family.name} dtype={s.dtype} device={lm.device} "
-          f"endpoint={path} instance={endpoint.connection_id()} inline={s.encode_inline} "
-          f"stream_interval_ms={s.stream_interval_ms:g}", flush=True)
-    await stop.wait()
-    runtime.shutdown()
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(serving, 30)
+    async with Lifecycle(NAME) as life:
+        path = endpoint_path(s.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
+        endpoint = life.runtime.endpoint(path)
+        rpc = None if s.encode_inline else await life.runtime.endpoint(endpoint_path(s.namespace)).client()
+        engine = await asyncio.to_thread(build_engine, s, None, rpc)
+        engine.publisher = kv_event_publisher(endpoint, s.block_size)
+        engine.metrics = await load_publisher(endpoint)
+        name = s.name or s.checkpoint.resolve().name
+        life.serve(serve_endpoint(endpoint, engine.respond))
+        # stock: Dynamo's frontend calls the Encode worker first and forwards its result here
+        await register_engine(endpoint, str(s.checkpoint), name, s.block_size, after_encode=s.frontend == "stock")
+        lm = engine.lm
+        life.ready(model=name, family=lm.family.name, dtype=s.dtype, device=lm.device, endpoint=path,
+                   instance=endpoint.connection_id(), inline=s.encode_inline,
+                   stream_interval_ms=f"{s.stream_interval_ms:g}")
+        await life.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

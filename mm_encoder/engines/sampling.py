@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.engine_reply import TokenBatch
 from ..core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..core.prompt import ChatTokenizer
 
 
 class Sampler:
@@ -108,11 +112,11 @@ class Step:
     logprob: float | None = None
     top: list[tuple[int, int, float]] | None = None  # (rank, token, logprob), the chosen token included
 
-    def fields(self, tok) -> dict[str, Any]:
-        """Dynamo's output fields for logprobs: `log_probs` per token, and per token a position's
-        records `{rank, token_id, token, logprob, bytes}` (what Dynamo's frontends read)."""
+    def batch(self, tok: ChatTokenizer) -> TokenBatch:
+        """This step as a reply item (`core.engine_reply`): with logprobs, the token's and per
+        position the records `{rank, token_id, token, logprob, bytes}` (what Dynamo's frontends read)."""
         if self.logprob is None:
-            return {}
+            return TokenBatch([self.token], self.finish)
         position = [{"rank": r, "token_id": t, "token": tok.token_text(t), "logprob": v,
                      "bytes": list(tok.token_bytes(t))} for r, t, v in self.top or []]
-        return {"log_probs": [self.logprob], "top_logprobs": [position]}
+        return TokenBatch([self.token], self.finish, [self.logprob], [position])

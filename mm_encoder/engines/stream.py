@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
-_LISTS = ("token_ids", "log_probs", "top_logprobs")  # per-token fields, concatenated
+from ..core.engine_reply import TokenBatch
+
 IMMEDIATE = 2  # items sent as they come before the interval applies: the time to first text is not held
 # The engines' default interval: an item costs the frontend about what 5 tokens cost Dynamo's stock
 # frontend (BENCHMARKS.md), so at ~100 tokens/s per request 40 ms keeps a streamed answer within
@@ -28,41 +28,32 @@ IMMEDIATE = 2  # items sent as they come before the interval applies: the time t
 STREAM_INTERVAL_MS = 40.0
 
 
-def pacing(request: dict[str, Any], interval_s: float) -> tuple[float, int]:
-    """(interval, items sent unheld) for one of our frontend's requests: a non-streamed one's tokens
-    wait for the finish after the first item."""
-    if isinstance(request, dict) and request.get("stream", True) is False:
+def pacing(stream: bool, interval_s: float) -> tuple[float, int]:
+    """(interval, items sent unheld) for one of our frontend's requests: a non-streamed one's
+    (`EngineRequest.stream` False) tokens wait for the finish after the first item."""
+    if not stream:
         return math.inf, 1
     return interval_s, IMMEDIATE
 
 
-def merge(into: dict[str, Any], item: dict[str, Any]) -> None:
-    """`item`'s tokens (and their logprob records) after `into`'s; its finish reason wins; the
-    first item's one-off fields (prompt_tokens, timings) stay."""
-    for key in _LISTS:
-        if key in item:
-            into[key] = [*into.get(key, ()), *item[key]]
-    into["finish_reason"] = item.get("finish_reason")
-
-
-async def batched(items: AsyncIterator[dict[str, Any]], interval_s: float,
-                  immediate: int = IMMEDIATE) -> AsyncIterator[dict[str, Any]]:
-    """`items` (each with `token_ids` and `finish_reason`) merged so that, after the first `immediate`,
-    an item goes out only once `interval_s` has passed since the last one, or at the finish. 0: as
-    they come; infinite: at the finish."""
+async def batched(items: AsyncIterator[TokenBatch], interval_s: float,
+                  immediate: int = IMMEDIATE) -> AsyncIterator[TokenBatch]:
+    """`items` merged (`TokenBatch.extend`) so that, after the first `immediate`, an item goes out
+    only once `interval_s` has passed since the last one, or at the finish. 0: as they come;
+    infinite: at the finish."""
     if interval_s <= 0:
         async for item in items:
             yield item
         return
-    pending: dict[str, Any] | None = None
+    pending: TokenBatch | None = None
     last, sent = 0.0, 0
     async for item in items:
         if pending is None:
-            pending = dict(item)
+            pending = item
         else:
-            merge(pending, item)
+            pending.extend(item)
         now = time.monotonic()
-        if sent < immediate or pending.get("finish_reason") or "error" in pending or now - last >= interval_s:
+        if sent < immediate or pending.finish_reason or now - last >= interval_s:
             yield pending
             pending, last, sent = None, now, sent + 1
     if pending is not None:

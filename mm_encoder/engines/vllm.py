@@ -14,8 +14,9 @@ tests/vllm/). docs/vllm.md has the model table and what was checked where.
   per-modality **embeddings dict**, one placeholder per item; vLLM expands it and computes M-RoPE
   from the grids (`engines.vllm_inputs` says why runs are collapsed).
 - KV events: vLLM's, relayed by `engines.vllm_kv` with the router's hashing restored for media rows.
-Every body is checked against the model (width, grids, placeholder) before vLLM sees it; a refusal
-is one `{"error": ...}` item, as the transformers engine answers. vLLM is imported only in `main`
+Every body is checked against the model (width, grids, placeholder) before vLLM sees it; the
+request path around generating (parse, context check, fetch, refusals, usage, pacing) is the front
+door both engines share (`engines.front_door`). vLLM is imported only in `main`
 and the handler; everything else is tested without it.
 """
 
@@ -23,48 +24,47 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from ..client import HandleResolver
-from ..core.context import check_fits
-from ..core.engine_request import EngineRequest
-from ..core.errors import BadRequest, MMEncoderError
+from ..core.engine_reply import TokenBatch
+from ..core.engine_request import EngineRequest, InlineRequest
+from ..core.errors import BadRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
-from ..core.timing import ms_since
+from ..families import VllmInput, read_config  # read_config: the checkpoint's config.json, before vLLM starts
 from ..routing import MediaSpan, block_mm_infos
 from ..runtime.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
     endpoint_path,
     kv_event_publisher,
-    make_runtime,
     register_engine,
     serve_endpoint,
 )
 from ..runtime.process import LOG_FORMAT, parse_known_settings
-from .inputs import fetch_bodies
+from .front_door import FrontDoor
+from .inputs import Media
 from .options import EngineOptions
 from .sampling import Step
-from .stream import batched, pacing
 from .vllm_checkpoint import deepseek_text_overrides, native_rope_on_cpu, on_cpu
-from .vllm_inputs import Family, block_digests, family_for, items, mixed_prompt, mm_prompt
+from .vllm_inputs import block_digests, family_for, items, mixed_prompt, mm_prompt
 from .vllm_kv import KvRelay
 
+if TYPE_CHECKING:
+    from ..core.prompt import ChatTokenizer
+
 log = logging.getLogger(__name__)
-READY = "mm-encoder vllm engine ready"  # contains deploy.plan.READY_LINE
+NAME = "mm-encoder vllm engine"  # its ready line contains deploy.plan.READY_LINE
 
 # Our SamplingParams field -> vLLM SamplingParams keyword (vllm/sampling_params.py, 0.31.0). Fields
 # absent here are handled elsewhere (`_OURS`); a new field that is neither is refused by name.
@@ -98,7 +98,7 @@ def kv_events_endpoint() -> str:
     return f"ipc://{tempfile.gettempdir()}/mm-encoder-vllm-kv-{os.getpid()}.sock"
 
 
-def engine_overrides(family: Family, config: dict[str, Any], given: argparse.Namespace) -> dict[str, Any]:
+def engine_overrides(family: VllmInput, config: dict[str, Any], given: argparse.Namespace) -> dict[str, Any]:
     """What the family needs of vLLM's engine args, where the user did not say otherwise: prompt
     embeddings on, no tokenizer and the tower left out ("embeds"), embeddings dicts on ("mm"), and
     `hf_overrides` with vLLM's own architecture name when the config states transformers'
@@ -128,7 +128,7 @@ def engine_overrides(family: Family, config: dict[str, Any], given: argparse.Nam
     return out
 
 
-def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: Family, config: dict[str, Any],
+def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: VllmInput, config: dict[str, Any],
                       kv_endpoint: str | None, cpu: bool | None = None, engine_args_cls: Any = None,
                       parser_cls: Callable[..., argparse.ArgumentParser] | None = None,
                       kv_events_cls: Callable[..., Any] | None = None) -> Any:
@@ -139,11 +139,17 @@ def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: F
     CPU platform (`cpu`; None: ask vLLM) the PyTorch rotary embedding for DeepseekV2 models
     (`native_rope_on_cpu`)."""
     if engine_args_cls is None:
-        from vllm.engine.arg_utils import AsyncEngineArgs as engine_args_cls
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        engine_args_cls = AsyncEngineArgs
     if parser_cls is None:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser as parser_cls
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser_cls = FlexibleArgumentParser
     if kv_events_cls is None:
-        from vllm.config import KVEventsConfig as kv_events_cls
+        from vllm.config import KVEventsConfig
+
+        kv_events_cls = KVEventsConfig
     if any(a == "--model" or a.startswith("--model=") for a in rest):
         raise ValueError("give the model once, as this command's --model")
     parser = parser_cls(prog="python -m mm_encoder.engines.vllm", add_help=False)
@@ -164,13 +170,17 @@ def parse_engine_args(rest: list[str], *, model: str, block_size: int, family: F
     return engine_args_cls.from_cli_args(ns)
 
 
-class VllmEngine:
-    """Dynamo handler around vLLM's AsyncLLM: each request's bodies fetched and checked, built into
-    the family's input, generated, streamed in the transformers engine's item format."""
+class VllmEngine(FrontDoor[Any, Any]):
+    """Dynamo handler around vLLM's AsyncLLM behind the engines' front door (`engines.front_door`:
+    parse, context check against vLLM's `max_model_len`, bodies fetched and checked, refusals, usage,
+    pacing): each request's media built into the family's input, generated, streamed as
+    `core.engine_reply` items."""
 
-    def __init__(self, engine: Any, resolver: HandleResolver, family: Family, *, block_size: int,
+    context_name = "vLLM's max_model_len"
+
+    def __init__(self, engine: Any, resolver: HandleResolver, family: VllmInput, *, block_size: int,
                  max_model_len: int, dtype: torch.dtype, relay: KvRelay | None = None,
-                 tokenizer: Callable[[], Any] | None = None, stream_interval_s: float = 0.0):
+                 tokenizer: Callable[[], ChatTokenizer] | None = None, stream_interval_s: float = 0.0) -> None:
         self.engine = engine
         self.resolver = resolver
         self.family = family
@@ -180,17 +190,25 @@ class VllmEngine:
         self.relay = relay
         self.stream_interval_s = stream_interval_s
         self._tokenizer = tokenizer  # for logprob records' text and bytes, loaded on first use
-        self._tok = None
+        self._tok: ChatTokenizer | None = None
 
-    async def engine_input(self, req: EngineRequest, timings: dict[str, float]) -> Any:
+    @property
+    def context_length(self) -> int:
+        return self.max_model_len
+
+    def sampling(self, req: EngineRequest) -> Any:
+        from vllm import SamplingParams as VllmSampling
+
+        if isinstance(req, InlineRequest):
+            raise BadRequest("the vLLM engine takes token ids with media by handle; the aggregated baseline "
+                             "(media by URL) runs on the transformers engine (--encode-inline)")
+        return VllmSampling(**sampling_kwargs(req))
+
+    async def inputs(self, req: EngineRequest, media: list[Media]) -> Any:
         """The request as vLLM's non-deprecated `EngineInput`, after every check."""
         from vllm.inputs import embeds_input, tokens_input
 
-        t0 = time.perf_counter()
-        bodies = await fetch_bodies(req, self.resolver)  # spans checked before any fetch
-        t1 = time.perf_counter()
-        spans = await asyncio.to_thread(items, req, bodies, self.family)
-        timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, ms_since(t1)
+        spans = await asyncio.to_thread(items, req, media, self.family)
         if not spans:
             return tokens_input(req.token_ids)
         if self.family.route == "mm":  # vLLM's multimodal processor (and the GLM plugin's parser) via its renderer
@@ -201,33 +219,14 @@ class VllmEngine:
             return inp
         mixed = await asyncio.to_thread(mixed_prompt, req, spans, self.dtype)
         if self.relay is not None:
-            media = [MediaSpan(m.mm_hash, tuple(tuple(s) for s in m.spans)) for m in req.media]
+            placed = [MediaSpan(m.mm_hash, tuple((o, n) for o, n in m.spans)) for m in media]
             self.relay.register(mixed.token_ids, mixed.is_token_ids, block_digests(mixed.embeds, self.block_size),
-                                block_mm_infos(len(mixed.token_ids), self.block_size, media))
+                                block_mm_infos(len(mixed.token_ids), self.block_size, placed))
         return embeds_input(mixed.embeds, prompt_token_ids=mixed.token_ids, is_token_ids=mixed.is_token_ids)
 
-    def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
-        """The tokens ready within `stream_interval_s` of the last item go out in one item (`engines.stream`)."""
-        return batched(self._items(request, context), *pacing(request, self.stream_interval_s))
-
-    async def _items(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
-        from vllm import SamplingParams as VllmSampling
-
-        timings: dict[str, float] = {}
-        try:
-            req = EngineRequest.from_dict(request)
-            if req.prompt is not None:
-                raise BadRequest("the vLLM engine takes token ids with media by handle; the aggregated baseline "
-                                 "(media by URL) runs on the transformers engine (--encode-inline)")
-            # before any fetch
-            check_fits(len(req.token_ids), req.max_tokens, self.max_model_len, "vLLM's max_model_len")
-            params = VllmSampling(**sampling_kwargs(req))
-            inp = await self.engine_input(req, timings)
-        except MMEncoderError as e:
-            yield e.to_dict(status=True)
-            return
+    async def tokens(self, req: EngineRequest, inp: Any, params: Any,
+                     context: Any) -> AsyncIterator[tuple[TokenBatch, int]]:
         sent = 0
-        t0 = time.perf_counter()
         try:
             async for out in self.engine.generate(inp, params, req.request_id):
                 inp = None  # vLLM holds the embeddings now
@@ -237,16 +236,13 @@ class VllmEngine:
                 # skips the tokens that arrived meanwhile
                 start, ids, finish = sent, list(comp.token_ids), comp.finish_reason
                 new, sent = ids[start:], len(ids)
+                reused = out.num_cached_tokens or 0
                 if not new and finish:  # a finish without a token (vLLM's own abort): still said
-                    yield {"token_ids": [], "finish_reason": finish}
+                    yield TokenBatch([], finish), reused
                 for i, token in enumerate(new):
-                    last = i == len(new) - 1
-                    item = {"token_ids": [token], "finish_reason": finish if last else None,
-                            **self._logprobs(comp, start + i, token)}
-                    if start + i == 0:  # what the frontend's /mm/stats reads from the first item
-                        item.update(prompt_tokens=len(req.token_ids), reused_tokens=out.num_cached_tokens or 0,
-                                    timings_ms={**timings, "prefill": ms_since(t0)})
-                    yield item
+                    batch = self._logprobs(comp, start + i, token)
+                    batch.finish_reason = finish if i == len(new) - 1 else None
+                    yield batch, reused
                 if context is not None and context.is_stopped():
                     await self.engine.abort(req.request_id)
                     return
@@ -254,18 +250,18 @@ class VllmEngine:
             await self.engine.abort(req.request_id)
             raise
 
-    def _logprobs(self, comp: Any, i: int, token: int) -> dict[str, Any]:
-        """Dynamo's logprob fields for generated token `i`, from vLLM's per-position dict."""
+    def _logprobs(self, comp: Any, i: int, token: int) -> TokenBatch:
+        """Generated token `i` with Dynamo's logprob fields, from vLLM's per-position dict."""
         if not comp.logprobs:
-            return {}
+            return TokenBatch([token])
         if self._tok is None and self._tokenizer is not None:
             self._tok = self._tokenizer()
         position = comp.logprobs[i]
         top = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items())
         if self._tok is None:  # records without text and bytes: the frontend decodes those itself
-            return {"log_probs": [position[token].logprob],
-                    "top_logprobs": [[{"rank": r, "token_id": t, "logprob": v} for r, t, v in top]]}
-        return Step(token, None, position[token].logprob, top).fields(self._tok)
+            return TokenBatch([token], None, [position[token].logprob],
+                              [[{"rank": r, "token_id": t, "logprob": v} for r, t, v in top]])
+        return Step(token, None, position[token].logprob, top).batch(self._tok)
 
 
 async def relay_events(endpoint: str, relay: KvRelay) -> None:
@@ -288,15 +284,6 @@ async def relay_events(endpoint: str, relay: KvRelay) -> None:
                 log.exception("could not relay a KV event batch")
     finally:
         sock.close(linger=0)
-
-
-def read_config(model: str) -> dict[str, Any]:
-    """The checkpoint's config.json, read before vLLM starts (to pick the family, and the overrides
-    vLLM needs for it)."""
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"--model {model}: no config.json (give a checkpoint directory)")
-    return json.loads(path.read_text())
 
 
 class AdapterSettings(EngineOptions):
@@ -338,37 +325,32 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
 
     async def serve() -> None:
         from ..core.prompt import ChatTokenizer
-        from ..runtime.process import stop_on_signals
+        from ..runtime.process import Lifecycle
 
-        stop = stop_on_signals()
-        runtime = make_runtime(asyncio.get_running_loop())
-        path = endpoint_path(args.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
-        endpoint = runtime.endpoint(path)
-        rpc = await runtime.endpoint(endpoint_path(args.namespace)).client()
-        llm = AsyncLLM.from_engine_args(engine_args)
-        mc = llm.model_config
-        relay = None
-        events = engine_args.kv_events_config
-        if engine_args.enable_prefix_caching and events is not None and events.enable_kv_cache_events:
-            relay = KvRelay(kv_event_publisher(endpoint, args.block_size), args.block_size)
-            relaying = asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"), relay))
-        handler = VllmEngine(llm, HandleResolver(args.encoder_chain, rpc), family, block_size=args.block_size,
-                             max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
-                             tokenizer=lambda: ChatTokenizer(args.model),
-                             stream_interval_s=args.stream_interval_ms / 1e3)
-        serving = serve_endpoint(endpoint, handler.generate)
-        await register_engine(endpoint, args.model, name, args.block_size)
-        print(f"{READY}: model={name} family={family.name} route={family.route} dtype={mc.dtype} "
-              f"prefix_caching={bool(engine_args.enable_prefix_caching)} kv_events={relay is not None} "
-              f"endpoint={path} instance={endpoint.connection_id()} stream_interval_ms={args.stream_interval_ms:g}",
-              flush=True)
-        await stop.wait()
-        if relay is not None:
-            relaying.cancel()
-        llm.shutdown()
-        runtime.shutdown()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serving, 30)
+        async with Lifecycle(NAME) as life:
+            path = endpoint_path(args.namespace, ENGINE_COMPONENT, GENERATE_ENDPOINT)
+            endpoint = life.runtime.endpoint(path)
+            rpc = await life.runtime.endpoint(endpoint_path(args.namespace)).client()
+            llm = AsyncLLM.from_engine_args(engine_args)
+            life.on_stop(llm.shutdown)
+            mc = llm.model_config
+            relay = None
+            events = engine_args.kv_events_config
+            if engine_args.enable_prefix_caching and events is not None and events.enable_kv_cache_events:
+                relay = KvRelay(kv_event_publisher(endpoint, args.block_size), args.block_size)
+                life.on_stop(asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"),
+                                                                relay)).cancel)
+            handler = VllmEngine(llm, HandleResolver(args.encoder_chain, rpc), family, block_size=args.block_size,
+                                 max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
+                                 tokenizer=lambda: ChatTokenizer(args.model),
+                                 stream_interval_s=args.stream_interval_ms / 1e3)
+            life.serve(serve_endpoint(endpoint, handler.generate))
+            await register_engine(endpoint, args.model, name, args.block_size)
+            life.ready(model=name, family=family.name, route=family.route, dtype=mc.dtype,
+                       prefix_caching=bool(engine_args.enable_prefix_caching), kv_events=relay is not None,
+                       endpoint=path, instance=endpoint.connection_id(),
+                       stream_interval_ms=f"{args.stream_interval_ms:g}")
+            await life.wait()
 
     asyncio.run(serve())
     return 0

@@ -28,19 +28,21 @@ import inspect
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..families import glm4v
+
+if TYPE_CHECKING:  # vLLM 0.31's own names (vLLM is not installed where mypy runs: Any to it)
+    import torch
+    from vllm.inputs import ModalityData
+    from vllm.multimodal.inputs import ImageItem, VideoItem
+    from vllm.multimodal.parse import ModalityDataItems, MultiModalDataParser
 
 logger = logging.getLogger(__name__)
 
-#: Built-in architecture -> (vLLM module, class) that vLLM 0.31 registers for it. GLM-4.6V ships as
-#: `Glm4vMoeForConditionalGeneration` (4.6V-Flash as `Glm4vForConditionalGeneration`). Not here:
-#: `GLM4VForCausalLM` (the older GLM-4V-9B, another encoder) and `GlmOcrForConditionalGeneration`
-#: (GLM-OCR's own tower, which this project's encoder does not produce).
-ARCHITECTURES: Mapping[str, tuple[str, str]] = {
-    "Glm4vForConditionalGeneration": ("vllm.model_executor.models.glm4_1v", "Glm4vForConditionalGeneration"),
-    "Glm4vMoeForConditionalGeneration": ("vllm.model_executor.models.glm4_1v", "Glm4vMoeForConditionalGeneration"),
-    "Glm5NextForConditionalGeneration": ("vllm.models.glm5next", "Glm5NextForConditionalGeneration"),
-}
+#: Built-in architecture -> (vLLM module, class) that vLLM 0.31 registers for it: the GLM family's
+#: (`families/glm4v.py`, `VLLM_CLASSES`, which says which GLM models are in and which are not).
+ARCHITECTURES: Mapping[str, tuple[str, str]] = glm4v.VLLM.plugin
 CLASS_PREFIX = "MmEncoder"
 IMAGE_FIELDS = {"image_embeds": "values", "image_grid_thw": "metadata"}
 
@@ -118,7 +120,7 @@ def _build(arch: str) -> type:
     logs it); if the processor internals are not 0.31's, vLLM's own class is returned unchanged.
     """
     module_name, base_name = ARCHITECTURES[arch]
-    base = getattr(importlib.import_module(module_name), base_name)
+    base: type = getattr(importlib.import_module(module_name), base_name)
     try:
         return _subclass(arch, base)
     except _Unexpected as exc:
@@ -153,7 +155,7 @@ def _subclass(arch: str, base: type) -> type:
     parser_cls = _parser_class()
 
     class Info(info_base):  # type: ignore[misc, valid-type]
-        def get_data_parser(self):
+        def get_data_parser(self) -> MultiModalDataParser:
             """The built-in parser's settings, but an image embeddings dict parses into embedding items."""
             builtin = super().get_data_parser()
             return parser_cls(
@@ -212,12 +214,14 @@ def _parser_class() -> type:
                 self.merge_size = int(spatial_merge_size)
                 super().__init__(spatial_merge_size, **kwargs)
 
-            def _parse_image_data(self, data):
+            def _parse_image_data(self, data: dict[str, torch.Tensor] | ModalityData[ImageItem]
+                                  ) -> ModalityDataItems[Any, Any] | None:
                 if isinstance(data, Mapping):
                     check_image_embeds(data, self.merge_size, self.expected_hidden_size)
                 return super()._parse_image_data(data)
 
-            def _parse_video_data(self, data):
+            def _parse_video_data(self, data: dict[str, torch.Tensor] | ModalityData[VideoItem]
+                                  ) -> ModalityDataItems[Any, Any] | None:
                 if isinstance(data, Mapping):
                     raise ValueError(
                         "video embeddings are not supported for GLM vision models (mm_encoder's vLLM plugin "

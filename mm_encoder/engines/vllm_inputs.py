@@ -1,6 +1,7 @@
 """An `EngineRequest` and its fetched bodies -> the input vLLM 0.31's engine takes; no vLLM import.
 
-Two routes, one per model family (docs/vllm.md has the table and the vLLM files behind it):
+Two routes, one per model family (which family takes which: its module's `VllmInput`, `families/`;
+docs/vllm.md has the table and the vLLM files behind it):
 
 - **mixed prompt embeddings** (`route="embeds"`: Kimi-K2.5, Kimi-VL's text backbone): the prompt as
   the frontend expanded it, every media row's embedding in a dense `[seq, hidden]` tensor and a mask
@@ -22,100 +23,28 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..core import wire
 from ..core.engine_request import EngineRequest
 from ..core.errors import BadRequest
+from ..families import VllmInput, vllm_inputs
+from .inputs import Media
 
 
-@dataclass(frozen=True)
-class Family:
-    """How one vLLM model family takes embeddings.
-
-    `route="mm"`: the placeholder token vLLM expands per item, the keys of its per-modality dict
-    and the merge size (rows per grid = t*h*w // merge**2, the slicing its field config applies).
-    `route="embeds"`: the modalities the prompt may hold (any token ids; vLLM reads the rows) and
-    what `limit_mm_per_prompt` leaves the vision tower out with."""
-
-    name: str
-    architectures: tuple[str, ...]
-    route: Literal["mm", "embeds"] = "mm"
-    token_ids: Mapping[str, int] = field(default_factory=dict)  # modality -> placeholder id ("mm")
-    merge: int = 2
-    width: int | None = None  # the embeddings' width the model takes, from the checkpoint's config
-    no_tower: Mapping[str, int] = field(default_factory=dict)  # limit_mm_per_prompt that skips the tower
-    deepstack: bool = False  # Qwen3-VL: rows carry the main and every deepstack level, side by side
-    vllm_architecture: str | None = None  # the name vLLM registers, when the config states another
-    deepseek: bool = False  # the text model is vLLM's DeepseekV2/V3 (MLA + MoE): `engines.vllm` completes its config
-
-    def rows(self, grid: tuple[int, int, int]) -> int:
-        t, h, w = grid
-        return t * h * w // (self.merge * self.merge)
-
-    def with_config(self, hf_config: Any) -> Family:
-        """The ids, merge size and embeddings width a checkpoint's config states."""
-        ids = dict(self.token_ids)
-        for m in ids:
-            value = _get(hf_config, f"{m}_token_id")
-            if isinstance(value, int):
-                ids[m] = value
-        vision = _get(hf_config, "vision_config")
-        merge = _get(vision, "spatial_merge_size")
-        return replace(self, token_ids=ids, merge=merge if isinstance(merge, int) else self.merge,
-                       width=embeds_width(hf_config, deepstack=self.deepstack))
-
-
-def _get(obj: Any, key: str) -> Any:
-    """A config field from a transformers config object or a config.json dict."""
-    if obj is None:
-        return None
-    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
-
-
-def embeds_width(hf_config: Any, *, deepstack: bool = False) -> int | None:
-    """The width vLLM's model takes an item's rows in: the text model's hidden size, except
-    Qwen3-VL, which splits its rows into the main embedding and one per deepstack level
-    (`out_hidden_size x (1 + len(deepstack_visual_indexes))`, `_compute_deepstack_embeds`)."""
-    vision = _get(hf_config, "vision_config")
-    if deepstack and _get(vision, "out_hidden_size"):
-        return int(_get(vision, "out_hidden_size")) * (1 + len(_get(vision, "deepstack_visual_indexes") or ()))
-    text = _get(hf_config, "text_config")
-    width = _get(text, "hidden_size") or _get(hf_config, "hidden_size")
-    return int(width) if width else None
-
-
-_QWEN_IDS = {"image": 151655, "video": 151656}  # <|image_pad|>, <|video_pad|>
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), token_ids=_QWEN_IDS),
-    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), token_ids=_QWEN_IDS),
-    # Video left out: vLLM's Qwen3-VL expands a video into per-frame timestamped runs, which needs
-    # frame metadata a wire body does not carry (not verified, so refused).
-    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"),
-           token_ids={"image": 151655}, deepstack=True),
-    # GLM-4.xV: vLLM's model and field config take image embeddings; its data parser does only with
-    # this package's plugin (engines/vllm_glm.py, loaded by vLLM through its entry point). Images only.
-    Family("glm4v", ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
-                     "Glm5NextForConditionalGeneration"), token_ids={"image": 151343}),
-    Family("kimi_k25", ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"), route="embeds",
-           no_tower={"vision_chunk": 0}, vllm_architecture="KimiK25ForConditionalGeneration", deepseek=True),
-    Family("kimi_vl", ("KimiVLForConditionalGeneration",), route="embeds", no_tower={"image": 0}, deepseek=True),
-)}
-
-
-def family_for(architectures: list[str] | tuple[str, ...], hf_config: Any = None) -> Family:
+def family_for(architectures: list[str] | tuple[str, ...], hf_config: Any = None) -> VllmInput:
     """The embeddings family of a checkpoint's architectures (its config's own ids and width when
-    given); an architecture no route serves is refused, naming the ones that are served."""
+    given; every family's `vllm` facts, `families/`); an architecture no route serves is refused,
+    naming the ones that are served."""
+    inputs = vllm_inputs().values()
     for arch in architectures:
-        for fam in FAMILIES.values():
+        for fam in inputs:
             if arch in fam.architectures:
                 return fam.with_config(hf_config) if hf_config is not None else fam
     raise ValueError(f"no known embeddings input in vLLM for {list(architectures)}; supported: "
-                     f"{sorted(a for f in FAMILIES.values() for a in f.architectures)}")
+                     f"{sorted(a for f in inputs for a in f.architectures)}")
 
 
 @dataclass
@@ -130,34 +59,34 @@ class Item:
     uuid: str
 
 
-def items(req: EngineRequest, bodies: list[bytes], family: Family) -> list[Item]:
+def items(req: EngineRequest, media: list[Media], family: VllmInput) -> list[Item]:
     """Each span of each item with its rows, in prompt order, checked against the model (the spans
-    against their handles were checked before the fetch, `inputs.fetch_bodies`): the width the
-    model takes (before vLLM, whose engine core would crash on it), and for the "mm" route the
-    family's token and row count per grid."""
+    against their handles were checked before the fetch, `inputs.fetch_bodies`, each body decoded
+    once, `inputs.decode_media`): the width the model takes (before vLLM, whose engine core would
+    crash on it), and for the "mm" route the family's token and row count per grid."""
     out = []
-    for media, body in zip(req.media, bodies, strict=True):
-        msg = wire.decode(body)
+    for m in media:
+        msg = m.message
         if family.width is not None and msg.shape[1] != family.width:
-            raise BadRequest(f"media {media.mm_hash[:12]}: embeddings are {msg.shape[1]} wide; vLLM's "
+            raise BadRequest(f"media {m.mm_hash[:12]}: embeddings are {msg.shape[1]} wide; vLLM's "
                              f"{family.name} takes {family.width}")
         start = 0
-        for i, ((offset, n), grid) in enumerate(zip(media.spans, msg.grid_thws, strict=True)):
-            grid = tuple(int(g) for g in grid)
+        for i, ((offset, n), (t, h, w)) in enumerate(zip(m.spans, msg.grid_thws, strict=True)):
+            grid = (int(t), int(h), int(w))
             if family.route == "mm":
                 token = family.token_ids.get(msg.modality)
                 if token is None:
-                    raise BadRequest(f"media {media.mm_hash[:12]}: vLLM's {family.name} takes no {msg.modality} "
+                    raise BadRequest(f"media {m.mm_hash[:12]}: vLLM's {family.name} takes no {msg.modality} "
                                      "embeddings")
                 if req.token_ids[offset] != token:
-                    raise BadRequest(f"media {media.mm_hash[:12]}: its run is token {req.token_ids[offset]}, "
+                    raise BadRequest(f"media {m.mm_hash[:12]}: its run is token {req.token_ids[offset]}, "
                                      f"{family.name}'s {msg.modality} placeholder is {token}")
                 if family.rows(grid) != n:
-                    raise BadRequest(f"media {media.mm_hash[:12]}: grid {list(grid)} has {n} rows; vLLM's "
+                    raise BadRequest(f"media {m.mm_hash[:12]}: grid {list(grid)} has {n} rows; vLLM's "
                                      f"{family.name} slices {family.rows(grid)} rows for it "
                                      f"(t*h*w/{family.merge ** 2})")
-            uuid = media.mm_hash if len(media.spans) == 1 else f"{media.mm_hash}:{i}"
-            out.append(Item(media.mm_hash, msg.modality, offset, grid, msg.embeds[start : start + n], uuid))
+            uuid = m.mm_hash if len(m.spans) == 1 else f"{m.mm_hash}:{i}"
+            out.append(Item(m.mm_hash, msg.modality, offset, grid, msg.embeds[start : start + n], uuid))
             start += n
     out.sort(key=lambda it: it.offset)  # vLLM pairs a modality's items with its placeholders in order
     for a, b in itertools.pairwise(out):
@@ -187,7 +116,7 @@ def mixed_prompt(req: EngineRequest, spans: list[Item], dtype: torch.dtype) -> M
     return MixedPrompt(list(req.token_ids), mask, embeds)
 
 
-def mm_prompt(req: EngineRequest, spans: list[Item], family: Family) -> dict[str, Any]:
+def mm_prompt(req: EngineRequest, spans: list[Item], family: VllmInput) -> dict[str, Any]:
     """The "mm" route: a TokensPrompt dict with each run collapsed to its placeholder, the items'
     rows concatenated per modality, their grids stacked and their mm_hashes as vLLM's uuids."""
     parts: dict[str, tuple[list[torch.Tensor], list[tuple[int, int, int]], list[str]]] = {}

@@ -29,11 +29,14 @@ import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachetools import LRUCache
 
-from ..routing import to_signed64
+from ..routing import BlockMMInfo, to_signed64
+
+if TYPE_CHECKING:
+    from ..runtime.dynamo import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +47,13 @@ EMPTY_DIGEST = hashlib.sha256(b"").digest()  # a block wholly past the prompt em
 class Registered:
     reported: tuple[int, ...]  # what vLLM's event says for the block's prompt part: media rows as 0
     token_ids: tuple[int, ...]  # the block's prompt tokens (up to block_size; fewer if the prompt ends in it)
-    mm_info: dict | None  # routing.block_mm_infos entry for the block
+    mm_info: BlockMMInfo | None  # routing.block_mm_infos entry for the block
 
 
 class KvRelay:
     """Translates vLLM's `KVEventBatch` events into Dynamo `KvEventPublisher` calls."""
 
-    def __init__(self, publisher: Any, block_size: int, max_blocks: int = 1 << 18):
+    def __init__(self, publisher: KvEventPublisher, block_size: int, max_blocks: int = 1 << 18) -> None:
         self.publisher = publisher
         self.block_size = block_size
         # (block index, rows digest) -> the blocks registered under it (usually one)
@@ -59,7 +62,7 @@ class KvRelay:
         self.stored = self.removed = self.unmapped = 0
 
     def register(self, token_ids: list[int], is_token_ids: list[bool], digests: list[bytes],
-                 mm_infos: list[dict | None] | None) -> None:
+                 mm_infos: list[BlockMMInfo | None] | None) -> None:
         """A mixed prompt's blocks, before vLLM stores them: `digests` as `vllm_inputs.block_digests`
         computes them (one per block, the partial last one included)."""
         bs = self.block_size
@@ -102,7 +105,7 @@ class KvRelay:
         start = 0 if parent is None else self._index[parent] + 1
         keys = list(ev.extra_keys or [None] * len(ev.block_hashes))
         tokens: list[int] = []
-        infos: list[dict | None] = []
+        infos: list[BlockMMInfo | None] = []
         hashes: list[int] = []
         for j, h in enumerate(ev.block_hashes):
             event_tokens = list(ev.token_ids[j * bs : (j + 1) * bs])
@@ -134,7 +137,7 @@ def _key(block_hash: Any) -> int:
     return block_hash if isinstance(block_hash, int) else int.from_bytes(bytes(block_hash)[-8:], "big")
 
 
-def _digest(keys: tuple | None) -> bytes | None:
+def _digest(keys: tuple[object, ...] | None) -> bytes | None:
     """The prompt-embeds digest among a block's untagged extra keys (the only bytes key vLLM sets)."""
     for k in keys or ():
         if isinstance(k, bytes | bytearray) and len(k) == 32:

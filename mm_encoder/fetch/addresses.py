@@ -106,8 +106,8 @@ def check_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
         inner = check_ip(ip.sixtofour)
         if inner:
             return f"6to4 of {ip.sixtofour}: {inner}"
-    for net, reason in _V6_RULES:
-        if ip in net:
+    for net6, reason in _V6_RULES:
+        if ip in net6:
             return reason
     if ip not in _V6_GLOBAL_UNICAST:
         return "reserved"

@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 from ..core.prompt import check_model_dir
-from ..runtime.dynamo import http_frontend, make_runtime
-from ..runtime.process import parse_settings, run, stop_on_signals
+from ..runtime.dynamo import http_frontend
+from ..runtime.process import Lifecycle, parse_settings, run
 from .drain import drain
 from .metrics import exposition
 from .provider import ProcessorFactory
@@ -19,33 +19,28 @@ from .settings import FrontendSettings
 
 
 async def serve(s: FrontendSettings) -> None:
-    runtime = make_runtime(asyncio.get_running_loop())
-    factory = ProcessorFactory(s, runtime)
-    await factory.parts()  # fail fast (a bad model dir) before serving
+    async with Lifecycle("mm-encoder frontend") as life:
+        factory = ProcessorFactory(s, life.runtime)
+        life.on_exit(factory.close)  # once the runtime is down and the HTTP server has stopped
+        await factory.parts()  # fail fast (a bad model dir) before serving
 
-    def stats(_ctx):
-        return {"processors": factory.snapshots()}
+        def stats(_ctx: object) -> dict[str, list[dict[str, Any]]]:  # _ctx: Dynamo's request context, unused
+            return {"processors": factory.snapshots()}
 
-    # appended to Dynamo's system server /metrics (DYN_SYSTEM_PORT); no endpoint needs serving for it
-    runtime.endpoint(f"{s.namespace}.frontend.mm_processor").metrics.register_prometheus_expfmt_callback(
-        exposition(factory.snapshots))
-
-    stop = stop_on_signals()
-    serving = await http_frontend(runtime, factory, host=s.http_host, port=s.http_port, namespace=s.namespace,
-                                  routes={"/mm/stats": stats})
-    print(f"mm-encoder frontend ready: http://{s.http_host}:{s.http_port} model_dir={s.model_dir}", flush=True)
-    await asyncio.wait({serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    await drain(factory, s)
-    runtime.shutdown()
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(serving, 30)
-    await factory.close()
+        # appended to Dynamo's system server /metrics (DYN_SYSTEM_PORT); no endpoint needs serving for it
+        life.runtime.endpoint(f"{s.namespace}.frontend.mm_processor").metrics.register_prometheus_expfmt_callback(
+            exposition(factory.snapshots))
+        life.serve(await http_frontend(life.runtime, factory, host=s.http_host, port=s.http_port,
+                                       namespace=s.namespace, routes={"/mm/stats": stats}))
+        life.ready(f"http://{s.http_host}:{s.http_port}", model_dir=s.model_dir)
+        await life.wait()
+        await drain(factory, s)
 
 
 RUNTIME_THREADS = "DYN_RUNTIME_NUM_WORKER_THREADS"
 
 
-def set_runtime_threads(s: FrontendSettings, env=os.environ) -> None:
+def set_runtime_threads(s: FrontendSettings, env: MutableMapping[str, str] = os.environ) -> None:
     """`--runtime-threads` into the variable Dynamo's runtime reads when it starts; unset: the
     variable as it is, else 1."""
     if s.runtime_threads is not None:

@@ -148,8 +148,3 @@ def item_text(detok: IncrementalDetokenizer, stops: StopStrings, tokens: list[in
         if matched:
             return "".join(parts), i + 1, True
     return "".join(parts), len(tokens), False
-
-
-def first_tokens(data: dict[str, Any], n: int) -> dict[str, Any]:
-    """An engine item cut to its first n tokens (and their logprob records)."""
-    return {**data, **{k: data[k][:n] for k in ("token_ids", "log_probs", "top_logprobs") if k in data}}

@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
 class _ProcessorCollector(Collector):
-    def __init__(self, snapshots: Callable[[], Iterable[dict]]):
+    def __init__(self, snapshots: Callable[[], Iterable[dict[str, Any]]]) -> None:
         self.snapshots = snapshots
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         snaps = list(self.snapshots())
         simple = (
             ("requests", "Chat requests seen by the multimodal processor"),
@@ -46,7 +47,7 @@ class _ProcessorCollector(Collector):
         yield live
 
 
-def exposition(snapshots: Callable[[], Iterable[dict]]) -> Callable[[], str]:
+def exposition(snapshots: Callable[[], Iterable[dict[str, Any]]]) -> Callable[[], str]:
     """A zero-argument callback for `endpoint.metrics.register_prometheus_expfmt_callback`."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ProcessorCollector(snapshots))

@@ -16,29 +16,34 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..client.encoder import EncoderClient
+from ..client.encoder import Encoded, EncoderClient
 from ..core.context import room
-from ..core.engine_request import EngineRequest, MediaInput
+from ..core.engine_reply import TokenBatch, parse_item
+from ..core.engine_request import EngineRequest, InlineRequest, MediaInput
 from ..core.errors import (
     ContextOverflow,
     Draining,
     EngineUnavailable,
     MMEncoderError,
     Overloaded,
-    RemoteError,
     RequestTooLarge,
 )
 from ..core.prompt import ChatTokenizer, Splicer
+from ..core.requests import MediaRef
 from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
-from ..routing import MediaSpan, block_mm_infos
+from ..routing import BlockMMInfo, MediaSpan, block_mm_infos
 from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
-from .chat import IncrementalDetokenizer, StopStrings, first_tokens, item_text, parse_messages, text_bytes
+from .chat import IncrementalDetokenizer, StopStrings, item_text, parse_messages, text_bytes
+from .hold import Capacity, Hold
+
+if TYPE_CHECKING:
+    from ..runtime.dynamo import Context
 
 log = logging.getLogger(__name__)
 # Prompts with at most this much text are rendered and tokenized on the event loop (well under a
@@ -52,10 +57,9 @@ class Stats:
 
     requests: int = 0
     media_items: int = 0
-    errors: Counter = field(default_factory=Counter)
-    routed: Counter = field(default_factory=Counter)
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))
-    media_requests_in_flight: int = 0  # requests with media between encoding and the engine's first item
+    errors: Counter[str] = field(default_factory=Counter)
+    routed: Counter[str] = field(default_factory=Counter)
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
 
 
 @dataclass
@@ -78,56 +82,32 @@ class _Sent:
 
     rid: str
     params: SamplingParams
-    stream: Any  # the engine's response stream
+    stream: AsyncIterator[Any]  # the engine's response stream
     prompt_tokens: int | None  # None: the engine counts them (the aggregated baseline)
     timings: dict[str, float]  # shown at /mm/stats; the answer adds the engine's
     t0: float  # time.perf_counter() at dispatch
 
 
-class _Hold:
-    """One request's hold on its processor: a place among the requests in flight, a media slot
-    while it has media and no answer yet, a count among those waiting for an engine's first item,
-    and a place in the KV router's books. `release` gives back each exactly once, however the
-    request ends: answered, refused, failed or cancelled."""
+class Router(Protocol):
+    """What the processor asks of Dynamo's KvRouter over the engines (`runtime.dynamo.kv_router`)."""
 
-    def __init__(self, proc: MultimodalProcessor, rid: str):
-        self.proc, self.rid = proc, rid
-        self.slot = self.routed = self.waiting = False
-        self.held = True
-        proc._inflight += 1
+    async def best_worker(self, token_ids: list[int], *, block_mm_infos: list[BlockMMInfo | None] | None = None,
+                          request_id: str | None = None) -> tuple[int, int, int]: ...
+    async def mark_prefill_complete(self, request_id: str, /) -> None: ...
+    async def free(self, request_id: str, /) -> None: ...
 
-    async def take_media_slot(self) -> None:
-        await self.proc._media_slots.acquire()
-        self.slot = True
 
-    def sent(self) -> None:
-        """An engine has the request: counted until its first item."""
-        self.proc.stats.media_requests_in_flight += 1
-        self.waiting = True
+class EngineClient(Protocol):
+    """What the processor asks of Dynamo's client of the engines' generate endpoint."""
 
-    def first_item(self) -> None:
-        """The engine answered: the media slot and the wait go back."""
-        if self.waiting:
-            self.proc.stats.media_requests_in_flight -= 1
-            self.waiting = False
-        if self.slot:
-            self.proc._media_slots.release()
-            self.slot = False
-
-    def release(self) -> None:
-        self.first_item()
-        if self.routed:
-            self.proc._router_note(self.proc.router.free, self.rid)
-            self.routed = False
-        if self.held:
-            self.proc._inflight -= 1
-            self.held = False
+    async def direct(self, request: dict[str, Any], instance_id: int, /) -> AsyncIterator[Any]: ...
+    def instance_ids(self) -> list[int]: ...
 
 
 class MultimodalProcessor:
     def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, encoder: EncoderClient | None,
-                 router, engine_client, block_size: int, eos_token_ids: list[int], limits: Limits,
-                 inline_media: bool = False):
+                 router: Router, engine_client: EngineClient, block_size: int, eos_token_ids: list[int],
+                 limits: Limits, inline_media: bool = False) -> None:
         self.served_name = served_name
         self.spec = spec
         self.tok = tokenizer
@@ -140,9 +120,8 @@ class MultimodalProcessor:
         self.limits = limits
         self.inline_media = inline_media  # the aggregated baseline: engines fetch and encode media themselves
         self.stats = Stats()
-        self._media_slots = asyncio.Semaphore(limits.max_inflight_media)
-        self._inflight = 0
-        self._notes: set[asyncio.Future] = set()  # router bookkeeping in flight (`_router_note`)
+        self.capacity = Capacity(limits.max_inflight_media)  # what requests in flight hold (`frontend.hold`)
+        self._notes: set[asyncio.Future[None]] = set()  # router bookkeeping in flight (`_router_note`)
         self.draining = False  # set on SIGTERM: new requests get 503 while those in flight finish
         self.last_request = 0.0  # time.monotonic() of the latest request: when a drain may close connections
 
@@ -160,13 +139,13 @@ class MultimodalProcessor:
         """Cap the completion so prompt + completion fits; refuse a prompt that alone does not."""
         return min(params.max_tokens or self.limits.default_max_tokens, room(prompt_tokens, self.limits.context_length))
 
-    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: dict[str, Any], context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
         """One chat request: admitted (`_admit`), made ready and sent to an engine (`_dispatch`), its
         answer streamed back as OpenAI chunks (`_answer`). What it holds of this processor while in
-        flight is one `_Hold`, given back whichever way the request ends."""
+        flight is one `Hold`, given back whichever way the request ends."""
         self.last_request = time.monotonic()
         self._admit()
-        hold = _Hold(self, uuid.uuid4().hex)
+        hold = Hold(self.capacity, uuid.uuid4().hex, lambda rid: self._router_note(self.router.free, rid))
         try:
             sent = await self._dispatch(request, hold)
             async for chunk in self._answer(sent, hold, context):
@@ -176,14 +155,15 @@ class MultimodalProcessor:
 
     def _admit(self) -> None:
         """Fewer than `max_inflight_requests` in flight, or a 503 at once: not a queue that grows
-        until clients time out (measured: tests/reliability/soak.py)."""
-        if self.draining or self._inflight >= self.limits.max_inflight_requests:
+        until clients time out (measured: bench/soak.py)."""
+        inflight = self.capacity.inflight
+        if self.draining or inflight >= self.limits.max_inflight_requests:
             e = Draining("this frontend is shutting down; retry on another replica") if self.draining else \
-                Overloaded(f"{self._inflight} requests are in flight (--max-inflight-requests); retry shortly")
+                Overloaded(f"{inflight} requests are in flight (--max-inflight-requests); retry shortly")
             self.stats.errors[e.code] += 1
             raise client_error(e)
 
-    async def _dispatch(self, request: dict[str, Any], hold: _Hold) -> _Sent:
+    async def _dispatch(self, request: dict[str, Any], hold: Hold) -> _Sent:
         """Parse, render, encode the media, expand, route and send; a refusal is raised as the
         client's error (a bug as a 500), counted and logged once."""
         rid = hold.rid
@@ -206,26 +186,30 @@ class MultimodalProcessor:
             if media:
                 await hold.take_media_slot()
             t_enc = time.perf_counter()
-            encoded = await self.encoder.embed_all(media) if media else []
+            encoded: list[Encoded] = []
+            if media:
+                assert self.encoder is not None  # the provider makes one unless inline_media
+                encoded = await self.encoder.embed_all(media)
             timings["encode_ms"] = ms_since(t_enc)
             self.stats.media_items += len(media)
-            headers = [e.handle.header for e in encoded]
-            grids = [(h.modality, h.tokens_per_grid, h.timestamps) for h in headers]
+            grids = [(e.handle.header.modality, e.handle.num_tokens, e.handle.header.timestamps) for e in encoded]
             spliced = (self.splicer.expand_text(text, grids) if inline and not encoded
                        else await asyncio.to_thread(self.splicer.expand_text, text, grids))
+            # each item's one record from here on: its handle, its spans in the prompt (and its body,
+            # in the body transport); routing, the stats and the engine request all read it
+            items = [MediaInput(e.handle, list(spans), e.body)
+                     for e, spans in zip(encoded, spliced.spans, strict=True)]
             prompt_tokens = len(spliced.token_ids)
             max_tokens = self.max_tokens_for(params, prompt_tokens)
-            spans = [MediaSpan(h.mm_hash, tuple(s)) for h, s in zip(headers, spliced.spans, strict=True)]
             t_route = time.perf_counter()
-            worker_id, overlap = await self._route(hold, spliced.token_ids,
-                                                   block_mm_infos(prompt_tokens, self.block_size, spans))
+            infos = block_mm_infos(prompt_tokens, self.block_size,
+                                   [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
+            worker_id, overlap = await self._route(hold, spliced.token_ids, infos)
             timings["route_ms"] = ms_since(t_route)
             self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
-                                      "prompt_tokens": prompt_tokens, "media": [s.mm_hash for s in spans],
+                                      "prompt_tokens": prompt_tokens, "media": [m.mm_hash for m in items],
                                       "timings": timings})
-            payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids,
-                                    [MediaInput(e.handle, list(s.spans), e.body)
-                                     for e, s in zip(encoded, spans, strict=True)],
+            payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
                                     sampling=params.to_dict(), stream=interim).to_dict()
             stream = await self._send(payload, worker_id)
             hold.sent()
@@ -239,9 +223,10 @@ class MultimodalProcessor:
             log.exception("request %s failed before the engine", rid)
             raise internal_error(e) from None
 
-    async def _route(self, hold: _Hold, token_ids: list[int], infos=None) -> tuple[int, int]:
+    async def _route(self, hold: Hold, token_ids: list[int],
+                     infos: list[BlockMMInfo | None] | None = None) -> tuple[int, int]:
         """(engine, overlapping blocks) from Dynamo's KV router, which from then on counts the
-        request on that engine until `_Hold.release` frees it."""
+        request on that engine until `Hold.release` frees it."""
         try:
             worker_id, _, overlap = await self.router.best_worker(token_ids, block_mm_infos=infos,
                                                                   request_id=hold.rid)
@@ -251,7 +236,7 @@ class MultimodalProcessor:
         self.stats.routed[str(worker_id)] += 1
         return worker_id, overlap
 
-    async def _answer(self, sent: _Sent, hold: _Hold, context=None) -> AsyncIterator[dict[str, Any]]:
+    async def _answer(self, sent: _Sent, hold: Hold, context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
         """The engine's items as OpenAI chunks, one per item (the tokens the engine had ready, even
         when they decode to no text yet), with exact stop-string semantics over batched items."""
         rid, params, timings = sent.rid, sent.params, sent.timings
@@ -261,28 +246,31 @@ class MultimodalProcessor:
         prompt_tokens = sent.prompt_tokens
         first = True
         try:
-            async for data in _engine_items(sent.stream):
-                if "error" in data:  # the engine refused the request before its first token
-                    e = RemoteError.from_dict(data["error"], "the engine failed without a message")
+            async for item in _engine_items(sent.stream):
+                try:
+                    data = parse_item(item)  # a refusal before the first token is raised here
+                except MMEncoderError as e:
                     self.stats.errors[e.code] += 1
                     log.warning("request %s refused by the engine: [%s] %s", rid, e.code, e.message)
-                    raise client_error(e)
-                finish = data.get("finish_reason")
+                    raise client_error(e) from None
+                finish = data.finish_reason
                 if first:
                     first = False
                     timings["first_token_ms"] = ms_since(sent.t0)
-                    for stage, ms in (data.get("timings_ms") or {}).items():  # the engine's: fetch, decode, prefill
+                    usage = data.usage
+                    for stage, ms in (usage.timings_ms if usage else {}).items():  # fetch, decode, prefill
                         timings[f"engine_{stage}_ms"] = ms
-                    timings["reused_tokens"] = data.get("reused_tokens", 0)  # from the engine's prefix store
+                    timings["reused_tokens"] = usage.reused_tokens if usage else 0  # from the engine's prefix store
                     hold.first_item()
                     if not finish:  # else the router's free, at the end, does it in one call
                         self._router_note(self.router.mark_prefill_complete, rid)
-                if prompt_tokens is None:  # inline encoding: the engine counted the prompt
-                    prompt_tokens = timings["prompt_tokens"] = data.get("prompt_tokens", 0)
-                delta, used, matched = item_text(detok, stops, data.get("token_ids", []), bool(finish))
+                    if prompt_tokens is None:  # inline encoding: the engine counted the prompt
+                        prompt_tokens = timings["prompt_tokens"] = usage.prompt_tokens if usage else 0
+                delta, used, matched = item_text(detok, stops, data.token_ids, bool(finish))
                 if matched:  # a stop string: the text ends before it, and so does generation
                     finish = "stop"
-                    data = first_tokens(data, used)
+                    data = data.first(used)
+                assert prompt_tokens is not None  # the engine's count, from its first item, where not ours
                 logprobs = self._logprobs(data, params.top_logprobs) if params.logprobs else None
                 yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
                                   len(detok.ids), logprobs)
@@ -302,12 +290,12 @@ class MultimodalProcessor:
         this processor finds them, and stops the engine by leaving)."""
         return bool(request.get("stream")) or bool(params.stop)
 
-    def _router_note(self, call, rid: str) -> None:
+    def _router_note(self, call: Callable[[str], Awaitable[None]], rid: str) -> None:
         """The router's bookkeeping for a request, not waited for: it only updates the router's load
         figures, and waiting would cost a crossing into Dynamo's runtime and back per call. Dynamo's
         call is already a running future (no task is made); its failure (an engine that died took its
         half of the books along: "Request ... not found") must not fail this request or later ones."""
-        def done(fut: asyncio.Future) -> None:
+        def done(fut: asyncio.Future[None]) -> None:
             self._notes.discard(fut)
             if not fut.cancelled() and fut.exception() is not None:
                 log.debug("request %s: router bookkeeping: %s", rid, fut.exception())
@@ -320,8 +308,8 @@ class MultimodalProcessor:
         self._notes.add(fut)
         fut.add_done_callback(done)
 
-    async def _dispatch_inline(self, hold: _Hold, params: SamplingParams, text: str, media,
-                               timings: dict[str, float], interim: bool):
+    async def _dispatch_inline(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
+                               timings: dict[str, float], interim: bool) -> AsyncIterator[Any]:
         """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
         engine fetch, encode and expand; the engine's stream."""
         flat = await asyncio.to_thread(self.tok.encode, text)
@@ -331,14 +319,14 @@ class MultimodalProcessor:
         self.stats.recent.append({"request_id": hold.rid, "worker_id": worker_id, "overlap_blocks": overlap,
                                   "prompt_tokens": None, "media": [m.url[:64] for m in media],
                                   "timings": timings})  # the engine's timings and reused tokens, once known
-        payload = EngineRequest(hold.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
+        payload = InlineRequest(hold.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
                                 stream=interim,
                                 prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
         stream = await self._send(payload.to_dict(), worker_id)
         hold.sent()
         return stream
 
-    async def _send(self, payload: dict[str, Any], worker_id: int):
+    async def _send(self, payload: dict[str, Any], worker_id: int) -> AsyncIterator[Any]:
         """Send to the routed engine; if it is unreachable (a crashed engine stays in file discovery
         for a while), try once more on another registered instance."""
         try:
@@ -356,7 +344,7 @@ class MultimodalProcessor:
         except Exception as e:
             raise EngineUnavailable(f"no engine reachable: {e}") from None
 
-    def _logprobs(self, data: dict[str, Any], top: int) -> dict[str, Any]:
+    def _logprobs(self, data: TokenBatch, top: int) -> dict[str, Any]:
         """The engine's logprobs for this step's tokens in OpenAI's form (`choices[].logprobs`): per
         token its text, log-probability and bytes, and the `top` most likely tokens by rank. The
         engine's per-position records (Dynamo's convention: the chosen token among them) carry each
@@ -369,16 +357,15 @@ class MultimodalProcessor:
                     "bytes": raw if isinstance(raw, list) else list(self.tok.token_bytes(tid))}
 
         content = []
-        for tid, lp, position in zip(data.get("token_ids", []), data.get("log_probs") or [],
-                                     data.get("top_logprobs") or [], strict=False):
+        for tid, lp, position in zip(data.token_ids, data.log_probs or [], data.top_logprobs or [], strict=False):
             ranked = sorted((r for r in position if isinstance(r, dict)), key=lambda r: r.get("rank", 1 << 30))
             chosen = next((r for r in ranked if r.get("token_id") == tid), {})
             content.append({**entry({**chosen, "token_id": tid, "logprob": lp}),
                             "top_logprobs": [entry(r) for r in ranked[:top]]})
         return {"content": content}
 
-    def _chunk(self, rid: str, created: int, delta: dict, finish: str | None, prompt: int, completion: int,
-               logprobs: dict[str, Any] | None = None) -> dict:
+    def _chunk(self, rid: str, created: int, delta: dict[str, Any], finish: str | None, prompt: int, completion: int,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
@@ -396,7 +383,7 @@ class MultimodalProcessor:
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self.capacity.inflight
 
     def snapshot(self) -> dict[str, Any]:
         s = self.stats
@@ -409,14 +396,15 @@ class MultimodalProcessor:
             "encoder_body_bytes": self.encoder.body_bytes if self.encoder else 0,
             "errors": dict(s.errors),
             "routed": dict(s.routed),
-            "media_requests_in_flight": s.media_requests_in_flight,
+            "media_requests_in_flight": self.capacity.waiting,
             "recent": list(s.recent),
         }
 
 
-async def _engine_items(stream):
-    """The engine's items as dicts. A stream that breaks off (the engine died: Dynamo raises a plain
-    ValueError, "Stream ended before generation completed") is EngineUnavailable, a 503."""
+async def _engine_items(stream: AsyncIterator[Any]) -> AsyncIterator[object]:
+    """The engine's items as they came (maps: `core.engine_reply.parse_item` reads each). A stream
+    that breaks off (the engine died: Dynamo raises a plain ValueError, "Stream ended before
+    generation completed") is EngineUnavailable, a 503."""
     try:
         async for item in stream:
             yield item.data() if hasattr(item, "data") else item

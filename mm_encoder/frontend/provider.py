@@ -19,16 +19,25 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..client.encoder import EncoderClient
-from ..core.card import ModelCard
 from ..core.prompt import ChatTokenizer
 from ..core.registry import get_spec
 from ..core.spec import ModelSpec
+from ..families.card import ModelCard
 from ..runtime.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
-from .processor import Limits, MultimodalProcessor
+from .processor import EngineClient, Limits, MultimodalProcessor, Router
 from .settings import FrontendSettings
+
+if TYPE_CHECKING:
+    from ..runtime.dynamo import (
+        DistributedRuntime,
+        ModelCardInstanceId,
+        ModelDeploymentCard,
+        PythonAsyncEngine,
+        RoutedEngine,
+    )
 
 
 @dataclass(frozen=True)
@@ -38,15 +47,15 @@ class SharedParts:
     card: ModelCard
     spec: ModelSpec
     tokenizer: ChatTokenizer
-    engine_client: Any  # Dynamo's client of the engines' generate endpoint
-    router: Any  # Dynamo's KvRouter over the same endpoint
+    engine_client: EngineClient  # Dynamo's client of the engines' generate endpoint
+    router: Router  # Dynamo's KvRouter over the same endpoint
     limits: Limits
 
 
 class ProcessorFactory:
     """`factory(instance_id, card, routed_engine)` -> a PythonAsyncEngine over one processor per model."""
 
-    def __init__(self, settings: FrontendSettings, runtime=None):
+    def __init__(self, settings: FrontendSettings, runtime: DistributedRuntime | None = None) -> None:
         self.s = settings
         self.runtime = runtime  # None: the process's own (Dynamo's frontend made it)
         self.processors: dict[str, MultimodalProcessor] = {}
@@ -93,7 +102,8 @@ class ProcessorFactory:
                 eos_token_ids=p.card.eos_token_ids, limits=p.limits, inline_media=self.s.inline_media)
         return self.processors[name]
 
-    async def __call__(self, instance_id, card, routed_engine):
+    async def __call__(self, instance_id: ModelCardInstanceId, card: ModelDeploymentCard,
+                       routed_engine: RoutedEngine) -> PythonAsyncEngine:
         proc = await self.processor(getattr(instance_id, "name", None))
         return chat_engine(proc.generate, asyncio.get_running_loop())
 
@@ -125,7 +135,7 @@ class ProcessorFactory:
 _LAUNCHER_ONLY = ("runtime_threads", "http_host", "http_port", "drain_timeout_s")
 
 
-def chat_processor(frontend_config: Any, processor_config: dict[str, Any] | None = None) -> ProcessorFactory:
+def chat_processor(frontend_config: object, processor_config: dict[str, Any] | None = None) -> ProcessorFactory:
     """The `dynamo.frontend.chat_processors` provider: Dynamo's frontend config (its namespace and
     KV block size are the defaults) plus this processor's options as JSON (`model_dir` required,
     else Dynamo's `--model-path`)."""

@@ -18,15 +18,17 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from .. import families
 from ..core.card import index_bytes
 from ..core.errors import CheckpointError
 from ..core.registry import get_spec
-from ..core.spec import HF_MODEL_TYPES, Grid, ModelSpec, file_revision
+from ..core.spec import Grid, ModelSpec, file_revision
 from .hf_config import preprocess_from_hf, spec_from_hf_config
 from .projectors import Projector, build_projector
 from .tower import BatchPlan, MoonViT
@@ -76,7 +78,8 @@ def init_random(model: VisionModel, seed: int, device: torch.device, dtype: torc
             t += 1.0
         tensors[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(tensors, strict=True, assign=True)
-    return model.eval()
+    model.eval()
+    return model
 
 
 @dataclass
@@ -187,6 +190,19 @@ class _Naming:
 
 
 _Entry = tuple[str, "list[str] | tuple[str, int]"]  # (checkpoint name, what it maps onto: see _Naming.ours)
+_Parts = dict[str, dict[int, tuple[str, "torch.Tensor | None"]]]  # fused name -> part -> (source, tensor)
+
+
+class _Slice(Protocol):
+    def get_shape(self) -> list[int]: ...
+
+
+class _Shard(Protocol):
+    """What is read from an open safetensors file (`safe_open`, whose stub leaves these untyped)."""
+
+    def get_slice(self, name: str) -> _Slice: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
 
 
 def _plan(names: dict[str, str], naming: _Naming, problems: list[str]) -> dict[str, list[_Entry]]:
@@ -201,7 +217,7 @@ def _plan(names: dict[str, str], naming: _Naming, problems: list[str]) -> dict[s
     return by_shard
 
 
-def _read(f, name: str, ours: list[str], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+def _read(f: _Shard, name: str, ours: list[str], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
           problems: list[str], part: int | None = None) -> dict[str, torch.Tensor]:
     """One checkpoint tensor -> our tensors (split when stacked; a third of ours when a `part`); a
     mismatch names the checkpoint's tensor."""
@@ -219,16 +235,17 @@ def _read(f, name: str, ours: list[str], expected: dict[str, tuple[int, ...]], d
     return dict(zip(ours, t.split([s[0] for s in shapes]), strict=True)) if len(ours) > 1 else {ours[0]: t}
 
 
-def _targets(entries: list[_Entry], parts: dict | None = None) -> list[str]:
+def _targets(entries: list[_Entry], parts: _Parts | None = None) -> list[str]:
     """Our names the entries map onto; with `parts`, their fused parts are marked as reported (unread)."""
-    for name, ours in entries if parts is not None else ():
-        if isinstance(ours, tuple):
-            parts.setdefault(ours[0], {}).setdefault(ours[1], (name, None))
+    if parts is not None:
+        for name, ours in entries:
+            if isinstance(ours, tuple):
+                parts.setdefault(ours[0], {}).setdefault(ours[1], (name, None))
     return [o for _, ours in entries for o in ([ours[0]] if isinstance(ours, tuple) else ours)]
 
 
-def _read_part(f, name: str, target: tuple[str, int], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
-               problems: list[str], parts: dict, heads: int) -> None:
+def _read_part(f: _Shard, name: str, target: tuple[str, int], expected: dict[str, tuple[int, ...]],
+               dtype: torch.dtype, problems: list[str], parts: _Parts, heads: int) -> None:
     """One of transformers' q/k/v tensors: checked against a third of our wqkv; q and k lose their RoPE
     permutation (exact: rows are only reordered)."""
     o, k = target
@@ -238,7 +255,7 @@ def _read_part(f, name: str, target: tuple[str, int], expected: dict[str, tuple[
     parts[o][k] = (name, None if t is None else unpermute_rope(t, heads) if k < 2 else t)
 
 
-def _fuse(parts: dict, tensors: dict[str, torch.Tensor], source: dict[str, str], naming: _Naming,
+def _fuse(parts: _Parts, tensors: dict[str, torch.Tensor], source: dict[str, str], naming: _Naming,
           problems: list[str]) -> None:
     """Concatenate each fused tensor's parts ([q | k | v] rows); a part the checkpoint lacks is named."""
     for o, got in parts.items():
@@ -274,7 +291,7 @@ def load_checkpoint(model: VisionModel, ckpt: Path, device: torch.device, dtype:
     tensors: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # our name -> the checkpoint tensor it came from
     accounted: set[str] = set()  # expected names already reported or loaded
-    parts: dict[str, dict[int, tuple[str, torch.Tensor | None]]] = {}  # fused name -> part -> (source, tensor)
+    parts: _Parts = {}
     report = LoadReport()
     for shard, entries in sorted(by_shard.items()):
         path = ckpt / shard
@@ -330,11 +347,12 @@ def spec_for_checkpoint(ckpt: Path, named: ModelSpec | None) -> ModelSpec:
     base = named
     if base is None:
         model_type = config.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
+        spec_names = families.spec_names()
+        if model_type not in spec_names:
             raise CheckpointError(
-                f"{config_path}: model_type {model_type!r} is not known ({sorted(HF_MODEL_TYPES)}); pass a model name"
+                f"{config_path}: model_type {model_type!r} is not known ({sorted(spec_names)}); pass a model name"
             )
-        base = get_spec(HF_MODEL_TYPES[model_type])
+        base = get_spec(spec_names[model_type])
     try:
         spec = spec_from_hf_config(config, base, file_revision(raw, index_bytes(ckpt)))
     except CheckpointError as e:

@@ -13,7 +13,7 @@ JPEGs are checked against what their header claims before decoding (`jpeg.py`), 
 is refused (`corrupt`) instead of silently filled with grey by libjpeg.
 What an item will cost is known before its pixels are decoded (`open_image`'s header, a video's
 `probe_video`), so a caller can bound the total across requests before the work starts (the encode
-worker's `service.admission`); this module bounds each item on its own.
+worker's `encode_worker.admission`); this module bounds each item on its own.
 Videos (PyAV): frames are chosen and chunks stamped as Kimi-K2.5's released processor does
 (`sample_indices`, `chunk_timestamp`; README's video paragraph says where transformers' port
 differs), in chunks of `chunk` frames; a short last chunk keeps its real frames (t < chunk), as transformers' Kimi-K2.5
@@ -30,8 +30,9 @@ import contextlib
 import io
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,10 @@ from ..core.errors import MediaError
 from ..core.spec import MediaLimits, PreprocessConfig
 from .jpeg import vet_jpeg
 from .preprocess import padded_grid, resize_target
+
+if TYPE_CHECKING:  # PyAV loads lazily (image-only users never pay for it); its types are for mypy
+    from av.container import InputContainer
+    from av.video.stream import VideoStream
 
 # Pillow warns on damaged metadata (corrupt EXIF, ...) and on large images; we either raise a
 # MediaError or carry on, so these warnings are noise in service logs. Filtered once, process-wide:
@@ -218,7 +223,7 @@ def sample_indices(n_frames: int, fps: float, target_fps: float) -> list[int]:
     return np.linspace(0, n_frames - 1, n).round().astype(int).tolist() if n else []
 
 
-def frame_rate(stream, target_fps: float) -> float:
+def frame_rate(stream: VideoStream, target_fps: float) -> float:
     """The one clock of a video: the stream's average frame rate (FFmpeg's avg_frame_rate, what the
     released processor reads), else FFmpeg's guess from the container's timing, else, for a stream
     that states no rate at all, the sampling rate itself (every frame is then sampled, each
@@ -241,8 +246,8 @@ def _check_video_work(sampled: int, width: int, height: int, cfg: PreprocessConf
     return sampled * gh * gw
 
 
-def _header_checks(container, stream, fps: float, cfg: PreprocessConfig, limits: MediaLimits,
-                   patch: int) -> None:
+def _header_checks(container: InputContainer, stream: VideoStream, fps: float, cfg: PreprocessConfig,
+                   limits: MediaLimits, patch: int) -> None:
     """What the container declares (duration, frame count, size), refused before any demuxing.
     A header may lie the other way; the frame count from demuxing is checked again after."""
     width, height = stream.codec_context.width, stream.codec_context.height
@@ -286,7 +291,7 @@ def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source
 
 
 @contextlib.contextmanager
-def _opened(data: bytes, limits: MediaLimits) -> Iterator[tuple]:
+def _opened(data: bytes, limits: MediaLimits) -> Iterator[tuple[InputContainer, VideoStream]]:
     """(container, its first video stream); a failure inside that is not ours is `corrupt`."""
     import av  # imported lazily: image-only users never pay for it
 
@@ -340,7 +345,7 @@ def probe_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, patch_s
 
 
 def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_hash: str | None = None,
-               patch_size: int = 14, plan: VideoPlan | None = None) -> Iterator[VideoChunk]:
+               patch_size: int = 14, plan: VideoPlan | None = None) -> Generator[VideoChunk, None, None]:
     """Decode, sample and yield one chunk at a time: at most one chunk's frames are held here.
     `plan`: what `probe_video` found for these bytes, when the caller has it already."""
     plan = plan or probe_video(data, cfg, limits, patch_size)
@@ -348,8 +353,8 @@ def iter_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits, source_h
         yield from _decode_chunks(container, stream, plan, cfg, limits, source_hash, patch_size)
 
 
-def _decode_chunks(container, stream, plan: VideoPlan, cfg: PreprocessConfig, limits: MediaLimits,
-                   source_hash: str | None, patch: int) -> Iterator[VideoChunk]:
+def _decode_chunks(container: InputContainer, stream: VideoStream, plan: VideoPlan, cfg: PreprocessConfig,
+                   limits: MediaLimits, source_hash: str | None, patch: int) -> Generator[VideoChunk, None, None]:
     """Pass 2: decode, convert only the sampled frames, and yield every `k` of them as a chunk (the
     last one with what is left: 1 to k frames). Frames larger than the plan are refused: what was
     reserved for them would not hold them."""

@@ -4,13 +4,10 @@ resize (bicubic with antialias, close to PIL BICUBIC: see `resize_uint8`) -> rou
 -> zero-pad bottom/right to a multiple of patch*merge (black, so -1 once normalised), or center-crop
 to whole patches -> patchify row-major into [t*h*w, 3, P, P] -> normalise (mean/std).
 
-The resize rule is the spec's `PreprocessConfig.policy`, one function per model family:
-- "kimi-k2.5": s = min(1, sqrt(limit / patches), side/W, side/H) with patches = max(1, W//P) *
-  max(1, H//P) and side = patch_limit_on_one_side * P; always padded.
-- "kimi-vl" (KimiVLImageProcessor): only when (W//P) * (H//P) > limit, s = sqrt(limit / that); no
-  side cap, but a side of patch_limit_on_one_side patches or more is refused ("Exceed pos emb").
-  Video frames are images under the same rule (the processor has no video path of its own).
-Either way the new size is int(W*s) x int(H*s).
+The resize rule is the spec's `PreprocessConfig.policy`, one per model family, stated in its module
+(`families/`: `PreprocessRule`): "kimi-k2.5" (`families.kimi_k25`: scale to the patch limit and the
+side cap, always padded) and "kimi-vl" (`families.kimi_vl`: KimiVLImageProcessor's, a size the
+model cannot take refused). Either way the new size is int(W*s) x int(H*s).
 """
 
 from __future__ import annotations
@@ -20,45 +17,18 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core.errors import MediaError
 from ..core.spec import Grid, PreprocessConfig, tokens_for_grid
-
-
-def _kimi_k25_target(width: int, height: int, patch_limit: int, cfg: PreprocessConfig, patch: int) -> tuple[int, int]:
-    side = cfg.patch_limit_on_one_side * patch
-    patches = max(1, width // patch) * max(1, height // patch)
-    s = min(1.0, math.sqrt(patch_limit / patches), side / width, side / height)
-    return max(1, int(width * s)), max(1, int(height * s))
-
-
-def _kimi_vl_target(width: int, height: int, patch_limit: int, patch: int) -> tuple[int, int]:
-    patches = (width // patch) * (height // patch)
-    if patches <= patch_limit:
-        return width, height
-    s = math.sqrt(patch_limit / patches)
-    return max(1, int(width * s)), max(1, int(height * s))
+from ..families import preprocess_rule
 
 
 def resize_target(width: int, height: int, patch_limit: int, cfg: PreprocessConfig, patch: int) -> tuple[int, int]:
     """New (width, height) under the spec's policy. Under kimi-vl a size the model cannot take is
     refused here (MediaError), so callers that know the size from a header refuse before decoding."""
-    if cfg.policy == "kimi-vl":
-        size = _kimi_vl_target(width, height, patch_limit, patch)
-        _check_kimi_vl(width, height, *patch_grid(*size, cfg, patch), cfg)
-        return size
-    return _kimi_k25_target(width, height, patch_limit, cfg, patch)
-
-
-def _check_kimi_vl(width: int, height: int, gh: int, gw: int, cfg: PreprocessConfig) -> None:
-    """KimiVLImageProcessor's own refusals, as typed 4xx errors instead of its ValueError."""
-    if gh == 0 or gw == 0:
-        raise MediaError("empty", f"a {width}x{height} image has no whole patch after center-cropping")
-    if max(gh, gw) >= cfg.patch_limit_on_one_side:
-        raise MediaError("bad_aspect_ratio", f"a {width}x{height} image is {gw}x{gh} patches after Kimi-VL "
-                         f"preprocessing; a side must be under {cfg.patch_limit_on_one_side} (its position embedding)")
-    if gh % 2 or gw % 2:  # center-crop (pad_input false) leaves whole patches, not whole 2x2 merge units
-        raise MediaError("bad_input", f"a {width}x{height} image crops to {gw}x{gh} patches, which the 2x2 "
-                         "merger cannot pool (pad_input is false)")
+    rule = preprocess_rule(cfg.policy)
+    size = rule.target(width, height, patch_limit, cfg, patch)
+    if rule.check is not None:
+        rule.check(width, height, *patch_grid(*size, cfg, patch), cfg)
+    return size
 
 
 # Measured bound of `resize_uint8` against Pillow 13's BICUBIC on uint8 images (tests/test_fidelity.py).

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 PAD_BASE = 1_000_000
 PAD_MASK = (1 << 30) - 1
+# One block's media, `{"mm_objects": [...]}` as above: the type Dynamo's router and hash function take.
+BlockMMInfo = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class MediaSpan:
         return int(self.mm_hash[:16], 16)
 
 
-def block_mm_infos(num_tokens: int, block_size: int, media: Sequence[MediaSpan]) -> list[dict | None] | None:
+def block_mm_infos(num_tokens: int, block_size: int, media: Sequence[MediaSpan]) -> list[BlockMMInfo | None] | None:
     """Per-block media info for `compute_block_hash_for_seq` / `KvRouter.best_worker`.
 
     One entry per block (full or partial); None for blocks without media, and None overall for
@@ -47,7 +50,7 @@ def block_mm_infos(num_tokens: int, block_size: int, media: Sequence[MediaSpan])
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     n_blocks = (num_tokens + block_size - 1) // block_size
-    infos: list[dict | None] = [None] * n_blocks
+    infos: list[BlockMMInfo | None] = [None] * n_blocks
     for item in media:
         for offset, length in item.spans:
             if offset < 0 or length <= 0 or offset + length > num_tokens:
@@ -81,7 +84,7 @@ def to_signed64(h: int) -> int:
     return h - (1 << 64) if h >= (1 << 63) else h
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, infos: list[dict | None] | None) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, infos: list[BlockMMInfo | None] | None) -> list[int]:
     """The hashes Dynamo's KV router computes for `token_ids`' full blocks (each media block's
     mm_hash mixed in by `infos`, from `block_mm_infos`), signed as KV events carry them: so the
     engines publish exactly what the router looks up. Dynamo's own function, not a copy of it."""

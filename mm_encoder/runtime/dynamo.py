@@ -19,9 +19,18 @@ from pydantic_settings import BaseSettings
 
 from ..core.errors import MMEncoderError
 
-if TYPE_CHECKING:
-    from dynamo.llm import KvEventPublisher, KvRouter, PythonAsyncEngine, WorkerMetricsPublisher
-    from dynamo.runtime import DistributedRuntime, Endpoint
+if TYPE_CHECKING:  # `as`: re-exported, for the rooms that reach Dynamo only through this module
+    from dynamo._internal import ModelDeploymentCard as ModelDeploymentCard
+    from dynamo.llm import KvEventPublisher as KvEventPublisher
+    from dynamo.llm import KvRouter
+    from dynamo.llm import ModelCardInstanceId as ModelCardInstanceId
+    from dynamo.llm import PythonAsyncEngine as PythonAsyncEngine
+    from dynamo.llm import RoutedEngine as RoutedEngine
+    from dynamo.llm import WorkerMetricsPublisher as WorkerMetricsPublisher
+    from dynamo.runtime import Client as Client
+    from dynamo.runtime import Context as Context
+    from dynamo.runtime import DistributedRuntime as DistributedRuntime
+    from dynamo.runtime import Endpoint
 
 NAMESPACE = "mm"  # Dynamo namespace of every component, unless a graph or option says otherwise
 BLOCK_SIZE = 16  # KV block size the engines use and the router hashes by
@@ -89,7 +98,7 @@ async def register_engine(endpoint: Endpoint, model_dir: str, name: str, block_s
                           after_encode: bool = False) -> None:
     """Register an engine as Dynamo's frontends find one: a chat model taking token ids, prefill and
     decode in one worker. `after_encode`: Dynamo's stock frontend calls its Encode worker first and
-    forwards that worker's result in the request (`service.stock_encode`)."""
+    forwards that worker's result in the request (`encode_worker.stock_encode`)."""
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
     extra: dict[str, Any] = {}

@@ -10,13 +10,16 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource
 
 from ..core.errors import MMEncoderError
+
+if TYPE_CHECKING:
+    from .dynamo import DistributedRuntime
 
 S = TypeVar("S", bound=BaseSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -105,3 +108,84 @@ def run(main: Coroutine[Any, Any, Any], log_level: str = "INFO") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+class Lifecycle:
+    """One component process's life, the same in all four (encode worker, engine, vLLM adapter,
+    frontend): a stop event set by SIGTERM/SIGINT, Dynamo's runtime made on first use, the tasks
+    it serves, the one ready line the launcher waits for, and the shutdown: the process's own
+    steps (`on_stop`, last registered first), then the runtime, then the served tasks (each given
+    `grace_s` to finish), then what must outlive them (`on_exit`).
+
+        async with Lifecycle("mm-encoder engine") as life:
+            endpoint = life.runtime.endpoint(path)
+            life.serve(serve_endpoint(endpoint, handler))
+            life.ready(model=name, endpoint=path)
+            await life.wait()
+    """
+
+    def __init__(self, name: str, grace_s: float = 30.0):
+        self.name = name
+        self.grace_s = grace_s
+        self._runtime: DistributedRuntime | None = None
+        self._served: list[asyncio.Future[Any]] = []
+        self._on_stop: list[Callable[[], Any]] = []
+        self._on_exit: list[Callable[[], Any]] = []
+        self.stop = asyncio.Event()
+
+    async def __aenter__(self) -> Lifecycle:
+        self.stop = stop_on_signals()
+        return self
+
+    @property
+    def runtime(self) -> DistributedRuntime:
+        """Dynamo's runtime for this process, made on first use (a process that never asks needs no Dynamo)."""
+        if self._runtime is None:
+            from .dynamo import make_runtime
+
+            self._runtime = make_runtime(asyncio.get_running_loop())
+        return self._runtime
+
+    def serve(self, task: Awaitable[Any]) -> asyncio.Future[Any]:
+        """A task the process serves (an endpoint, an HTTP server): `wait` returns if it ends, and
+        the shutdown gives it `grace_s` to finish."""
+        future: asyncio.Future[Any] = asyncio.ensure_future(task)
+        self._served.append(future)
+        return future
+
+    def on_stop(self, step: Callable[[], Any]) -> None:
+        """A shutdown step (sync or async), run before the runtime shuts down."""
+        self._on_stop.append(step)
+
+    def on_exit(self, step: Callable[[], Any]) -> None:
+        """A shutdown step run last, once the runtime is down and the served tasks have ended."""
+        self._on_exit.append(step)
+
+    def ready(self, *words: str, **fields: Any) -> None:
+        """The ready line (`<name> ready: [words] key=value ...`): what launchers and tests wait for."""
+        print(f"{self.name} ready: " + " ".join([*words, *(f"{k}={v}" for k, v in fields.items())]), flush=True)
+
+    async def wait(self) -> None:
+        """Until a signal, or until a served task ends."""
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({stopped, *self._served}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await _run_steps(self._on_stop)
+        if self._runtime is not None:
+            self._runtime.shutdown()
+        for future in self._served:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(future, self.grace_s)
+        await _run_steps(self._on_exit)
+
+
+async def _run_steps(steps: list[Callable[[], Any]]) -> None:
+    """Shutdown steps, the last registered first; a coroutine step is awaited."""
+    for step in reversed(steps):
+        result = step()
+        if asyncio.iscoroutine(result):
+            await result

@@ -7,9 +7,9 @@ import os
 import signal
 
 import pytest
-from nginx_fixtures import free_port, require_nginx
-from serve_fixtures import MODEL, Served, chat, sample_tokens
 
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, Served, chat, sample_tokens
 from mm_encoder.deploy.local import leftover_pids
 
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

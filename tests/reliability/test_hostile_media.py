@@ -19,15 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from media_factory import image_bytes, natural_image, video_bytes
 from PIL import Image
-from worker_fixtures import ForwardGate, run_worker, wait_for
 
+from harness.media_factory import image_bytes, natural_image, video_bytes
+from harness.worker_fixtures import ForwardGate, run_worker, wait_for
 from mm_encoder.core.errors import MediaError, Overloaded
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.core.spec import MediaLimits, PreprocessConfig
-from mm_encoder.model import encoder as encoder_mod
 from mm_encoder.model import media
+from mm_encoder.model import steps as steps_mod
 
 LIMITS = MediaLimits()
 CFG = PreprocessConfig()
@@ -64,7 +64,7 @@ out = {}
 for seconds in (10, 40):
     data = static_video(seconds, size=1024)
     gc.collect()
-    prepared = enc.prepare_media(data, cfg)
+    prepared = enc.preprocess_file(data, cfg)
     out[seconds] = {"rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "chunks": len(prepared),
                     "held_kb": sum(p.pixel_values.nbytes for p in prepared) // 1024}
     del prepared, data
@@ -120,13 +120,13 @@ def test_1_default_patch_limit_admits_a_normal_video():
         media._check_video_work(500, 1280, 720, CFG, LIMITS, 14)
 
 
-def test_1_prepare_media_streams_chunks(ckpt_encoder):
+def test_1_preprocess_file_streams_chunks(ckpt_encoder):
     """The encoder consumes `iter_video` one chunk at a time (no list of every chunk's frames)."""
     chunks = media.iter_video(static_video(4), CFG, LIMITS)
     first = next(chunks)
     assert first.frames.shape == (4, 256, 256, 3)
     chunks.close()
-    prepared = ckpt_encoder.prepare_media(static_video(4))
+    prepared = ckpt_encoder.preprocess_file(static_video(4))
     assert [p.grid for p in prepared] == [(4, 20, 20)] * 2
     assert all(p.timings_ms["decode"] > 0 for p in prepared)
 
@@ -207,7 +207,7 @@ async def test_2_decoding_pixels_bounded_across_requests(ckpt_encoder):
     images = [image_bytes(natural_image(1000, 1000, seed=i), "PNG") for i in range(8)]
     async with run_worker(ckpt_encoder, max_decoding_pixels=2_500_000, cpu_workers=4) as w:
         enc, lock, active, peak = w.service.encoder, threading.Lock(), [0], [0]
-        real = enc.prepare_planned
+        real = enc.decode
 
         def counted(*args, **kwargs):  # decodes running at once, as the pool threads see them
             with lock:
@@ -219,7 +219,7 @@ async def test_2_decoding_pixels_bounded_across_requests(ckpt_encoder):
                 with lock:
                     active[0] -= 1
 
-        enc.prepare_planned = counted
+        enc.decode = counted
         results = await asyncio.gather(*(w.service.encode(_request(w, d)) for d in images))
         decoding = w.service.admission.decoding
         assert len({r.mm_hash for r in results}) == 8
@@ -261,9 +261,9 @@ def test_4_identity_table_is_bounded(ckpt_encoder):
         identity = enc.identity(cfg)
         if i % 5000 == 0:
             assert identity == enc.spec.identity(cfg)
-    table = enc._identity
+    table = enc.steps._identity
     size = table.cache_info().currsize if hasattr(table, "cache_info") else len(table)
-    assert size == encoder_mod.IDENTITY_CACHE_SIZE == 64
+    assert size == steps_mod.IDENTITY_CACHE_SIZE == 64
     assert enc.identity() == enc.spec.identity(enc.spec.preprocess)
 
 
@@ -300,11 +300,11 @@ def test_png_metadata_zlib_bomb_is_corrupt(kind):
 
 
 def test_encoder_paths_surface_the_new_refusals(ckpt_encoder):
-    assert refused(ckpt_encoder.prepare_media, lying_jpeg(4000, 4000)).code == "corrupt"
+    assert refused(ckpt_encoder.preprocess_file, lying_jpeg(4000, 4000)).code == "corrupt"
     small = ckpt_encoder.configured(limits=MediaLimits(max_video_patches=1000))
     err = refused(small.plan, static_video(4))  # what the worker asks before reserving anything
     assert err.code == "too_large" and "8 sampled frames" in err.message
-    assert refused(small.prepare_media, static_video(4)).code == "too_large"
+    assert refused(small.preprocess_file, static_video(4)).code == "too_large"
 
 
 # --- prepared patches held across requests (beyond issue 13: a queue of long videos) ------------
@@ -315,7 +315,7 @@ async def test_prepared_patches_are_bounded_across_requests_until_their_forward(
     forward, and `--max-pending` (64 requests) alone would let 64 of them wait at once. Reserved
     before the decode (from the header), given back once the forward is done."""
     png = [image_bytes(natural_image(112, 84, seed=i), "PNG") for i in range(3)]  # 6 x 8 = 48 patches each
-    assert ckpt_encoder.plan(png[0]).patches == 48 == ckpt_encoder.prepare_media(png[0])[0].num_patches
+    assert ckpt_encoder.plan(png[0]).patches == 48 == ckpt_encoder.preprocess_file(png[0])[0].num_patches
     async with run_worker(ckpt_encoder, max_prepared_patches=100, decode_wait_s=0.3) as w:
         prepared = w.service.admission.prepared
         gate = ForwardGate(w.service)

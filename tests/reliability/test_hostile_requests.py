@@ -11,8 +11,9 @@ import json
 import aiohttp
 import msgpack
 import pytest
-from media_factory import image_bytes, natural_image
-from worker_fixtures import SPEC, post_json, run_origin, run_worker, url_for
+
+from harness.media_factory import image_bytes, natural_image
+from harness.worker_fixtures import SPEC, post_json, run_origin, run_worker, url_for
 
 PNG = image_bytes(natural_image(112, 84, seed=41))
 

@@ -7,10 +7,10 @@ serves between requests, as a per-tenant URL behind auth would."""
 from __future__ import annotations
 
 import pytest
-from media_factory import image_bytes, natural_image
-from nginx_fixtures import require_nginx, tiers
-from worker_fixtures import SPEC, run_origin, run_worker
 
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import require_nginx, tiers
+from harness.worker_fixtures import SPEC, run_origin, run_worker
 from mm_encoder.client import EncoderChain
 from mm_encoder.core.errors import RemoteError
 from mm_encoder.core.requests import EncodeRequest

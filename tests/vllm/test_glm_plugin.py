@@ -30,15 +30,21 @@ import torch
 # not plain "vllm": with tests/ on sys.path, this directory is a namespace package of that name
 pytest.importorskip("vllm.plugins")
 
+from harness.glm import (
+    BOI,
+    ENGINE_SEEDS,
+    EOI,
+    GLM4V,
+    GRIDS,
+    HIDDEN,
+    IMAGE,
+    PROMPT,  # noqa: F401  (ENGINE_SCRIPT's subprocess reads it as T.PROMPT)
+    embeddings,
+    transformers_greedy,
+    write_tiny_glm4v,
+)
 from mm_encoder.engines import vllm_glm
 
-GLM4V = "Glm4vForConditionalGeneration"
-VOCAB = 64
-HIDDEN = 64
-SPECIAL = ["<|endoftext|>", "<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>",
-           "<|begin_of_video|>", "<|end_of_video|>"]
-IMAGE, BOI, EOI = 1, 2, 3  # ids of <|image|>, <|begin_of_image|>, <|end_of_image|>
-GRIDS = torch.tensor([[1, 4, 4], [1, 2, 6]])  # merge 2 -> 4 and 3 rows
 _SHIMMED = [("glm4v", "Glm4vImageProcessor"), ("qwen2_vl", "Qwen2VLImageProcessor")]
 
 
@@ -96,38 +102,6 @@ def plugins_loaded(torchvision_free):
     return torchvision_free
 
 
-def write_tiny_glm4v(path) -> None:
-    """A tiny GLM-4.1V: transformers' `Glm4vConfig`, a tokenizers-library WordLevel tokenizer, the image
-    processor config (deterministic, nothing downloaded). Head dim 32, mrope_section sums to rotary_dim/2."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Glm4vConfig, PreTrainedTokenizerFast
-    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
-
-    vocab = {t: i for i, t in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIAL)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(
-        path
-    )
-    Glm4vImageProcessorPil(merge_size=2, patch_size=14, temporal_patch_size=2).save_pretrained(path)
-    config = Glm4vConfig(
-        text_config={"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
-                     "eos_token_id": 0, "pad_token_id": 0,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                         "mrope_section": [2, 3, 3]}},
-        vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
-                       "out_hidden_size": HIDDEN, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
-        image_token_id=IMAGE, video_token_id=4, image_start_token_id=BOI, image_end_token_id=EOI,
-        video_start_token_id=5, video_end_token_id=6, tie_word_embeddings=False,
-    )
-    config.architectures = [GLM4V]
-    # random weights wide enough that positions change the greedy answer (at 0.02 they do not)
-    config.initializer_range = config.text_config.initializer_range = 0.1
-    config.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_glm4v(plugins_loaded):
     path = plugins_loaded / "glm4v-tiny"
@@ -147,10 +121,6 @@ def processor(tiny_glm4v):
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     return MULTIMODAL_REGISTRY.create_processor(model_config(tiny_glm4v))
-
-
-def embeddings(seed: int = 0, rows: int = 7, width: int = HIDDEN) -> torch.Tensor:
-    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -414,33 +384,6 @@ prompts = [{"prompt_token_ids": T.PROMPT,
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
-PROMPT = [10, BOI, IMAGE, EOI, 11, BOI, IMAGE, EOI, 12]
-EXPANDED = [10, BOI, *[IMAGE] * 4, EOI, 11, BOI, *[IMAGE] * 3, EOI, 12]
-ENGINE_SEEDS = (5, 6)
-
-
-def transformers_greedy(model, rows: torch.Tensor, steps: int = 8, mrope: bool = True) -> list[int]:
-    """transformers' own GLM-4.1V, no cache: the placeholders' embeddings replaced by `rows`, positions from
-    its own `get_rope_index` (or plain 1-D ones with `mrope=False`, the control)."""
-    n = len(EXPANDED)
-    image = torch.tensor(EXPANDED) == IMAGE
-    ids = list(EXPANDED)
-    with torch.inference_mode():
-        for _ in range(steps):
-            x = torch.tensor([ids])
-            types_ = torch.zeros_like(x, dtype=torch.int32)
-            types_[0, :n][image] = 1
-            emb = model.get_input_embeddings()(x)
-            emb[0, :n][image] = rows
-            if mrope:
-                pos, _ = model.model.get_rope_index(x, types_, image_grid_thw=GRIDS)
-            else:
-                pos = torch.arange(x.shape[1]).expand(3, 1, -1)
-            logits = model(inputs_embeds=emb, position_ids=pos, attention_mask=torch.ones_like(x)).logits
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[n:]
-
-
 @pytest.mark.slow
 def test_vllm_engine_generates_what_transformers_glm4v_generates_from_the_same_rows(plugins_loaded):
     """vLLM's `LLM` (CPU, eager, fp32) on a tiny random GLM-4.1V checkpoint saved by transformers, fed

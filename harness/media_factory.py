@@ -90,6 +90,6 @@ def sampled_video_chunks(frames: int, fps: float, rows: int) -> list[tuple[str, 
     """A clip's chunks in a Kimi-K2.5 prompt, (timestamp, rows) each, by the released processor's
     rules (`released_processor`: its frames, chunks of 4, their stamps); each chunk costs one frame's
     `rows`."""
-    from released_processor import CHUNK, kept_frames, stamp
+    from harness.released_processor import CHUNK, kept_frames, stamp
 
     return [(stamp(first / fps), rows) for first in kept_frames(frames, fps)[::CHUNK]]

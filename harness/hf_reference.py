@@ -15,9 +15,10 @@ import base64
 from pathlib import Path
 from typing import Any
 
-import released_processor as released
 import torch
-from media_factory import image_bytes, natural_image, video_bytes
+
+from harness import released_processor as released
+from harness.media_factory import image_bytes, natural_image, video_bytes
 
 
 def randomize(model: torch.nn.Module, seed: int, std: float = 0.05, lm_std: float | None = None) -> None:

@@ -1,7 +1,7 @@
 """The soak (`make soak`; not collected by pytest): the EPD graph under `mm-encoder serve --restart`
 (the generated tiny Kimi-K2.5 checkpoint), loaded on loopback, bounded in count and time.
 
-    python tests/reliability/soak.py [--load-s 60] [--fault-s 20] [--quick] [--json PATH]
+    python -m bench.soak [--load-s 60] [--fault-s 20] [--quick] [--json PATH]
 
 1. Capacity: a closed loop of 4 clients for 10 s (half repeated images, half new ones).
 2. Overload: an open loop at twice that rate for `--load-s`. Every request has a 60 s deadline.
@@ -29,7 +29,6 @@ import os
 import random
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -37,12 +36,9 @@ from pathlib import Path
 
 import aiohttp
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from media_factory import image_bytes, natural_image  # noqa: E402
-from nginx_fixtures import free_port  # noqa: E402
-from serve_fixtures import MODEL, Served  # noqa: E402
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import free_port
+from harness.serve_fixtures import MODEL, Served
 
 DEADLINE_S = 60.0
 KINDS = ("ok", "refused", "unclean", "unreachable", "lost", "hung")
@@ -122,36 +118,6 @@ def summary(results: list) -> dict:
             "statuses": dict(Counter(s for _, s, _ in results)),
             "p50_ms": round(statistics.median(ok) * 1e3, 1) if ok else None,
             "p99_ms": round(ok[min(len(ok) - 1, int(len(ok) * 0.99))] * 1e3, 1) if ok else None}
-
-
-def section(result: dict, plots: Path) -> str:
-    """BENCHMARKS.md's part for the soak (bench/report.py), from its JSON alone."""
-    cap = result.get("capacity", {})
-    lines = [
-        "## The soak (`make soak` = `python tests/reliability/soak.py`)",
-        "",
-        "`mm-encoder serve graphs/epd.yaml --restart`, 2 cores shared by every process, chat requests of one",
-        "image each (half repeated, half new), each with a 60 s deadline. Capacity is measured first (4",
-        f"clients, closed loop, 10 s): {cap.get('req_per_s', '-')} req/s. Overload: an open loop at twice that",
-        "rate. Faults: one component stopped a third of the way into the phase at the measured rate",
-        "(SIGKILL; SIGTERM for the frontend, a restart); `--restart` brings it back. Latencies are one",
-        "run's percentiles of the requests that got a 200.",
-        "",
-        "| phase | sent | ok | refused (clean 4xx/5xx) | unclean | unreachable | lost | hung | ok p50 / p99 ms |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for name, r in result.items():
-        if not isinstance(r, dict) or "sent" not in r or name == "capacity":
-            continue
-        codes = ", ".join(f"{n:,} x {c}" for c, n in sorted(r.get("statuses", {}).items())
-                          if str(c) not in ("200", "0") and not str(c).isalpha())
-        refused = f"{r['refused']:,} ({codes})" if codes else f"{r['refused']:,}"
-        lines.append(f"| {name.replace('_', ' ')} | {r['sent']:,} | {r['ok']:,} | {refused} | "
-                     f"{r.get('unclean', 0)} | {r['unreachable']} | {r['lost']} | {r['hung']} | "
-                     f"{r['p50_ms']} / {r['p99_ms']} |")
-    left = result.get("left_after_stop")
-    lines += ["", f"Processes left after `serve` stopped, over every session it started: {left}.", ""]
-    return "\n".join(lines)
 
 
 def main() -> None:

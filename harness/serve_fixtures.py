@@ -15,16 +15,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
-from media_factory import k25_image_tokens
-from nginx_fixtures import dynamo_system_port, free_port
-
+from harness.media_factory import k25_image_tokens
+from harness.nginx_fixtures import dynamo_system_port, free_port
+from harness.processes import Process
 from mm_encoder.deploy.local import leftover_pids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,27 +147,25 @@ def checkpoint_copy(src: Path, parent: Path, context: int) -> Path:
 
 
 class Served:
-    """`mm-encoder serve` in a subprocess; one thread collects everything it prints."""
+    """`mm-encoder serve` (GraphRunner) as one `Process`: the one launcher of whole graphs."""
 
     def __init__(self, graph: str, run_dir: Path, port: int, *extra: str, env: dict[str, str] | None = None,
-                 command: list[str] | None = None, cwd: Path | None = None):
-        """`graph`: a path under the repository; with `command` (another install's `mm-encoder`),
-        whatever that command takes (a shipped graph's name), run from `cwd` with exactly `env`."""
+                 command: list[str] | None = None, cwd: Path | None = None, unset: tuple[str, ...] = ()):
+        """`graph`: a path under the repository (or an absolute one); `env` added to this process's, less
+        `unset`; with `command` (another install's `mm-encoder`), whatever that command takes (a shipped
+        graph's name), run from `cwd` with exactly `env`."""
         self.run_dir = run_dir
         self.port = port
         argv = [*command, "serve", graph] if command else [sys.executable, "-m", "mm_encoder.cli", "serve",
                                                            str(ROOT / graph)]
-        self.proc = subprocess.Popen(
-            [*argv, "--run-dir", str(run_dir), "--port", str(port), "--status-interval", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env if command else {**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
+        if not command:
+            env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
+        self.proc = Process([*argv, "--run-dir", str(run_dir), "--port", str(port), "--status-interval", "0", *extra],
+                            name=f"mm-encoder serve {graph}", env=env, cwd=cwd)
 
     @property
     def text(self) -> str:
-        return "".join(self.lines)
+        return self.proc.text
 
     @property
     def state(self) -> dict:
@@ -180,27 +175,26 @@ class Served:
         return next(c for c in self.state["components"] if c["name"] == name)
 
     def wait_for(self, needle: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while needle not in self.text:
-            if time.monotonic() > deadline or (self.proc.poll() is not None and not self.reader.is_alive()):
-                raise AssertionError(f"no {needle!r} in serve's output:\n{self.text[-4000:]}")
-            time.sleep(0.05)
+        self.proc.wait_for(needle, timeout)
         return self.text
 
-    def stop(self) -> str:
-        """SIGTERM to serve; it exits 0 having stopped every process of every session it started."""
+    def stop(self, check: bool = True) -> str:
+        """SIGTERM to serve; it exits 0 having stopped every process of every session it started
+        (`check`: asserted; without, it is stopped all the same)."""
         groups = {c["pid"] for c in self.state["components"]} if (self.run_dir / "state.json").is_file() else set()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            assert self.proc.wait(120) == 0, self.text
-        finally:
-            if self.proc.poll() is None:  # serve itself hung: its session goes, so no test leaves processes
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.reader.join(10)
-        assert "no processes left" in self.text, self.text
-        assert leftover_pids(groups) == []
+        rc = self.proc.stop(signal.SIGTERM, grace_s=120)  # serve itself hung: its session goes, so none is left
+        if check:
+            assert rc == 0, self.text
+            assert "no processes left" in self.text, self.text
+            assert leftover_pids(groups) == []
         return self.text
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        """Stopped; checked unless an error is already on its way out."""
+        self.stop(check=exc_type is None)
 
 
 @contextlib.contextmanager
@@ -220,12 +214,12 @@ def serving(graphs: dict[str, str], tmp_path_factory, *extra: str, timeout: floa
 
 
 class Graph:
-    """Components started one by one (test_frontend_e2e): each in its own session, ready when it
-    prints its ready line, stopped by PID and then its process group."""
+    """Components started one by one (test_frontend_e2e), each a `Process`: ready when it prints its
+    ready line, stopped by PID and then its process group."""
 
     def __init__(self, root: Path, checkpoint: Path):
         self.root, self.checkpoint = root, checkpoint
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Process] = {}
         self.ready_lines: dict[str, str] = {}
         self.env = {**os.environ, "DYN_FILE_KV": str(root / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
                     "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
@@ -234,37 +228,18 @@ class Graph:
         self.system_port = dynamo_system_port()
 
     def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120,
-              env: dict | None = None) -> subprocess.Popen:
-        log = (self.root / f"{name}.log").open("w")
-        proc = subprocess.Popen([sys.executable, *args], env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
-                                stderr=log, text=True, start_new_session=True)
-        self.procs[name] = proc
+              env: dict | None = None) -> Process:
+        proc = self.procs[name] = Process([sys.executable, *args], name=name, env={**self.env, **(env or {})},
+                                          log=self.root / f"{name}.log")
         if ready:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                if ready in line:
-                    self.ready_lines[name] = line
-                    return proc
-                if not line and proc.poll() is not None:
-                    break
-            raise AssertionError(f"{name} did not start: {(self.root / f'{name}.log').read_text()[-2000:]}")
+            self.ready_lines[name] = proc.wait_for(ready, timeout)
         return proc
 
     def stop(self, name: str, sig=signal.SIGTERM) -> None:
         """The process by PID; then its process group (its own session), so nothing it started stays."""
         proc = self.procs.pop(name, None)
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc is not None:
+            proc.stop(sig, grace_s=30)
 
     def instance(self, name: str) -> str:
         """An engine's Dynamo instance id, from its ready line (`... instance=<id> inline=False`)."""

