@@ -13,8 +13,8 @@
    <data>/_runs.json.
 2. Calls each module's `section(result, plots)` (bench/sections/<name>.py: the renderer, apart from
    the modules, which measure), which returns the module's markdown
-   (starting with `## Title (`python bench/<name>.py`)`, which also runs it as a script in the project's
-   virtualenv) and writes its PNGs into --plots.
+   (starting with `## Title (`python -m bench.<name>`)`, the command that runs it alone from the
+   repository root) and writes its PNGs into --plots.
 3. Writes the document from scratch: a header (date, command, machine), how to read the figures, a
    contents list, then one section per module, in order.
 
@@ -171,8 +171,8 @@ def load_section(name: str, script: Path):
     return getattr(module, "section", None)
 
 
-def _heading(name: str, script: str) -> str:
-    return f"## {name.replace('_', ' ').capitalize()} (`python {script}`)"
+def _heading(name: str, command: str) -> str:
+    return f"## {name.replace('_', ' ').capitalize()} (`python {command}`)"
 
 
 def _fenced(lines: list[str]) -> list[str]:
@@ -184,7 +184,7 @@ def render_section(name: str, script: Path, data: Path, plots: Path, record: dic
     status: "ok", "placeholder", "run_failed" (its last run failed) or "render_failed"."""
     shown = _rel(script)
     path = data / f"{name}.json"
-    heading = _heading(name, MODULES.get(name, shown))
+    heading = _heading(name, f"-m bench.{name}" if name in MODULES else shown)
     run_failed = record is not None and not record.get("ok", False)
     notes: list[str] = []
     if run_failed:

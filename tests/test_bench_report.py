@@ -25,12 +25,14 @@ def _report(tmp: Path, *args: str, timeout: float = 120) -> subprocess.Completed
 
 
 def _sections(doc: str) -> dict[str, str]:
-    """Top-level sections by the script each names: `## Title (`python bench/x.py`)` -> x."""
+    """Top-level sections by the module each names: `## Title (`python -m bench.x`)` (or a stand-in
+    script's `python path/x.py`) -> x."""
     out = {}
     for part in doc.split("\n## ")[1:]:
         title = part.split("\n", 1)[0]
         if "`python " in title:
-            out[Path(title.split("`python ", 1)[1].split("`", 1)[0]).stem] = part
+            command = title.split("`python ", 1)[1].split("`", 1)[0]
+            out[command.removeprefix("-m bench.") if command.startswith("-m ") else Path(command).stem] = part
     return out
 
 
@@ -69,7 +71,7 @@ def test_renders_the_whole_document_from_an_encoder_run(tmp_path):
         _valid_png(p)
         assert f"](docs/bench/{p.name})" in enc
     # Contents links each section's anchor.
-    assert "- [Encoder (`python bench/encoder.py`)](#encoder-python-benchencoderpy)" in doc
+    assert "- [Encoder (`python -m bench.encoder`)](#encoder-python--m-benchencoder)" in doc
 
 
 def test_a_failing_module_is_named_and_exits_non_zero(tmp_path):

@@ -26,7 +26,7 @@ def _levels(result: dict) -> list[str]:
     ref = result.get("reference", REFERENCE)
     tier = lv["cluster"]["rps_c8"]
     lines = [
-        "## The cache hierarchy (`python bench/cache.py`)",
+        "## The cache hierarchy (`python -m bench.cache`)",
         "",
         f"One encode worker (`tiny-wide`: tiny tower, 7168-wide projector; a 616x644 JPEG gives a "
         f"{result['body_mb']:.2f} MB body, the size of a 4K image's K2.5 embeddings on the reference stack) "

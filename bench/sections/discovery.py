@@ -10,7 +10,7 @@ from bench import stats
 def section(result: dict, plots: Path) -> str:
     b = result["backends"]
     lines = [
-        "## A killed encode worker in discovery: etcd vs file (`python bench/discovery.py`)",
+        "## A killed encode worker in discovery: etcd vs file (`python -m bench.discovery`)",
         "",
         "`mm-encoder serve` runs graphs/epd-etcd.yaml (two encode workers, two engines, tiers, frontend) on each "
         "backend:",

@@ -66,7 +66,7 @@ def _breakdown(result: dict, plots: Path, today: str) -> list[str]:
     w = result.get("wire", _WIRE)
     packs = w["wire_dtype"] or f"the model's dtype, {today}"
     lines = [
-        "## Encoder (`python bench/encoder.py`)",
+        "## Encoder (`python -m bench.encoder`)",
         "",
         f"Random weights (std 0.02), JPEG inputs (q90) from harness/media_factory.py, one image at a time; "
         f"{result['repeats']} repeat(s) ({result['wide_repeats']} for the full-width tower; at least "

@@ -15,7 +15,7 @@ def _label(row: dict) -> str:
 def section(result: dict, plots: Path) -> str:
     cfg = result["config"]
     lines = [
-        "## The engine: prefill, decode and prefix reuse (`python bench/engine.py`)",
+        "## The engine: prefill, decode and prefix reuse (`python -m bench.engine`)",
         "",
         "The engine in this process, without Dynamo: the generated Kimi-K2.5 checkpoints with random weights "
         f"({', '.join(f'`{p}`' for p in result['presets'])}; sizes below), their language model "

@@ -38,7 +38,7 @@ def _table(result: dict) -> list[str]:
     hr, br, hc, bc = h["ttft_repeated_ms"], b["ttft_repeated_ms"], h["ttft_cold_ms"], b["ttft_cold_ms"]
     hl, bl = h["ttft_under_load_median_s"], b["ttft_under_load_median_s"]
     return [
-        "## Embeddings by handle vs through the frontend (`python bench/frontend.py`)",
+        "## Embeddings by handle vs through the frontend (`python -m bench.frontend`)",
         "",
         "Both stacks were up at once on loopback on one generated `wide` Kimi-K2.5 checkpoint (tiny MoonViT, "
         "7168-wide projector, a one-layer 7168-wide DeepseekV3), each with its own encode worker, nginx cluster "

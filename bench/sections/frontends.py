@@ -89,7 +89,7 @@ def section(result: dict, plots: Path) -> str:
 def _cpu_table(result: dict) -> list[str]:
     """The frontends' CPU per request and req/s per cell, TTFT and CPU per token."""
     cfg, cells = result["config"], result["cells"]
-    head = "## Our frontend vs Dynamo's stock frontend (`python bench/frontends.py`)"
+    head = "## Our frontend vs Dynamo's stock frontend (`python -m bench.frontends`)"
     lines = [
         head,
         "",

@@ -14,7 +14,7 @@ def _ms(v: dict | None) -> str:
 
 def section(result: dict, plots: Path) -> str:
     cfg = result["config"]
-    head = "## EPD vs the aggregated baseline (`python bench/graphs.py`)"
+    head = "## EPD vs the aggregated baseline (`python -m bench.graphs`)"
     if "presets" not in result:  # a graphs.json from before the graphs served a real model
         return (f"{head}\n\n_The stored figures are from before the graphs served a Kimi-K2.5 checkpoint; rerun "
                 "`python -m bench.report --only graphs`._\n")

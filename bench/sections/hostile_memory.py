@@ -28,7 +28,7 @@ def section(result: dict, plots: Path) -> str:
     a = result["attacks"]
     idle = a["idle"]["peak_rss_mb"]
     lines = [
-        "## Hostile load: worker memory (`python bench/hostile_memory.py`)",
+        "## Hostile load: worker memory (`python -m bench.hostile_memory`)",
         "",
         "Peak RSS of one encode worker (`tiny`, default limits), each attack in a fresh worker on loopback. Peak is "
         f"the kernel's VmHWM, read after the attack; median (min-max) over {result['repeats']} run(s) each. The idle "

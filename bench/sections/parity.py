@@ -11,7 +11,7 @@ def section(result: dict, plots: Path) -> str:
     depth = (f"Full-width towers run with {', '.join(map(str, cut))} of their layers (the whole tower is too slow "
              "for this run's budget); " if cut else "Every tower runs with all its layers; ")
     lines = [
-        "## Parity per model (`python bench/parity.py`)",
+        "## Parity per model (`python -m bench.parity`)",
         "",
         "Every registered model (`mm-encoder models`) against the independent eager fp32 reference "
         "(harness/reference.py) on the same random weights (std 0.02), on JPEG images through the model's own "

@@ -9,7 +9,7 @@ def section(result: dict, plots: Path) -> str:
     """BENCHMARKS.md's part for the soak (bench/report.py), from its JSON alone."""
     cap = result.get("capacity", {})
     lines = [
-        "## The soak (`make soak` = `python bench/soak.py`)",
+        "## The soak (`make soak` = `python -m bench.soak`)",
         "",
         "`mm-encoder serve graphs/epd.yaml --restart`, 2 cores shared by every process, chat requests of one",
         "image each (half repeated, half new), each with a 60 s deadline. Capacity is measured first (4",

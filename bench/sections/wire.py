@@ -10,7 +10,7 @@ from mm_encoder import wire
 
 
 def section(result: dict, plots: Path) -> str:
-    lines = ["## Wire format (`python bench/wire.py`)", "", *_hits(result), *_worker_hits(result), *_sizes(result)]
+    lines = ["## Wire format (`python -m bench.wire`)", "", *_hits(result), *_worker_hits(result), *_sizes(result)]
     png = _plot(result, plots)
     if png:
         lines += ["", f"![payload per format]({png})"]

@@ -33,7 +33,7 @@ def section(result: dict, plots: Path) -> str:
 def _table(result: dict) -> list[str]:
     rows = result["results"]
     lines = [
-        "## Encode worker (`python bench/worker.py`)",
+        "## Encode worker (`python -m bench.worker`)",
         "",
         "The real worker process (`python -m mm_encoder.worker`, model `tiny`, CPU) driven over loopback HTTP by "
         "aiohttp from a second process. Full encodes: a distinct JPEG per request (msgpack body with the bytes), "
