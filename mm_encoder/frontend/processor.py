@@ -118,7 +118,9 @@ class MultimodalProcessor:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.limits = limits
-        self.inline_media = inline_media  # the aggregated baseline: engines fetch and encode media themselves
+        # how media reach the engines, chosen once: by handle, or (the aggregated baseline) by URL, the
+        # engines fetching and encoding them themselves
+        self._media_path = self._inline if inline_media else self._by_handle
         self.stats = Stats()
         self.capacity = Capacity(limits.max_inflight_media)  # what requests in flight hold (`frontend.hold`)
         self._notes: set[asyncio.Future[None]] = set()  # router bookkeeping in flight (`_router_note`)
@@ -177,41 +179,10 @@ class MultimodalProcessor:
             size = self.check_text_size(messages)
             # rendering and tokenizing a long prompt takes seconds: off the loop, so others are not
             # blocked; a short one takes less than the hop to a thread and back
-            inline = size <= INLINE_TEXT_BYTES
-            text = self.tok.render(messages) if inline else await asyncio.to_thread(self.tok.render, messages)
+            short = size <= INLINE_TEXT_BYTES
+            text = self.tok.render(messages) if short else await asyncio.to_thread(self.tok.render, messages)
             interim = self._interim(request, params)
-            if self.inline_media:
-                stream = await self._dispatch_inline(hold, params, text, media, timings, interim)
-                return _Sent(rid, params, stream, None, timings, t0)
-            if media:
-                await hold.take_media_slot()
-            t_enc = time.perf_counter()
-            encoded: list[Encoded] = []
-            if media:
-                assert self.encoder is not None  # the provider makes one unless inline_media
-                encoded = await self.encoder.embed_all(media)
-            timings["encode_ms"] = ms_since(t_enc)
-            self.stats.media_items += len(media)
-            grids = [(e.handle.header.modality, e.handle.num_tokens, e.handle.header.timestamps) for e in encoded]
-            spliced = (self.splicer.expand_text(text, grids) if inline and not encoded
-                       else await asyncio.to_thread(self.splicer.expand_text, text, grids))
-            # each item's one record from here on: its handle, its spans in the prompt (and its body,
-            # in the body transport); routing, the stats and the engine request all read it
-            items = [MediaInput(e.handle, list(spans), e.body)
-                     for e, spans in zip(encoded, spliced.spans, strict=True)]
-            prompt_tokens = len(spliced.token_ids)
-            max_tokens = self.max_tokens_for(params, prompt_tokens)
-            t_route = time.perf_counter()
-            infos = block_mm_infos(prompt_tokens, self.block_size,
-                                   [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
-            worker_id, overlap = await self._route(hold, spliced.token_ids, infos)
-            timings["route_ms"] = ms_since(t_route)
-            self.stats.recent.append({"request_id": rid, "worker_id": worker_id, "overlap_blocks": overlap,
-                                      "prompt_tokens": prompt_tokens, "media": [m.mm_hash for m in items],
-                                      "timings": timings})
-            payload = EngineRequest(rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
-                                    sampling=params.to_dict(), stream=interim).to_dict()
-            stream = await self._send(payload, worker_id)
+            stream, prompt_tokens = await self._media_path(hold, params, text, media, timings, interim, short)
             hold.sent()
             return _Sent(rid, params, stream, prompt_tokens, timings, t0)
         except MMEncoderError as e:
@@ -222,6 +193,40 @@ class MultimodalProcessor:
             self.stats.errors["internal"] += 1
             log.exception("request %s failed before the engine", rid)
             raise internal_error(e) from None
+
+    async def _by_handle(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
+                         timings: dict[str, float], interim: bool, short: bool) -> tuple[AsyncIterator[Any], int]:
+        """Every item encoded (its header and handle), the prompt expanded, routed on (tokens,
+        [mm_hash]) and sent by handle: the engine's stream and the prompt's length."""
+        if media:
+            await hold.take_media_slot()
+        t_enc = time.perf_counter()
+        encoded: list[Encoded] = []
+        if media:
+            assert self.encoder is not None  # the provider makes one unless inline_media
+            encoded = await self.encoder.embed_all(media)
+        timings["encode_ms"] = ms_since(t_enc)
+        self.stats.media_items += len(media)
+        grids = [(e.handle.header.modality, e.handle.num_tokens, e.handle.header.timestamps) for e in encoded]
+        spliced = (self.splicer.expand_text(text, grids) if short and not encoded
+                   else await asyncio.to_thread(self.splicer.expand_text, text, grids))
+        # each item's one record from here on: its handle, its spans in the prompt (and its body,
+        # in the body transport); routing, the stats and the engine request all read it
+        items = [MediaInput(e.handle, list(spans), e.body)
+                 for e, spans in zip(encoded, spliced.spans, strict=True)]
+        prompt_tokens = len(spliced.token_ids)
+        max_tokens = self.max_tokens_for(params, prompt_tokens)
+        t_route = time.perf_counter()
+        infos = block_mm_infos(prompt_tokens, self.block_size,
+                               [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
+        worker_id, overlap = await self._route(hold, spliced.token_ids, infos)
+        timings["route_ms"] = ms_since(t_route)
+        self.stats.recent.append({"request_id": hold.rid, "worker_id": worker_id, "overlap_blocks": overlap,
+                                  "prompt_tokens": prompt_tokens, "media": [m.mm_hash for m in items],
+                                  "timings": timings})
+        payload = EngineRequest(hold.rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
+                                sampling=params.to_dict(), stream=interim).to_dict()
+        return await self._send(payload, worker_id), prompt_tokens
 
     async def _route(self, hold: Hold, token_ids: list[int],
                      infos: list[BlockMMInfo | None] | None = None) -> tuple[int, int]:
@@ -308,10 +313,10 @@ class MultimodalProcessor:
         self._notes.add(fut)
         fut.add_done_callback(done)
 
-    async def _dispatch_inline(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
-                               timings: dict[str, float], interim: bool) -> AsyncIterator[Any]:
+    async def _inline(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
+                      timings: dict[str, float], interim: bool, short: bool) -> tuple[AsyncIterator[Any], None]:
         """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
-        engine fetch, encode and expand; the engine's stream."""
+        engine fetch, encode and expand; the engine's stream (the engine counts the prompt)."""
         flat = await asyncio.to_thread(self.tok.encode, text)
         asked = params.max_tokens or self.limits.default_max_tokens
         worker_id, overlap = await self._route(hold, flat)
@@ -322,9 +327,7 @@ class MultimodalProcessor:
         payload = InlineRequest(hold.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
                                 stream=interim,
                                 prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
-        stream = await self._send(payload.to_dict(), worker_id)
-        hold.sent()
-        return stream
+        return await self._send(payload.to_dict(), worker_id), None
 
     async def _send(self, payload: dict[str, Any], worker_id: int) -> AsyncIterator[Any]:
         """Send to the routed engine; if it is unreachable (a crashed engine stays in file discovery
