@@ -8,7 +8,6 @@ import asyncio
 import base64
 import os
 import signal
-import subprocess
 import sys
 
 import aiohttp
@@ -16,6 +15,7 @@ import pytest
 
 from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import dynamo_system_port
+from harness.processes import Process
 from harness.worker_fixtures import ForwardGate, post_json, run_worker, wait_for
 from mm_encoder import wire
 from mm_encoder.client import call_encode
@@ -92,15 +92,11 @@ async def test_dynamo_graceful_shutdown_finishes_inflight(tiny):
 async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(tmp_path):
     system_port = dynamo_system_port()
     env = {**os.environ, "DYN_SYSTEM_PORT": str(system_port), "MM_ENCODER_HTTP_PORT": "0"}
-    log = tmp_path / "worker.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--dynamo", "--namespace", "t1"],
-        env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-    )
+    proc = Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--dynamo", "--namespace", "t1"],
+                   name="worker", env=env, log=tmp_path / "worker.log")
     runtime = None
     try:
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
-        assert "ready" in line, log.read_text()[-3000:]
+        line = await asyncio.to_thread(proc.wait_for, "mm-encoder worker ready", 120)
         http_port = int(line.split("http_port=")[1].split()[0])
         runtime = make_runtime(asyncio.get_running_loop())
         client = await client_for(runtime, "t1")
@@ -115,12 +111,10 @@ async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(
             async with s.get(f"http://127.0.0.1:{system_port}/health") as r:
                 assert r.status == 200
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(asyncio.to_thread(proc.wait), 60) == 0
+        assert await asyncio.to_thread(proc.wait, 60) == 0
         await wait_for(lambda: not client.instance_ids(), timeout=30, what="the instance to deregister")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.stop(signal.SIGKILL, group=True)
         if runtime is not None:
             runtime.shutdown()
 
