@@ -24,6 +24,7 @@ from ..core import wire
 from ..core.timing import ms_since
 from ..core.wire_schema import DTYPE_SIZES, WireDtype
 from ..model.steps import EncodeSteps, Prepared
+from .load import probe
 from .metrics import ServiceMetrics
 from .settings import WorkerSettings
 
@@ -114,6 +115,8 @@ class DeviceBatcher:
         """Forms batches from queued jobs and runs them, one at a time, on the device thread."""
         loop = asyncio.get_running_loop()
         ready = self._started()
+        if self.settings.capacity_probe:
+            await self._probe(loop)
         while True:
             while not self._jobs:
                 ready.clear()
@@ -122,9 +125,12 @@ class DeviceBatcher:
             if not batch:
                 continue
             start = time.perf_counter()
+            patches = sum(job.patches for job in batch)
             self.metrics.forwards.inc()
             self.metrics.forward_items.inc(len(batch))
-            self.metrics.batch_patches.observe(sum(job.patches for job in batch))
+            self.metrics.batch_patches.observe(patches)
+            for job in batch:
+                self.metrics.queue_wait.observe(start - job.enqueued)
             try:
                 outputs, forward_ms, packed = await loop.run_in_executor(self._device, self._forward, batch)
             except Exception as e:  # a failed forward fails its own jobs, never the batcher
@@ -133,9 +139,23 @@ class DeviceBatcher:
                     if not job.future.done():
                         job.future.set_exception(e)
                 continue
+            self.metrics.forward_seconds.inc(forward_ms / 1e3)
+            self.metrics.patches_encoded.inc(patches)
+            self.metrics.capacity.observe(patches, forward_ms / 1e3)
             for job, out, pk in zip(batch, outputs, packed, strict=True):
                 if not job.future.done():
                     job.future.set_result((out, (start - job.enqueued) * 1e3, forward_ms, pk))
+
+    async def _probe(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The capacity estimate before any live forward (`load.probe`, on the device thread); a
+        probe that fails leaves it unknown and the worker serving."""
+        try:
+            patches, seconds = await loop.run_in_executor(self._device, probe, self.encoder)
+        except Exception:
+            log.warning("capacity probe failed; the estimate waits for live forwards", exc_info=True)
+            return
+        self.metrics.capacity.probed = patches / seconds
+        log.info("capacity probe: %d patches in %.1f ms (%.0f patches/s)", patches, seconds * 1e3, patches / seconds)
 
     def _take(self, limit: int) -> list[Job]:
         """Queued jobs in order while they fit under `limit` patches (the first one always)."""

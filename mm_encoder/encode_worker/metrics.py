@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from .admission import Admission
 from .caches import AliasCache, BodyCache
+from .load import CapacityMeter
 
 STAGES = ("fetch", "decode", "preprocess", "queue", "forward", "pack", "total")
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -47,8 +48,9 @@ class _CacheCollector(Collector):
 
 class ServiceMetrics:
     def __init__(self, alias: AliasCache, body: BodyCache, admission: Admission, *, inflight: Callable[[], int],
-                 queued: Callable[[], int]):
+                 queued: Callable[[], int], capacity: CapacityMeter | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.capacity = capacity or CapacityMeter()
         self.requests = Counter(
             "mm_encoder_requests", "Encode requests by transport and outcome (ok or an error code)",
             ["transport", "outcome"], registry=r,
@@ -72,6 +74,19 @@ class ServiceMetrics:
             registry=r,
         )
         self.rejected = Counter("mm_encoder_rejected", "Requests refused with 503", ["reason"], registry=r)
+        # the load signals an encode planner reads (encode_worker/load.py): counted in patches
+        self.forward_seconds = Counter("mm_encoder_forward_seconds",
+                                       "Device seconds in forward passes (its rate: the device's busy fraction)",
+                                       registry=r)
+        self.patches_admitted = Counter("mm_encoder_patches_admitted",
+                                        "Patches of the items admitted past the caches (demand)", registry=r)
+        self.patches_encoded = Counter("mm_encoder_patches_encoded", "Patches encoded by forward passes",
+                                       registry=r)
+        self.queue_wait = Histogram("mm_encoder_queue_wait_seconds",
+                                    "Per item: from the device queue to its forward", buckets=_BUCKETS, registry=r)
+        Gauge("mm_encoder_capacity_patches_per_second",
+              "Patches the device encodes per second of forward time: the last forwards, else the start-up probe",
+              registry=r).set_function(lambda: self.capacity.patches_per_second)
         self.body_bytes = Counter("mm_encoder_response_bytes", "Response body bytes produced", registry=r)
         Gauge("mm_encoder_pending", "Items admitted past the caches, not yet packed",
               registry=r).set_function(lambda: admission.pending.in_use)

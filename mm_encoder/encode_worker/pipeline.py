@@ -231,6 +231,7 @@ class EncodeService:
         with self.admission.pending.hold():
             plan = await self._in_pool(self.encoder.plan, data, cfg, identified=identified)
             await self.admission.prepared.acquire(plan.patches)
+            self.metrics.patches_admitted.inc(plan.patches)
             prepare: Future[list[Prepared]] | None = None
             try:
                 await self.admission.decoding.acquire(plan.pixels)
