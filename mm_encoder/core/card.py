@@ -6,11 +6,27 @@ cache keys carry it, so a cache never answers for another checkpoint.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+from .errors import MMEncoderError
 from .spec import file_revision
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
+
+
+def json_object(path: Path, error: type[MMEncoderError]) -> dict[str, Any]:
+    """One of a checkpoint's JSON files (config.json, generation_config.json,
+    preprocessor_config.json), which must hold an object; `error` names what is wrong with it.
+    A missing file is the caller's to handle (FileNotFoundError)."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise error(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: expected a JSON object")
+    return doc
 
 
 def index_bytes(ckpt: Path) -> bytes:

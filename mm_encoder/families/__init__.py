@@ -12,10 +12,10 @@ Adding a family: one module beside these, and its line in `_register` below (doc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from ..core.card import json_object
 from ..core.errors import NotACheckpoint
 from .base import (
     CONTEXT_LENGTH,
@@ -124,13 +124,7 @@ def read_config(checkpoint: str | Path) -> dict[str, Any]:
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         raise NotACheckpoint(f"{checkpoint}: no config.json (not a model checkpoint directory)")
-    try:
-        doc = json.loads(path.read_text())
-    except ValueError as e:
-        raise NotACheckpoint(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise NotACheckpoint(f"{path}: expected a JSON object")
-    return doc
+    return json_object(path, NotACheckpoint)
 
 
 def _register() -> None:

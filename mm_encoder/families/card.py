@@ -11,12 +11,11 @@ and `generation_config.json` (`eos_token_id`, what transformers' `generate` stop
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.card import checkpoint_revision
+from ..core.card import checkpoint_revision, json_object
 from ..core.errors import ModelDirError
 from . import spec_names
 
@@ -51,13 +50,8 @@ class ModelCard:
 
 def _json(path: Path, required: bool = False) -> dict[str, Any]:
     try:
-        doc = json.loads(path.read_text())
+        return json_object(path, ModelDirError)
     except FileNotFoundError:
         if required:
             raise ModelDirError(f"{path} is missing (not a model checkpoint directory)") from None
         return {}
-    except ValueError as e:
-        raise ModelDirError(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ModelDirError(f"{path}: expected a JSON object")
-    return doc

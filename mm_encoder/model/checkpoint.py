@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .. import families
-from ..core.card import index_bytes
+from ..core.card import index_bytes, json_object
 from ..core.errors import CheckpointError
 from ..core.registry import get_spec
 from ..core.spec import Grid, ModelSpec, file_revision
@@ -370,12 +370,7 @@ def _with_processor(spec: ModelSpec, ckpt: Path) -> ModelSpec:
     path = ckpt / PREPROCESSOR_FILE
     if not path.is_file():
         return spec
-    try:
-        doc = json.loads(path.read_bytes())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+    doc = json_object(path, CheckpointError)
     try:
         return spec.model_copy(update={"preprocess": preprocess_from_hf(doc, spec.preprocess, spec.tower)})
     except CheckpointError as e:
