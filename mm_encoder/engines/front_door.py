@@ -57,11 +57,8 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
         """Generate: each batch of new tokens with how many prompt tokens were reused (read from
         the first)."""
 
-    def generate(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
         """Our frontend's request, answered as `core.engine_reply` items."""
-        return self._reply(request, context)
-
-    async def _reply(self, request: Any, context: Any) -> AsyncIterator[dict[str, Any]]:
         timings: dict[str, float] = {}
         try:
             req = EngineRequest.from_dict(request)

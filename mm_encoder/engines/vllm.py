@@ -208,7 +208,7 @@ class VllmEngine(FrontDoor[Any, Any]):
         """The request as vLLM's non-deprecated `EngineInput`, after every check."""
         from vllm.inputs import embeds_input, tokens_input
 
-        spans = await asyncio.to_thread(items, req, media, self.family)
+        spans = items(req, media, self.family)  # slices and checks of rows decoded already (off the loop)
         if not spans:
             return tokens_input(req.token_ids)
         if self.family.route == "mm":  # vLLM's multimodal processor (and the GLM plugin's parser) via its renderer
