@@ -72,6 +72,7 @@ COMPONENT = obj({
     "runtimeVersionOverride": {"type": "string",
                                "pattern": r"^(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})$"},
     "podTemplate": POD_TEMPLATE,
+    "scalingAdapter": obj({}),  # a marker object (v1beta1 `ScalingAdapter struct{}`): HPA, KEDA or a planner scale it
 }, ("name",))
 DYNAMO_GRAPH_DEPLOYMENT = obj({
     "apiVersion": {"const": "nvidia.com/v1beta1"},

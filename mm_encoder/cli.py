@@ -41,6 +41,8 @@ COMPONENTS = {
     "status": ("mm_encoder.deploy.status", "per-component status of a running graph"),
     "render-k8s": ("mm_encoder.deploy.k8s",
                    "Kubernetes resources for a graph: mm-encoder render-k8s epd (or a graph file)"),
+    "capacity": ("mm_encoder.capacity.cli",
+                 "the cache tiers and encoders a traffic needs, simulated (mm-encoder capacity --help)"),
 }
 
 

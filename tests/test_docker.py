@@ -28,7 +28,7 @@ INSTRUCTIONS = frozenset({
     "ENTRYPOINT", "CMD", "SHELL", "VOLUME", "STOPSIGNAL", "ONBUILD",
 })
 SOURCE_TREE = ("mm_encoder", "configs", "pyproject.toml")  # what the images must not copy
-EXTRAS = "[dynamo,frontend,engine]"
+EXTRAS = "[dynamo,frontend,engine,stock]"  # stock: ai-dynamo's requirements (the encode planner's connectors)
 
 
 def _wheel() -> str:
@@ -236,6 +236,8 @@ def test_installs_the_copied_wheel(dockerfile: Dockerfile) -> None:
     wheel = "/tmp/dist/mm_encoder-${MM_ENCODER_VERSION}-py3-none-any.whl" + EXTRAS
     assert any("pip install -c /tmp/dist/constraints.txt" in r and f'"{wheel}"' in r for r in runs), (
         f"{dockerfile.path.name}: no RUN installs {wheel} under the constraints")
+    # the encode planner's connectors are ai-dynamo's, installed without its unreachable `aisimulate`
+    assert any("pip install --no-deps -c /tmp/dist/constraints.txt ai-dynamo==1.6.1" in r for r in runs)
 
 
 def test_version_arg_is_the_packages(dockerfile: Dockerfile) -> None:

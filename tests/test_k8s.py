@@ -7,7 +7,7 @@ harness/k8s_schema.py. Schema source: ai-dynamo/dynamo
 01cc1c3b677b20c5dd72d9eb76962dc04b55b8be (`versions[name=v1beta1].schema.openAPIV3Schema`), with the Go types
 `deploy/operator/api/v1beta1/{dynamographdeployment_types.go@0fddc01b, dynamocomponentdeployment_types.go@006b6e10,
 common.go@02911c80}` and the Dynamo v1.6.x API reference (DCD Reference). The rendered command lines are fed to
-the real parsers of the worker, the frontend and `mm-encoder cache`.
+the real parsers of the worker, the frontend, the encode planner and `mm-encoder cache`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,17 @@ from harness.k8s_schema import DYNAMO_GRAPH_DEPLOYMENT, errors
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import k8s
 from mm_encoder.deploy.graph import Graph, load_graph
+from mm_encoder.planner.settings import check_args
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines"}
+MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines",
+           "planner": "mm_encoder.planner"}
 MODEL_FLAGS = {"encoder": ("--model", "--stock-model-dir"), "engine": ("--checkpoint",),
                "frontend": ("--model-dir",)}
 DGD = "DynamoGraphDeployment"
 GENERATED = ["python", "-m", "mm_encoder.engines.tiny_checkpoint", "/models/model", "--preset", "tiny"]
+SCHEMA = DYNAMO_GRAPH_DEPLOYMENT
 
 
 def docs_of(graph: Graph) -> list[dict]:
@@ -91,7 +94,7 @@ def env_of(component: dict) -> dict[str, str]:
 def test_schema_check_refuses_misspelled_and_v1alpha1_fields(epd_docs):
     """The checker is strict: an unknown field, a wrong enum, a v1alpha1 field or a bad type is an error."""
     dgd = one(epd_docs, "DynamoGraphDeployment")
-    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert errors(dgd, SCHEMA) == []
     for path, value, message in [
         (("spec", "components", 0, "componentType"), "worker", "unknown field 'componentType'"),
         (("spec", "components", 0, "type"), "encode", "is not one of"),
@@ -106,16 +109,16 @@ def test_schema_check_refuses_misspelled_and_v1alpha1_fields(epd_docs):
         for p in path[:-1]:
             node = node[p]
         node[path[-1]] = value
-        assert any(message in e for e in errors(broken, DYNAMO_GRAPH_DEPLOYMENT)), (path, value)
+        assert any(message in e for e in errors(broken, SCHEMA)), (path, value)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in GRAPHS.glob("*.yaml")))
 def test_graph_deployment_has_the_crd_shape(name):
     """Every graph file renders a DynamoGraphDeployment the v1beta1 schema accepts, with one component
-    per frontend / encoder / engine, its module, replicas, Dynamo env and model flags."""
+    per frontend / encoder / engine / planner, its module, replicas, Dynamo env and model flags."""
     graph = load_graph(GRAPHS / f"{name}.yaml")
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
-    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert errors(dgd, SCHEMA) == []
     assert dgd["apiVersion"] == "nvidia.com/v1beta1"
     assert dgd["metadata"]["name"] == graph.name
     comps = components(dgd)
@@ -123,7 +126,9 @@ def test_graph_deployment_has_the_crd_shape(name):
     assert list(comps) == [n for n in comps if n in dynamo_components] and set(comps) == set(dynamo_components)
     for cname, c in dynamo_components.items():
         comp = comps[cname]
-        assert comp["type"] == ("frontend" if c.kind == "frontend" else "worker")  # the CRD has no encode type
+        # the CRD has no encode type; with an encode planner the engines are decode (docs/kubernetes.md)
+        assert comp["type"] == {"frontend": "frontend", "planner": "planner", "encoder": "worker",
+                                "engine": "decode" if graph.planner else "worker"}[c.kind]
         assert type(comp["replicas"]) is int and comp["replicas"] == c.replicas
         assert comp["runtimeVersionOverride"] == k8s.DYNAMO_VERSION
         main = main_of(comp)
@@ -153,7 +158,7 @@ def test_runtime_field_sets_discovery_and_planes():
     addresses are left to the operator's platform (the note says so); file discovery is refused."""
     graph = graph_of(runtime={"discovery": "etcd", "request_plane": "nats", "event_plane": "nats"})
     dgd = one(docs_of(graph), "DynamoGraphDeployment")
-    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert errors(dgd, SCHEMA) == []
     for comp in dgd["spec"]["components"]:
         env = env_of(comp)
         planes = env["DYN_DISCOVERY_BACKEND"], env["DYN_REQUEST_PLANE"], env["DYN_EVENT_PLANE"]
@@ -277,7 +282,7 @@ def test_generated_checkpoint_is_written_by_an_init_container(name):
     graph = load_graph(GRAPHS / f"{name}.yaml")
     docs = docs_of(graph)
     dgd = one(docs, DGD)
-    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert errors(dgd, SCHEMA) == []
     readers = [n for n, c in graph.components.items() if c.kind in MODEL_FLAGS and not c.stock]
     comps = components(dgd)
     for cname, comp in comps.items():
@@ -310,7 +315,7 @@ def test_a_named_checkpoint_comes_from_one_read_only_claim(name):
     doc["llm"]["checkpoint"] = "/data/Kimi-K2.5"
     graph = Graph.model_validate(doc)
     dgd = one(docs_of(graph), DGD)
-    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert errors(dgd, SCHEMA) == []
     readers = {n for n, c in graph.components.items() if c.kind in MODEL_FLAGS and not c.stock}
     for cname, comp in components(dgd).items():
         pod, main = comp["podTemplate"]["spec"], main_of(comp)
@@ -351,7 +356,7 @@ def test_component_image_env_and_resources_override_the_defaults():
                                          "resources": {"limits": {"memory": "9Gi"}}})
     docs = docs_of(graph)
     dgd = one(docs, "DynamoGraphDeployment")
-    assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
+    assert errors(dgd, SCHEMA) == []
     engine = components(dgd)["engine"]
     main = main_of(engine)
     assert engine["replicas"] == 3 and main["image"] == "reg.example/mm:2"
@@ -426,3 +431,84 @@ def test_main_writes_yaml_and_refuses_bad_graphs(tmp_path, capsys):
     assert "invalid graph" in err and "name" in err
     assert k8s.main([str(tmp_path / "missing.yaml")]) == 2
     assert "no such graph file" in capsys.readouterr().err
+
+
+# --- the encode planner (graphs/epd-autoscale.yaml): docs/kubernetes.md "Autoscaling the encoders" ---
+
+@pytest.fixture(scope="module")
+def autoscale() -> Graph:
+    return load_graph(GRAPHS / "epd-autoscale.yaml")
+
+
+def test_the_encode_planner_is_a_planner_component_with_the_kubernetes_connector(autoscale):
+    """epd-autoscale renders its planner as a v1beta1 `planner` component (one replica, no model) running
+    `python -m mm_encoder.planner` with `--connector kubernetes` on this graph's encoder, its own args after,
+    and the DGD's name for the connector; the encoder is the `worker` with a scaling adapter, the engines
+    `decode`, and the whole DGD passes the CRD schema."""
+    docs = docs_of(autoscale)
+    dgd = one(docs, DGD)
+    assert errors(dgd, SCHEMA) == []
+    comps = components(dgd)
+    assert {n: c["type"] for n, c in comps.items()} == {"encoder": "worker", "engine": "decode",
+                                                         "frontend": "frontend", "planner": "planner"}
+    assert [n for n, c in comps.items() if "scalingAdapter" in c] == ["encoder"]
+    assert comps["encoder"]["scalingAdapter"] == {}  # the operator's DGDSA epd-autoscale-encoder
+    assert comps["encoder"]["replicas"] == autoscale.components["encoder"].replicas  # where the fleet starts
+    planner = comps["planner"]
+    assert planner["replicas"] == 1
+    main = main_of(planner)
+    assert main["command"] == ["python", "-m", "mm_encoder.planner"]
+    s = check_args(main["args"])  # the planner's own parser
+    assert (s.connector, s.component, s.namespace, s.model_name) == ("kubernetes", "encoder", autoscale.namespace,
+                                                                    autoscale.llm.served_name)
+    assert (s.min_replicas, s.max_replicas, s.http_host, s.http_port) == (1, 3, "0.0.0.0", k8s.PLANNER_PORT)
+    assert main["args"][-len(autoscale.components["planner"].args):] == list(autoscale.components["planner"].args)
+    assert main["ports"] == [{"name": "mm-http", "containerPort": k8s.PLANNER_PORT, "protocol": "TCP"}]
+    env = env_of(planner)
+    assert env["DYN_PARENT_DGD_K8S_NAME"] == dgd["metadata"]["name"] == "epd-autoscale"
+    assert env["DYN_NAMESPACE"] == autoscale.namespace and "DYN_TCP_MAX_MESSAGE_SIZE" not in env
+    pod = planner["podTemplate"]["spec"]
+    assert "volumes" not in pod and "initContainers" not in pod and "serviceAccountName" not in pod  # the operator's
+    note = dgd["metadata"]["annotations"]["mm-encoder/note"]
+    assert "scaling adapter epd-autoscale-encoder" in note and k8s.PLANNER_SERVICE_ACCOUNT in note
+
+
+def test_the_planner_gets_a_role_to_scale_this_graphs_encoder_only(autoscale):
+    """A Role (and its RoleBinding to the operator's planner ServiceAccount, no namespace: the graph's)
+    allowing exactly the KubernetesConnector's calls on this graph's objects: get/patch the DGD, get/patch the
+    encoder adapter's Scale, list pods. No ServiceAccount of ours (the operator runs planners as its own)."""
+    docs = docs_of(autoscale)
+    role, binding = one(docs, "Role"), one(docs, "RoleBinding")
+    assert role["metadata"]["name"] == binding["metadata"]["name"] == "epd-autoscale-planner-connector"
+    assert role["rules"] == [
+        {"apiGroups": ["nvidia.com"], "resources": ["dynamographdeployments"], "resourceNames": ["epd-autoscale"],
+         "verbs": ["get", "patch"]},
+        {"apiGroups": ["nvidia.com"], "resources": ["dynamographdeploymentscalingadapters/scale"],
+         "resourceNames": ["epd-autoscale-encoder"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    ]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "planner-serviceaccount"}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "epd-autoscale-planner-connector"}
+    assert all("namespace" not in d["metadata"] for d in docs)  # kubectl apply -n NS places them all
+    assert not [d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    for name in ("epd", "agg", "epd-stock"):  # graphs without a planner render as before
+        plain = docs_of(load_graph(GRAPHS / f"{name}.yaml"))
+        assert not [d for d in plain if d["kind"] in ("Role", "RoleBinding")]
+        comps = components(one(plain, DGD))
+        assert all("scalingAdapter" not in c and c["type"] in ("frontend", "worker") for c in comps.values())
+
+
+def test_a_planner_graph_whose_decode_slot_would_be_ambiguous_is_refused(monkeypatch, autoscale):
+    """Two engine components would be two `decode` components: Dynamo's planner connector resolves the decode
+    slot to none of them (DuplicateSubComponentError), so render-k8s refuses the graph by the planner's name
+    (`serve` runs it: the slots are Kubernetes'). A `prefill` component would take the encoder's count: never
+    rendered, and refused should the types ever say so."""
+    doc = yaml.safe_load((GRAPHS / "epd-autoscale.yaml").read_text())
+    doc["components"]["engine-b"] = {"kind": "engine", "replicas": 1}
+    graph = Graph.model_validate(doc)
+    with pytest.raises(GraphError, match=r"components\.planner: .*decode.*: engine, engine-b would make it ambiguous"):
+        k8s.render(graph)
+    monkeypatch.setitem(k8s.PLANNED_TYPES, "engine", "prefill")
+    with pytest.raises(GraphError, match=r"encoder count would reach \['engine'\], not the worker component encoder"):
+        k8s.render(autoscale)

@@ -21,7 +21,7 @@ GRAPH_NAMES = sorted(p.stem for p in GRAPHS.glob("*.yaml"))
 # Flags whose values are the site's (an address, a port, a path), not the component's options.
 SITE_VALUES = {"--http-host", "--http-port", "--listen", "--run-dir", "--cache-dir", "--next", "--direct", "--shard",
                "--encoder-http", "--encoder-chain", "--stock-model-dir", "--handle-chain", "--model-dir",
-               "--checkpoint", "--model"}
+               "--checkpoint", "--model", "--connector"}
 # Per kind, the flags that name the model's checkpoint directory.
 MODEL_FLAGS = {"encoder": ("--model", "--stock-model-dir"), "engine": ("--checkpoint",), "frontend": ("--model-dir",)}
 GENERATED_NAME = "kimi-k2.5-tiny"

@@ -18,8 +18,8 @@ from mm_encoder.deploy.graph import find_graph, graphs_dir, load_graph, shipped_
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = ROOT / "graphs"
-NAMES = ["agg", "epd", "epd-etcd", "epd-stock", "epd-vllm"]
-LISTED = "agg, epd, epd-etcd, epd-stock, epd-vllm"
+NAMES = ["agg", "epd", "epd-autoscale", "epd-etcd", "epd-stock", "epd-vllm"]
+LISTED = "agg, epd, epd-autoscale, epd-etcd, epd-stock, epd-vllm"
 
 
 @pytest.fixture(autouse=True)
@@ -131,7 +131,7 @@ def test_graphs_command_lists_names_descriptions_and_the_directory(capsys):
     assert cli_main(["graphs"]) == 0
     lines = capsys.readouterr().out.splitlines()
     shipped = shipped_graphs()
-    assert lines == [f"{name:9s}  {shipped[name]}" for name in NAMES] + [
+    assert lines == [f"{name:13s}  {shipped[name]}" for name in NAMES] + [
         f"read from {GRAPHS} (MM_ENCODER_GRAPHS overrides); run one: mm-encoder serve NAME"]
 
 

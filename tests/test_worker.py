@@ -404,6 +404,18 @@ async def test_demand_throughput_and_capacity_are_counted_in_patches(tiny, sessi
         assert status == 200
         assert metric(w, "mm_encoder_patches_admitted_total") == sum(patches)
         assert metric(w, "mm_encoder_forwards_total") == 2
+        # on /metrics with the labels Dynamo's own component metrics carry
+        async with session.get(url_for(w, "/metrics")) as r:
+            text = await r.text()
+        labels = 'dynamo_component="mm_encoder",dynamo_namespace="mm",worker_type="encode"'
+        assert f"mm_encoder_patches_admitted_total{{{labels}}} {float(sum(patches))}" in text
+        # and as one map, what the planner reads over Dynamo (<namespace>.mm_encoder.load)
+        load = w.service.metrics.load(draining=False)
+        assert load["patches_admitted"] == load["patches_encoded"] == sum(patches)
+        assert load["forward_seconds"] == busy and load["queue_depth"] == 0 and not load["draining"]
+        assert load["capacity_pps"] == pytest.approx(sum(patches) / busy)
+        assert load["queue_wait_buckets"][-1] == [math.inf, 2.0] and load["rejected"] == {"overloaded": 0.0,
+                                                                                          "draining": 0.0}
 
 
 async def test_without_the_probe_the_capacity_is_unknown_until_a_forward(tiny, session):

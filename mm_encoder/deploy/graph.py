@@ -30,9 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .. import __version__
 from ..core.errors import GraphError
+from ..planner.settings import check_args
 from ..runtime.dynamo import BLOCK_SIZE, NAMESPACE
 
-Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared"]
+Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared", "planner"]
 CACHE_KINDS: tuple[Kind, ...] = ("cache-cluster", "cache-router", "cache-shared")
 _PKG = Path(__file__).resolve().parents[1]  # the mm_encoder package
 
@@ -135,7 +136,36 @@ class Graph(_Strict):
             raise ValueError("cache-router and cache-shared go together (the router shards over the shared tier)")
         if any(k in CACHE_KINDS for k in kinds) and "encoder" not in kinds:
             raise ValueError("cache tiers front encode workers: add an encoder component")
+        self._check_planner()
         return self
+
+    def _check_planner(self) -> None:
+        """At most one encode planner, scaling an encoder component that starts within its bounds;
+        its options as the planner will read them (`--component` is the plan's to set)."""
+        planners = self.of_kind("planner")
+        if not planners:
+            return
+        if len(planners) > 1:
+            raise ValueError("at most one planner component: two would fight over one count")
+        name, p = planners[0]
+        if p.replicas != 1:
+            raise ValueError(f"components.{name}.replicas: a planner runs as one replica")
+        encoders = self.of_kind("encoder")
+        if len(encoders) != 1:
+            raise ValueError(f"components.{name}: the encode planner scales the graph's one encoder component")
+        try:
+            s = check_args(p.args)
+        except ValueError as e:
+            raise ValueError(f"components.{name}.args: {e}") from None
+        encoder, c = encoders[0]
+        if not s.min_replicas <= c.replicas <= s.max_replicas:
+            raise ValueError(f"components.{encoder}.replicas ({c.replicas}) is outside the planner's bounds "
+                             f"[{s.min_replicas}, {s.max_replicas}]")
+
+    @property
+    def planner(self) -> tuple[str, Component] | None:
+        found = self.of_kind("planner")
+        return found[0] if found else None
 
     def of_kind(self, kind: str) -> list[tuple[str, Component]]:
         return [(n, c) for n, c in self.components.items() if c.kind == kind]

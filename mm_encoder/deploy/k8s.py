@@ -3,11 +3,11 @@
     mm-encoder render-k8s graphs/epd.yaml -o epd.k8s.yaml && kubectl apply -n NS -f epd.k8s.yaml
 
 One `DynamoGraphDeployment` (nvidia.com/v1beta1: `spec.components[]`, each with a native pod template)
-for the frontend, encoders and engines; a `Service` per encoder for
-the tiers to reach its HTTP API; the nginx tiers as StatefulSet (shared) and Deployments (router,
-cluster). Every component's command line comes from the plan, on a `K8sSite` (fixed ports,
-Service DNS names, volumes under /models and /cache). What each object is for and why:
-docs/kubernetes.md.
+for the frontend, encoders, engines and encode planner; a `Service` per encoder for the tiers to reach
+its HTTP API; with a planner, the Role and RoleBinding its connector needs; the nginx tiers as
+StatefulSet (shared) and Deployments (router, cluster). Every component's command line comes from the
+plan, on a `K8sSite` (fixed ports, Service DNS names, volumes under /models and /cache). What each
+object is for and why: docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ from .k8s_site import (
     ENCODER_PORT,
     FRONTEND_PORT,
     MODEL_DIR,
+    PLANNER_PORT,
+    PLANNER_SERVICE_ACCOUNT,
     RUN_DIR,
     TIER_PORT,
     K8sNames,
     K8sSite,
+    connector_rules,
 )
 from .plan import ComponentPlan, GeneratedCheckpoint, plan
 
@@ -48,7 +51,12 @@ NOTE = "mm-encoder/note"
 PART_OF = "mm-encoder"
 # v1beta1 `type` (frontend, worker, prefill, decode, planner, epp; no encode type): the frontend gets a
 # Service and probes on 8000; workers are found through discovery, probed on their system port.
-COMPONENT_TYPES: dict[Kind, str] = {"frontend": "frontend", "encoder": "worker", "engine": "worker"}
+COMPONENT_TYPES: dict[Kind, str] = {"frontend": "frontend", "encoder": "worker", "engine": "worker",
+                                    "planner": "planner"}
+# With an encode planner the engines are `decode`: Dynamo's planner connector finds the encoder by name in
+# the prefill slot only while no component is `prefill`, and its decode slot is then the engines, not a
+# lone `worker` (runtime/dynamo.py ENCODER_SLOT; docs/kubernetes.md "Autoscaling the encoders").
+PLANNED_TYPES: dict[Kind, str] = {**COMPONENT_TYPES, "engine": "decode"}
 
 _SIZE = re.compile(r"^([0-9]+)([kmgKMG]?)$")
 _MI = 1 << 20
@@ -146,8 +154,9 @@ def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
         "args": _argv(cp),
         "env": _env(cp.env),
     }
-    if cp.kind == "encoder":  # the tiers' Service targets it; the operator's own ports stay its own
-        main["ports"] = [{"name": "mm-http", "containerPort": ENCODER_PORT, "protocol": "TCP"}]
+    if cp.kind in ("encoder", "planner"):  # ours (the tiers' Service, /status); the operator's stay its own
+        port = ENCODER_PORT if cp.kind == "encoder" else PLANNER_PORT
+        main["ports"] = [{"name": "mm-http", "containerPort": port, "protocol": "TCP"}]
     if c.resources:
         main["resources"] = {k: {n: str(v) for n, v in q.items()} for k, q in c.resources.items()}
     if storage.mounts:
@@ -158,14 +167,17 @@ def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
     pod["containers"] = [main]
     if storage.volumes:
         pod["volumes"] = storage.volumes
-    return {
+    out: dict[str, Any] = {
         "name": names.components[cp.name],
-        "type": COMPONENT_TYPES[cp.kind],
-        "replicas": c.replicas,
-        # The image's tag is mm-encoder's version, not Dynamo's: say which runtime it carries.
-        "runtimeVersionOverride": DYNAMO_VERSION,
-        "podTemplate": {"metadata": {"labels": _pod_labels(names.g, cp.name)}, "spec": pod},
+        "type": (PLANNED_TYPES if names.g.planner else COMPONENT_TYPES)[cp.kind],
+        "replicas": c.replicas,  # with a planner, the encoder's starting count (its scaling adapter's from then on)
     }
+    if cp.kind == "encoder" and names.scaling_adapter:  # the DGDSA the planner's connector scales
+        out["scalingAdapter"] = {}
+    # The image's tag is mm-encoder's version, not Dynamo's: say which runtime it carries.
+    out["runtimeVersionOverride"] = DYNAMO_VERSION
+    out["podTemplate"] = {"metadata": {"labels": _pod_labels(names.g, cp.name)}, "spec": pod}
+    return out
 
 
 def _runtime_note(g: Graph) -> str:
@@ -193,6 +205,11 @@ def _graph_deployment(names: K8sNames, components: list[ComponentPlan]) -> dict[
     if names.encoder_svc:
         note += (" Encoder pods carry the labels mm-encoder/graph and mm-encoder/component (podTemplate.metadata) "
                  f"that their Services {', '.join(names.encoder_svc.values())} select.")
+    if g.planner:
+        note += (f" The encode planner (component {g.planner[0]}) scales the encoders through the scaling adapter "
+                 f"{names.scaling_adapter}, as ServiceAccount {PLANNER_SERVICE_ACCOUNT} (the operator's for every "
+                 f"planner; Role and RoleBinding {names.planner_rbac}); the engines are typed decode, the encoder "
+                 "worker.")
     return {
         "apiVersion": API_VERSION,
         "kind": DGD_KIND,
@@ -224,6 +241,43 @@ def _encoder_services(names: K8sNames) -> list[dict[str, Any]]:
             },
         })
     return out
+
+
+def _connector_rbac(names: K8sNames) -> list[dict[str, Any]]:
+    """The encode planner's connector may read and scale this graph's encoder, and no more (k8s_site.py)."""
+    g, name = names.g, names.planner_rbac
+    if g.planner is None or name is None:
+        return []
+    labels = _labels(g, g.planner[0], "planner") | {"app.kubernetes.io/name": name}
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": {"name": name, "labels": labels},
+         "rules": connector_rules(names)},
+        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": {"name": name, "labels": labels},
+         # no namespace: a RoleBinding's ServiceAccount subject is its own namespace's, the graph's
+         "subjects": [{"kind": "ServiceAccount", "name": PLANNER_SERVICE_ACCOUNT}],
+         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name}},
+    ]
+
+
+def _check_planner_types(g: Graph, components: list[dict[str, Any]]) -> None:
+    """Dynamo's lookups on the rendered components (planner/monitoring/dgd_services.py): the encoder's count,
+    sent for the prefill slot with the encoder's name, reaches the encoder only while no component is typed
+    prefill; Dynamo's own planner finds the decode slot only if exactly one component is typed decode."""
+    if g.planner is None:
+        return
+    types = {c["name"]: c["type"] for c in components}
+    encoder = g.of_kind("encoder")[0][0]
+    prefill = [n for n, t in types.items() if t == "prefill"]
+    if prefill or types[encoder] != "worker":
+        raise GraphError(f"components.{g.planner[0]}: the encoder count would reach {prefill or types[encoder]}, "
+                         f"not the worker component {encoder}")
+    decode = [n for n, t in types.items() if t == "decode"]
+    if len(decode) != 1:
+        raise GraphError(
+            f"components.{g.planner[0]}: with an encode planner the engines are typed decode, and Dynamo's planner "
+            f"resolves the decode slot to exactly one component: {', '.join(decode)} would make it ambiguous "
+            "(DuplicateSubComponentError); use one engine component with more replicas")
 
 
 # --- the nginx tiers -------------------------------------------------------------------------
@@ -347,7 +401,9 @@ def render(graph: Graph) -> list[dict[str, Any]]:
     names = K8sNames(graph)
     _check_components(graph)
     components = plan(graph, K8sSite(names))
-    objects = [_graph_deployment(names, components), *_encoder_services(names), *_tiers(names, components)]
+    dgd = _graph_deployment(names, components)
+    _check_planner_types(graph, dgd["spec"]["components"])
+    objects = [dgd, *_encoder_services(names), *_connector_rbac(names), *_tiers(names, components)]
     plain: list[dict[str, Any]] = json.loads(json.dumps(objects))  # unshared data: no YAML anchors, safe to mutate
     return plain
 

@@ -1,9 +1,11 @@
 """How a graph is named, addressed and stored on Kubernetes: the `Site` that `render-k8s` plans
-on (plan.py), and every object name it will create, checked once (DNS-1123 labels, no two alike)."""
+on (plan.py), every object name it will create, checked once (DNS-1123 labels, no two alike), and
+what an encode planner's connector (Dynamo's KubernetesConnector) may do to the graph's objects."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..core.errors import GraphError
 from .graph import Graph, Kind
@@ -11,8 +13,15 @@ from .plan import Site
 
 PORTS: dict[Kind, int] = {  # the frontend's is the operator's: its Service and probes use 8000
     "frontend": 8000, "encoder": 8090, "cache-shared": 8080, "cache-router": 8080, "cache-cluster": 8080,
+    "planner": 8010,  # the encode planner's /status, /metrics, /healthz (the operator's planner ports: 9085, 9090)
 }
 FRONTEND_PORT, ENCODER_PORT, TIER_PORT = PORTS["frontend"], PORTS["encoder"], PORTS["cache-shared"]
+PLANNER_PORT = PORTS["planner"]
+DYNAMO_KINDS: tuple[Kind, ...] = ("frontend", "encoder", "engine", "planner")  # the DynamoGraphDeployment's components
+# The operator runs every `type: planner` pod as this ServiceAccount (whatever the podTemplate says), creates it in
+# the graph's namespace with its planner role (cluster-wide mode; with namespaceRestriction its Helm chart does),
+# and lets only it and itself change `replicas` of a component with a scaling adapter (its validating webhook).
+PLANNER_SERVICE_ACCOUNT = "planner-serviceaccount"
 MODEL_DIR = "/models/model"  # the checkpoint directory every model-reading component mounts
 RUN_DIR = "/run/mm-cache"
 CACHE_DIR = "/cache"
@@ -45,7 +54,7 @@ class K8sNames:
             return name
 
         for cname, c in g.components.items():
-            if c.kind in ("frontend", "encoder", "engine"):
+            if c.kind in DYNAMO_KINDS:
                 self.components[cname] = cname  # already a DNS-1123 label, as v1beta1 `name` allows
                 # The operator names the component's objects (DCD, Deployment, Service) <graph>-<name>.
                 claim(f"{g.name}-{cname}", f"the operator's objects for component {cname!r}")
@@ -58,12 +67,21 @@ class K8sNames:
                       if c.kind in ("cache-router", "cache-cluster")}
         self.tiers |= self.shared
         self.model_pvc = check_name(f"{g.name}-model", "the checkpoint volume claim") if g.llm.checkpoint else None
+        planner = g.planner
+        # The Role and RoleBinding that let the encode planner's connector scale the encoder component.
+        self.planner_rbac = claim(f"{g.name}-{planner[0]}-connector", "the encode planner's Role and RoleBinding") \
+            if planner else None
+        # The operator names a component's DynamoGraphDeploymentScalingAdapter <graph>-<component, lowercase>,
+        # which is also what the connector asks for: the operator's objects' name, claimed above.
+        self.scaling_adapter = f"{g.name}-{g.of_kind('encoder')[0][0]}" if planner else None
 
 
 class K8sSite(Site):
     """Kubernetes: every replica listens on its kind's fixed port on all interfaces; components
     reach encoders through their Service, shards by their StatefulSet pods' stable names, the
     router and the cluster tier through their Services."""
+
+    connector = "kubernetes"  # an encode planner scales the DynamoGraphDeployment's encoder component
 
     def __init__(self, names: K8sNames):
         self.names = names
@@ -93,4 +111,25 @@ class K8sSite(Site):
             env["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"] = '["encode"]'
         if kind == "frontend":
             env["DYN_NAMESPACE_PREFIX"] = self.names.g.namespace
+        if kind == "planner":  # the KubernetesConnector's DGD (the operator injects the same into every container)
+            env["DYN_PARENT_DGD_K8S_NAME"] = self.names.g.name
         return env
+
+
+def connector_rules(names: K8sNames) -> list[dict[str, Any]]:
+    """What Dynamo's KubernetesConnector calls to set the encoder count (`set_component_replicas`:
+    dynamo/planner/connectors/kubernetes.py, clients/kubernetes_api.py), on this graph's objects only."""
+    assert names.scaling_adapter is not None, "a graph with an encode planner"
+    return [
+        # GET the DGD (spec, status) before each decision; PATCH /spec/components/<i>/replicas (a JSON patch)
+        # where the component has no scaling adapter (404 on its Scale).
+        {"apiGroups": ["nvidia.com"], "resources": ["dynamographdeployments"], "resourceNames": [names.g.name],
+         "verbs": ["get", "patch"]},
+        # The encoder's scaling adapter: PATCH its Scale (spec.replicas); GET it while a scale-down during
+        # start-up is in flight (a 403 there only disables that cancellation).
+        {"apiGroups": ["nvidia.com"], "resources": ["dynamographdeploymentscalingadapters/scale"],
+         "resourceNames": [names.scaling_adapter], "verbs": ["get", "patch"]},
+        # LIST the graph's pods (label nvidia.com/dynamo-graph-deployment-name) before a scale-down or while
+        # the DGD is not Ready: terminating or pending pods hold the change (a 403 falls back to Ready alone).
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    ]

@@ -34,6 +34,7 @@ from ..core.errors import GraphError
 from . import infra
 from .graph import Graph, Kind, find_graph, load_graph
 from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedCheckpoint, Replica, Site, plan
+from .scaling import Scaler, check_local, scale_to
 from .status import collect, format_lines
 
 PY = sys.executable
@@ -135,6 +136,7 @@ class GraphRunner:
         self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
         self.runtime_env: dict[str, str] = {}  # how Dynamo's components reach those (ETCD_ENDPOINTS, ...)
         self.sessions: set[int] = set()  # process groups of every replica started, restarts included
+        self.scaling: dict[str, object] = {}  # the last encode-planner decision carried out (scaling.py)
 
     def prepare(self) -> list[Proc]:
         """The run directory, the generated checkpoint (if the graph names none) and the processes to start."""
@@ -216,8 +218,19 @@ class GraphRunner:
             "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
                             "url": p.url, "log": str(p.log)} for p in self.procs],
             "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.pid} for s in self.servers]},
+            **({"scaling": self.scaling} if self.scaling else {}),
         }
         (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
+
+    def executor(self) -> Scaler | None:
+        """With an encode planner: the thread that takes its decisions (Dynamo's VirtualConnectorClient)."""
+        planner = next((p for p in self.procs if p.kind == "planner"), None)
+        if planner is None:
+            return None
+        running = sum(1 for p in self.procs if p.kind == "encoder" and p.state == "up")
+        scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.component.env}, running)
+        scaler.start()
+        return scaler
 
     def check(self) -> list[str]:
         """One pass over the processes: report deaths (with the log's tail), restart if asked."""
@@ -344,8 +357,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: component {name}: python {c.python} is not an executable here"
                   + (" (make vllm-venv builds it)" if c.backend == "vllm" else ""), file=sys.stderr)
             return 2
+    try:
+        check_local(graph)
+    except GraphError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
     run_dir = args.run_dir or Path(f"/tmp/mm-encoder-{graph.name}")
     runner = GraphRunner(graph, run_dir, restart=args.restart)
+    scaler: Scaler | None = None
 
     def on_signal(signum: int, frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
@@ -360,10 +379,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graph {graph.name} ready: OpenAI base URL http://{LOOPBACK}:{graph.frontend_port}/v1 "
               f"(model {graph.llm.served_name}); status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops",
               flush=True)
+        scaler = runner.executor()
         last = time.monotonic()
         while True:
             for event in runner.check():
                 print(event, flush=True)
+            if scaler is not None and (decision := scaler.pending()) is not None:
+                count, done = decision
+                outcome = scale_to(runner, runner.graph.of_kind("encoder")[0][0], count)
+                done.set_result(outcome)
+                if outcome[0]:
+                    print(f"scaled (the encode planner's decision): {outcome[0]}", flush=True)
             if args.status_interval and time.monotonic() - last >= args.status_interval:
                 for line in format_lines(collect(run_dir)):
                     print(line, flush=True)
@@ -378,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below must not be interrupted
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping ...", flush=True)
+        if scaler is not None:
+            scaler.stop()
         left = runner.stop()
         if left:
             print(f"warning: processes left behind: {left}", file=sys.stderr)

@@ -23,7 +23,8 @@ from ..runtime.dynamo import MAX_MESSAGE_SIZE
 from .graph import Component, Graph, Kind
 
 # Start order: each kind only talks to kinds before it.
-ORDER: tuple[Kind, ...] = ("encoder", "cache-shared", "cache-router", "cache-cluster", "engine", "frontend")
+ORDER: tuple[Kind, ...] = ("encoder", "cache-shared", "cache-router", "cache-cluster", "engine", "frontend",
+                          "planner")
 MODULES: dict[Kind, str] = {
     "encoder": "mm_encoder.worker",
     "cache-shared": "mm_encoder.deploy.cache_tiers",
@@ -31,11 +32,12 @@ MODULES: dict[Kind, str] = {
     "cache-cluster": "mm_encoder.deploy.cache_tiers",
     "engine": "mm_encoder.engines",
     "frontend": "mm_encoder.frontend",
+    "planner": "mm_encoder.planner",
 }
 VLLM_ENGINE = "mm_encoder.engines.vllm"  # an engine with `backend: vllm`
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # llm.dtype as torch spells it: vLLM's --dtype, the wire's
 STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
-DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend")  # on Dynamo's runtime; the tiers are nginx
+DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend", "planner")  # on Dynamo's runtime (not nginx)
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
 READY_LINE = "engine ready"  # what an engine prints once registered (it serves no HTTP)
 
@@ -63,6 +65,7 @@ class Site(ABC):
     """Where a plan runs."""
 
     checkpoint_dir: str  # the model's checkpoint directory as components see it
+    connector: str = "virtual"  # how an encode planner's decisions are carried out (planner/settings.py)
 
     @abstractmethod
     def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
@@ -127,9 +130,11 @@ class _Planner:
             "cache-cluster": (self.cluster, "/_cache/health", ()),
             "engine": (self.engine, None, model),
             "frontend": (self.frontend, "/v1/models", () if stock else model),
+            "planner": (self.planner, "/healthz", ()),
         }[c.kind]
+        scaled = c.kind == "encoder" and self.g.planner is not None  # names that stay as the count moves
         replicas = tuple(
-            Replica(replica_name(name, i, c.replicas), (*argv(name, i), *c.args),
+            Replica(replica_name(name, i, 2 if scaled else c.replicas), (*argv(name, i), *c.args),
                     self.site.listen(name, c.kind, i)[1] if health else None)
             for i in range(c.replicas)
         )
@@ -215,6 +220,15 @@ class _Planner:
         if self.wire_dtype and not g.inline_encoding:
             argv += ["--wire-dtype", self.wire_dtype]
         return argv + (["--inline-media"] if g.inline_encoding else [])
+
+
+    def planner(self, name: str, i: int) -> list[str]:
+        """The encode planner: the graph's encoder component, through the site's connector."""
+        g = self.g
+        host, port = self.site.listen(name, "planner", i)
+        encoder = g.of_kind("encoder")[0][0]
+        return ["--namespace", g.namespace, "--component", encoder, "--connector", self.site.connector,
+                "--model-name", g.llm.served_name, "--http-host", host, "--http-port", str(port)]
 
 
 def _flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:

@@ -1,6 +1,7 @@
 """`mm-encoder status`: per component of a running graph: up/down, requests, cache hit ratio per
 level, encodes and p50 latency. Reads `state.json` from the graph's run directory and asks each
-component (frontend `/mm/stats`, encoder `/metrics`, cache tiers `/_cache/stats`)."""
+component (frontend `/mm/stats`, encoder `/metrics`, cache tiers `/_cache/stats`, the encode planner
+`/status`: encoders wanted and running, its last decision and why)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 row["requests"] = counts.get("requests", 0)
                 looked = sum(v for k, v in counts.items() if k in ("HIT", "MISS", "EXPIRED", "STALE", "UPDATING"))
                 row["hit_ratio"] = counts.get("HIT", 0) / looked if looked else None
+        elif row["up"] and url and c["kind"] == "planner":
+            raw = _get(f"{url}/status")
+            if raw:
+                planner = json.loads(raw)
+                row.update(wanted=planner["wanted"], running=planner["running"], decision=planner["last_decision"],
+                           signals=planner["signals"])
         elif row["up"] and url and c["kind"] == "frontend":
             raw = _get(f"{url}/mm/stats")
             if raw:
@@ -93,7 +100,10 @@ def collect(run_dir: Path) -> dict[str, Any]:
                         routed[k] = routed.get(k, 0) + v
                 row["routed"] = routed
         rows.append(row)
-    return {"graph": state["graph"], "base_url": state["base_url"], "components": rows}
+    out = {"graph": state["graph"], "base_url": state["base_url"], "components": rows}
+    if "scaling" in state:  # what `serve` carried out of the planner's decisions
+        out["scaling"] = state["scaling"]
+    return out
 
 
 def format_lines(status: dict[str, Any]) -> list[str]:
@@ -111,6 +121,10 @@ def format_lines(status: dict[str, Any]) -> list[str]:
             parts.append(f"p50<={r['p50_ms']:.0f}ms")
         if r.get("routed"):
             parts.append("routed=" + ",".join(str(v) for v in r["routed"].values()))
+        if r.get("kind") == "planner" and r.get("wanted") is not None:
+            parts.append(f"encoders wanted={r['wanted']} running={r['running']}")
+            if d := r.get("decision"):
+                parts.append(f"last: {d['action']} {d['from']}->{d['replicas']} ({d['reason']})")
         lines.append("  " + "  ".join(parts))
     return lines
 

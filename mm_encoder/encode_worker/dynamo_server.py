@@ -5,6 +5,9 @@ may be raw bytes (Dynamo's msgpack codec carries them as bytes). Response: one m
 `EncodeReply` (`body` is byte-for-byte what `POST /v1/encode` returns; with `"header_only": true`
 in the request, `header` instead of the body) or
 `{"error": {"code", "message", "status"}}`. The client side is `client.call_encode`.
+
+`<namespace>.mm_encoder.load` answers the worker's load signals as one map (`ServiceMetrics.load`):
+what the encode planner reads from every instance discovery lists (`mm_encoder.planner`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import MMEncoderError
 from ..core.requests import EncodeRequest
-from ..runtime.dynamo import endpoint_path, serve_endpoint
+from ..runtime.dynamo import ENCODER_COMPONENT, LOAD_ENDPOINT, endpoint_path, serve_endpoint
 from .pipeline import EncodeResult, EncodeService
 
 if TYPE_CHECKING:
@@ -32,15 +35,22 @@ class DynamoServer:
     def __init__(self, service: EncodeService, runtime: DistributedRuntime, namespace: str):
         self.service = service
         self.runtime = runtime
+        self.namespace = namespace
         self.path = endpoint_path(namespace)
         self._task: asyncio.Future[Any] | None = None
+        self._load_task: asyncio.Future[Any] | None = None
 
     async def start(self) -> None:
         endpoint = self.runtime.endpoint(self.path)
         endpoint.metrics.register_prometheus_expfmt_callback(lambda: self.service.metrics.render().decode())
         # serve_endpoint returns a future that resolves when the endpoint stops serving.
         self._task = serve_endpoint(endpoint, self.encode, health_check=True)
-        log.info("serving Dynamo endpoint %s", self.path)
+        load = self.runtime.endpoint(endpoint_path(self.namespace, ENCODER_COMPONENT, LOAD_ENDPOINT))
+        self._load_task = serve_endpoint(load, self.load)
+        log.info("serving Dynamo endpoint %s (and its load signals)", self.path)
+
+    async def load(self, request: Any, context: Context | None) -> AsyncIterator[dict[str, Any]]:
+        yield self.service.metrics.load(draining=self.service.draining)
 
     async def encode(self, request: Any, context: Context | None) -> AsyncIterator[dict[str, Any]]:
         if isinstance(request, dict) and request.get("health_check"):
@@ -84,6 +94,7 @@ class DynamoServer:
     async def stop(self, timeout_s: float) -> None:
         """Dynamo waits for in-flight streams, then deregisters the instance."""
         self.runtime.shutdown()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._task, timeout_s)
+        for task in (self._task, self._load_task):
+            if task is not None:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(task, timeout_s)

@@ -7,18 +7,28 @@ text to its `/metrics`. Cache levels are read at scrape time from the caches' ow
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from ..runtime.dynamo import ENCODER_COMPONENT, NAMESPACE
 from .admission import Admission
 from .caches import AliasCache, BodyCache
 from .load import CapacityMeter
 
+DYNAMO_LABELS = ("dynamo_namespace", "dynamo_component", "worker_type")  # Dynamo's own metrics carry them
 STAGES = ("fetch", "decode", "preprocess", "queue", "forward", "pack", "total")
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def _le(bound: float) -> str:
+    """A bucket's `le` label as prometheus-client writes it (1 -> "1.0", inf -> "+Inf")."""
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
 
 
 class _CacheCollector(Collector):
@@ -48,8 +58,9 @@ class _CacheCollector(Collector):
 
 class ServiceMetrics:
     def __init__(self, alias: AliasCache, body: BodyCache, admission: Admission, *, inflight: Callable[[], int],
-                 queued: Callable[[], int], capacity: CapacityMeter | None = None):
+                 queued: Callable[[], int], capacity: CapacityMeter | None = None, namespace: str = NAMESPACE):
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.dynamo = {"dynamo_namespace": namespace, "dynamo_component": ENCODER_COMPONENT, "worker_type": "encode"}
         self.capacity = capacity or CapacityMeter()
         self.requests = Counter(
             "mm_encoder_requests", "Encode requests by transport and outcome (ok or an error code)",
@@ -74,19 +85,22 @@ class ServiceMetrics:
             registry=r,
         )
         self.rejected = Counter("mm_encoder_rejected", "Requests refused with 503", ["reason"], registry=r)
-        # the load signals an encode planner reads (encode_worker/load.py): counted in patches
+        # the load signals an encode planner reads (encode_worker/load.py): counted in patches, labelled as
+        # Dynamo labels a component's metrics (its namespace and component; `worker_type` "encode")
+        d = self.dynamo
         self.forward_seconds = Counter("mm_encoder_forward_seconds",
                                        "Device seconds in forward passes (its rate: the device's busy fraction)",
-                                       registry=r)
+                                       DYNAMO_LABELS, registry=r).labels(**d)
         self.patches_admitted = Counter("mm_encoder_patches_admitted",
-                                        "Patches of the items admitted past the caches (demand)", registry=r)
+                                        "Patches of the items admitted past the caches (demand)", DYNAMO_LABELS,
+                                        registry=r).labels(**d)
         self.patches_encoded = Counter("mm_encoder_patches_encoded", "Patches encoded by forward passes",
-                                       registry=r)
-        self.queue_wait = Histogram("mm_encoder_queue_wait_seconds",
-                                    "Per item: from the device queue to its forward", buckets=_BUCKETS, registry=r)
+                                       DYNAMO_LABELS, registry=r).labels(**d)
+        self.queue_wait = Histogram("mm_encoder_queue_wait_seconds", "Per item: from the device queue to its "
+                                    "forward", DYNAMO_LABELS, buckets=_BUCKETS, registry=r).labels(**d)
         Gauge("mm_encoder_capacity_patches_per_second",
               "Patches the device encodes per second of forward time: the last forwards, else the start-up probe",
-              registry=r).set_function(lambda: self.capacity.patches_per_second)
+              DYNAMO_LABELS, registry=r).labels(**d).set_function(lambda: self.capacity.patches_per_second)
         self.body_bytes = Counter("mm_encoder_response_bytes", "Response body bytes produced", registry=r)
         Gauge("mm_encoder_pending", "Items admitted past the caches, not yet packed",
               registry=r).set_function(lambda: admission.pending.in_use)
@@ -117,6 +131,29 @@ class ServiceMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def load(self, *, draining: bool) -> dict[str, Any]:
+        """The load signals as one map, for the encode planner (`<namespace>.mm_encoder.load`): the
+        same counters as /metrics, so the planner takes rates as Prometheus would."""
+        def get(name: str, labels: dict[str, str] | None = None) -> float | None:
+            return self.registry.get_sample_value(name, labels if labels is not None else self.dynamo)
+
+        capacity = self.capacity.patches_per_second
+        return {
+            "forward_seconds": get("mm_encoder_forward_seconds_total") or 0.0,
+            "patches_admitted": get("mm_encoder_patches_admitted_total") or 0.0,
+            "patches_encoded": get("mm_encoder_patches_encoded_total") or 0.0,
+            "rejected": {reason: get("mm_encoder_rejected_total", {"reason": reason}) or 0.0
+                         for reason in ("overloaded", "draining")},
+            "queue_depth": int(get("mm_encoder_queue_depth", {}) or 0),
+            "queue_wait_buckets": [[le, get("mm_encoder_queue_wait_seconds_bucket", {"le": _le(le), **self.dynamo})
+                                    or 0.0] for le in (*_BUCKETS, math.inf)],
+            "capacity_pps": None if math.isnan(capacity) else capacity,
+            "draining": draining,
+        }
+
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """A sample's current value (0 when absent): for tests and benchmarks."""
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
+        """A sample's current value (0 when absent; the Dynamo labels may go unsaid): for tests and benchmarks."""
+        found = self.registry.get_sample_value(name, labels or {})
+        if found is None:
+            found = self.registry.get_sample_value(name, {**(labels or {}), **self.dynamo})
+        return found or 0.0

@@ -97,7 +97,8 @@ class EncodeService:
         self.draining = False
         self.served_names = {n.lower() for n in encoder.spec.served_names}
         self.metrics = ServiceMetrics(self.alias, self.bodies, self.admission,
-                                      inflight=lambda: self._inflight, queued=lambda: len(self.batcher))
+                                      inflight=lambda: self._inflight, queued=lambda: len(self.batcher),
+                                      namespace=settings.namespace)
         self.batcher = DeviceBatcher(encoder, settings, self.metrics)
 
     # --- lifecycle ---------------------------------------------------------------------------

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # `as`: re-exported, for the rooms that reach Dynamo only thr
 NAMESPACE = "mm"  # Dynamo namespace of every component, unless a graph or option says otherwise
 BLOCK_SIZE = 16  # KV block size the engines use and the router hashes by
 ENCODER_COMPONENT, ENCODE_ENDPOINT = "mm_encoder", "encode"
+LOAD_ENDPOINT = "load"  # an encode worker's load signals, for the encode planner
 ENGINE_COMPONENT, GENERATE_ENDPOINT = "engine", "generate"
 HEALTH_PAYLOAD = {"health_check": True}
 # One machine without etcd or NATS: file discovery, TCP requests, ZMQ events.
@@ -205,3 +206,83 @@ def worker_error(e: MMEncoderError) -> Exception:
     if 400 <= e.http_status < 500:
         return InvalidArgument(text)
     return CannotConnect(text) if e.http_status == 503 else Unknown(text)
+
+
+# --- the encode planner: Dynamo's planner connectors -----------------------------------------------
+# Dynamo's planner types know prefill and decode only (`SubComponentType`), and a DGD v1beta1 has no
+# encode component type. The encoders are typed `worker` and their replica count travels in the
+# prefill slot: the Kubernetes connector looks a target up by type and falls back to its
+# `component_name` for a `worker` component when no component of that type exists (so a graph with
+# an encode planner types its engines `decode`, never `prefill`; render-k8s checks it); the virtual
+# connector carries the count as `num_prefill` in a coordinator namespace of its own
+# (`planner_namespace`), so Dynamo's own planner may plan the engines in the graph's namespace.
+ENCODER_SLOT = "prefill"
+PLANNER_COMPONENT, PLANNER_ENDPOINT = "encode_planner", "status"
+
+
+def planner_namespace(namespace: str) -> str:
+    """Where the encode planner's virtual-connector decisions live: not the graph's own namespace,
+    whose prefill/decode slots belong to Dynamo's planner."""
+    return f"{namespace}-encoders"
+
+
+def _planner_package() -> None:
+    """ai-dynamo 1.6.1's `dynamo.planner` imports its load predictor in `dynamo/planner/__init__.py`
+    and `core/__init__.py` (aisimulate, which no public index serves, and scikit-learn); the
+    connectors need neither. Without aisimulate, the two packages are registered bare (their
+    submodules load as written; their `__init__` does not run)."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    if "dynamo.planner" in sys.modules or importlib.util.find_spec("aisimulate_core") is not None:
+        return
+    import dynamo
+
+    base = Path(next(iter(dynamo.__path__))) / "planner"
+    if not (base / "connectors" / "virtual.py").is_file():
+        raise ImportError("Dynamo's planner is not installed (the ai-dynamo package: pip install --no-deps "
+                          "ai-dynamo==1.6.1 after the `stock` extra)")
+    for name, path in (("dynamo.planner", base), ("dynamo.planner.core", base / "core")):
+        package = types.ModuleType(name)
+        package.__path__ = [str(path)]
+        sys.modules[name] = package
+
+
+def encoder_target(component: str, replicas: int) -> Any:
+    """Dynamo's `TargetReplica` for the encoder component (`ENCODER_SLOT`, by name)."""
+    _planner_package()
+    from dynamo.planner.config.defaults import SubComponentType, TargetReplica
+
+    return TargetReplica(sub_component_type=SubComponentType(ENCODER_SLOT), component_name=component,
+                         desired_replicas=replicas)
+
+
+def planner_connector(kind: str, runtime: DistributedRuntime, namespace: str, model_name: str,
+                      component: str) -> Any:
+    """Dynamo's `VirtualConnector` (decisions through the runtime, for `mm-encoder serve` to carry
+    out) or `KubernetesConnector` (the DGD named by DYN_PARENT_DGD_K8S_NAME, through its scaling
+    adapter or a replica patch)."""
+    _planner_package()
+    if kind == "kubernetes":
+        from dynamo.planner.connectors.kubernetes import KubernetesConnector
+
+        # not Ready: an error, so the planner knows its decision was not applied (it holds and retries)
+        return KubernetesConnector(namespace, model_name=model_name, raise_not_ready=True)
+    from dynamo.planner.connectors.virtual import VirtualConnector
+    from dynamo.planner.monitoring.worker_info import WorkerInfo
+
+    class _EncoderInfo:  # where the encoders are, for the connector's worker counts
+        def get_worker_info(self, sub_component_type: Any, backend: str = "vllm") -> WorkerInfo:
+            return WorkerInfo(component_name=ENCODER_COMPONENT, endpoint=ENCODE_ENDPOINT, model_name=model_name)
+
+    return VirtualConnector(runtime, planner_namespace(namespace), _EncoderInfo(), model_name=model_name)
+
+
+def scaling_client(runtime: DistributedRuntime, namespace: str) -> Any:
+    """The executor's side of the virtual connector: Dynamo's `VirtualConnectorClient`
+    (`wait`, `get` -> a decision whose `num_prefill_workers` is the encoder count, `complete`)."""
+    from dynamo._core import VirtualConnectorClient
+
+    return VirtualConnectorClient(runtime, planner_namespace(namespace))
