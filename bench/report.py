@@ -61,6 +61,7 @@ MODULES: dict[str, str] = {
     "discovery": "bench/discovery.py",
     "hostile_memory": "bench/hostile_memory.py",
     "soak": "bench/soak.py",
+    "autoscale": "bench/autoscale.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25
