@@ -107,7 +107,8 @@ def test_the_installed_wheel_runs_without_the_repository(venv, capsys):
     assert run(str(bin_ / "mm-encoder"), "--version").strip() == VERSION
     assert "kimi-k2.5-vision" in run(str(bin_ / "mm-encoder"), "models")
     graphs = run(str(bin_ / "mm-encoder"), "graphs")
-    assert [line.split()[0] for line in graphs.splitlines()[:5]] == ["agg", "epd", "epd-etcd", "epd-stock", "epd-vllm"]
+    assert [line.split()[0] for line in graphs.splitlines()[:6]] == ["agg", "epd", "epd-autoscale", "epd-etcd",
+                                                                  "epd-stock", "epd-vllm"]
     assert str(home / "venv") in graphs.splitlines()[-1]  # read from the install, not the checkout
     # `mm-encoder encode` on the bundled sample gives what the checkout's package gives
     sample = Path(where).parent / "samples" / "sample.jpg"

@@ -119,7 +119,9 @@ class EncodePlanner:
                          "running)")
         else:
             d = self.policy.decide(now, self.wanted, sig)
-        if d.changes and not self.s.dry_run:
+        if d.changes and self.s.dry_run:
+            d = Decision(d.replicas, d.current, d.action, f"{d.reason} (dry run: not applied)")
+        elif d.changes:
             try:
                 await self.connector.set_component_replicas([encoder_target(self.s.component, d.replicas)],
                                                             blocking=False)
