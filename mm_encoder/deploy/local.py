@@ -34,6 +34,7 @@ from ..core.errors import GraphError
 from . import infra
 from .graph import Graph, Kind, find_graph, load_graph
 from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedCheckpoint, Replica, Site, plan
+from .procfs import processes
 from .scaling import Scaler, check_local, scale_to
 from .status import collect, format_lines
 
@@ -281,18 +282,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def leftover_pids(groups: set[int]) -> list[int]:
     """Live processes (not zombies) whose process group is one of the graph's sessions."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgid = fields[0], int(fields[2])
-        if pgid in groups and state != "Z":
-            alive.append(int(entry.name))
-    return alive
+    return [p.pid for p in processes() if p.pgid in groups]
 
 
 def listeners(groups: set[int]) -> list[tuple[int, str, int]]:

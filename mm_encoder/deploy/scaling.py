@@ -36,6 +36,7 @@ from ..core.errors import GraphError
 from . import cache_tiers
 from .graph import Graph
 from .plan import ComponentPlan, plan
+from .procfs import processes
 
 if TYPE_CHECKING:
     from .local import GraphRunner, Proc
@@ -138,18 +139,8 @@ def reload_tier(pid: int, argv: Iterable[str], run_dir: Path, *, old_gone: bool,
 
 
 def _children(pid: int) -> set[int]:
-    """The live child processes of `pid` (an nginx master's workers), from /proc."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.add(int(entry.name))
-    return out
+    """The live child processes of `pid` (an nginx master's workers)."""
+    return {p.pid for p in processes() if p.ppid == pid}
 
 
 def check_local(graph: Graph) -> None:
