@@ -72,6 +72,11 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
             assert _tier_counts(run, "cluster") == (4, tier_first[1] + 2)
             assert status["frontend"]["requests"] == 2
             recent = frontend_stats(port)["recent"][-2:]
+            # p95 beside p50: the encoder's from its stage histogram, the frontend's from its recent requests,
+            # whose slowest is named (the first: it encoded)
+            assert status["encoder"]["p95_ms"] >= status["encoder"]["p50_ms"] > 0
+            assert status["frontend"]["p95_ms"] >= status["frontend"]["p50_ms"]
+            assert status["frontend"]["slowest"]["request_id"] == recent[0]["request_id"]
             assert recent[1]["worker_id"] == recent[0]["worker_id"]  # KV-aware routing: the engine holding it
             assert recent[0]["timings"]["reused_tokens"] == 0
             assert recent[1]["timings"]["reused_tokens"] == (1223 - 1) // 16 * 16 == 1216

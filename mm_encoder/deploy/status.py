@@ -1,14 +1,17 @@
-"""`mm-encoder status`: per component of a running graph: up/down, requests, cache hit ratio per
-level, encodes and p50 latency. Reads `state.json` from the graph's run directory and asks each
-component (frontend `/mm/stats`, encoder `/metrics`, cache tiers `/_cache/stats`, the encode planner
-`/status`: encoders wanted and running, its last decision and why)."""
+"""`mm-encoder status [--watch]`: per component of a running graph: up/down, requests, cache hit ratio
+per level, encodes, p50 and p95 latency, the frontend's slowest recent request. Reads `state.json`
+from the graph's run directory and asks each component (frontend `/mm/stats`, encoder `/metrics`,
+cache tiers `/_cache/stats`, the encode planner `/status`: encoders wanted and running, its last
+decision and why)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -47,13 +50,22 @@ def total(found: list[Sample], name: str, **labels: str) -> float:
     return sum(s.value for s in found if s.name == name and labels.items() <= s.labels.items())
 
 
-def histogram_p50(found: list[Sample], metric: str, **labels: str) -> float | None:
-    """Median from cumulative Prometheus buckets (upper bound of the bucket holding it), seconds."""
+def histogram_quantile(found: list[Sample], metric: str, q: float, **labels: str) -> float | None:
+    """The q-quantile from cumulative Prometheus buckets, as the upper bound of the bucket holding it
+    (what a histogram can say without interpolating), seconds; None without observations."""
     buckets = sorted((float(s.labels["le"]), s.value) for s in found
                      if s.name == f"{metric}_bucket" and labels.items() <= s.labels.items())
     if not buckets or buckets[-1][1] == 0:
         return None
-    return next(le for le, count in buckets if count >= buckets[-1][1] / 2)
+    return next(le for le, count in buckets if count >= buckets[-1][1] * q)
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile of a sample, nearest rank (no interpolation); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def collect(run_dir: Path) -> dict[str, Any]:
@@ -72,8 +84,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
                     hits = total(found, "mm_encoder_cache_hits_total", level=level)
                     misses = total(found, "mm_encoder_cache_misses_total", level=level)
                     row[f"hit_{level}"] = hits / (hits + misses) if hits + misses else None
-                p50 = histogram_p50(found, "mm_encoder_stage_seconds", stage="total")
-                row["p50_ms"] = p50 * 1e3 if p50 is not None else None
+                for q, key in ((0.5, "p50_ms"), (0.95, "p95_ms")):
+                    v = histogram_quantile(found, "mm_encoder_stage_seconds", q, stage="total")
+                    row[key] = v * 1e3 if v is not None else None
         elif row["up"] and url and c["kind"].startswith("cache-") and c["kind"] != "cache-router":
             raw = _get(f"{url}/_cache/stats")
             if raw:
@@ -99,11 +112,25 @@ def collect(run_dir: Path) -> dict[str, Any]:
                     for k, v in p["routed"].items():
                         routed[k] = routed.get(k, 0) + v
                 row["routed"] = routed
+                row.update(_recent(procs))
         rows.append(row)
     out = {"graph": state["graph"], "base_url": state["base_url"], "components": rows}
     if "scaling" in state:  # what `serve` carried out of the planner's decisions
         out["scaling"] = state["scaling"]
     return out
+
+
+def _recent(procs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The frontend's recent requests (its /mm/stats, up to 256 per processor): the p50 and p95 of
+    the time before the engine (encode + route, ms), and the slowest of them by request id."""
+    recent = [r for p in procs for r in p.get("recent", [])]
+    spent = [(sum(v for k, v in r.get("timings", {}).items() if k in ("encode_ms", "route_ms")), r) for r in recent]
+    if not spent:
+        return {}
+    slowest_ms, slowest = max(spent, key=lambda x: x[0])
+    return {"p50_ms": quantile([ms for ms, _ in spent], 0.5), "p95_ms": quantile([ms for ms, _ in spent], 0.95),
+            "slowest": {"request_id": slowest.get("request_id"), "ms": slowest_ms,
+                        "timings": slowest.get("timings", {})}}
 
 
 def format_lines(status: dict[str, Any]) -> list[str]:
@@ -118,7 +145,10 @@ def format_lines(status: dict[str, Any]) -> list[str]:
             if key in r:
                 parts.append(f"{label}={'-' if r[key] is None else format(r[key], '.0%')}")
         if r.get("p50_ms") is not None:
-            parts.append(f"p50<={r['p50_ms']:.0f}ms")
+            bound = "<=" if r["kind"] == "encoder" else "="  # an encoder's are its histogram's bucket bounds
+            parts.append(f"p50{bound}{r['p50_ms']:.0f}ms p95{bound}{r['p95_ms']:.0f}ms")
+        if r.get("slowest"):
+            parts.append(f"slowest={r['slowest']['request_id']} ({r['slowest']['ms']:.0f}ms)")
         if r.get("routed"):
             parts.append("routed=" + ",".join(str(v) for v in r["routed"].values()))
         if r.get("kind") == "planner" and r.get("wanted") is not None:
@@ -133,15 +163,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mm-encoder status", description=__doc__)
     p.add_argument("--run-dir", type=Path, default=None, help="the graph's run dir (default: /tmp/mm-encoder-epd)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="again every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many")
     args = p.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        p.error("--watch: SECONDS must be above 0")
+    if args.count is not None and args.count < 1:
+        p.error("--count: at least 1")
     run_dir = args.run_dir or Path("/tmp/mm-encoder-epd")
     if not (run_dir / "state.json").is_file():
         print(f"error: no running graph in {run_dir} (start one with mm-encoder serve)", file=sys.stderr)
         return 2
-    status = collect(run_dir)
-    if args.json:
-        print(json.dumps(status, indent=2))
-    else:
-        print(f"graph {status['graph']}: {status['base_url']}")
-        print("\n".join(format_lines(status)))
-    return 0
+    shown = 0
+    try:
+        while True:
+            status = collect(run_dir)
+            if args.json:
+                print(json.dumps(status, indent=None if args.watch else 2), flush=True)
+            else:
+                stamp = f" at {time.strftime('%H:%M:%S')}" if args.watch else ""
+                print(f"graph {status['graph']}: {status['base_url']}{stamp}")
+                print("\n".join(format_lines(status)), flush=True)
+            shown += 1
+            if args.watch is None or (args.count is not None and shown >= args.count):
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0

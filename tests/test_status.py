@@ -1,0 +1,53 @@
+"""`mm-encoder status` without a graph: quantiles from a real prometheus-client histogram's
+exposition and from a sample, the frontend's recent requests, and `--watch` bounded by `--count`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from mm_encoder.deploy.status import _recent, histogram_quantile, main, quantile, samples
+
+
+def test_histogram_quantiles_are_the_upper_bounds_of_their_buckets():
+    r = CollectorRegistry()
+    h = Histogram("stage_seconds", "x", ["stage"], buckets=(0.01, 0.1, 1.0), registry=r)
+    for v in [0.005] * 10 + [0.05] * 8 + [0.5] * 2:
+        h.labels("total").observe(v)
+    found = samples(generate_latest(r).decode())
+    assert histogram_quantile(found, "stage_seconds", 0.5, stage="total") == 0.01
+    assert histogram_quantile(found, "stage_seconds", 0.9, stage="total") == 0.1
+    assert histogram_quantile(found, "stage_seconds", 0.95, stage="total") == 1.0
+    assert histogram_quantile(found, "stage_seconds", 0.5, stage="other") is None
+
+
+def test_sample_quantiles_take_the_nearest_rank():
+    assert quantile([], 0.5) is None
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([float(i) for i in range(1, 101)], 0.95) == 95.0
+    assert quantile([7.0], 0.95) == 7.0
+
+
+def test_the_frontends_slowest_recent_request_is_named():
+    procs = [{"recent": [{"request_id": "a", "timings": {"encode_ms": 30.0, "route_ms": 1.0}},
+                         {"request_id": "b", "timings": {"encode_ms": 2.0, "route_ms": 1.0, "other": 99.0}}]},
+             {"recent": [{"request_id": "c", "timings": {"encode_ms": 10.0, "route_ms": 0.5}}]}]
+    got = _recent(procs)
+    assert got["slowest"]["request_id"] == "a" and got["slowest"]["ms"] == 31.0
+    assert got["p50_ms"] == 10.5 and got["p95_ms"] == 31.0
+    assert _recent([{"recent": []}]) == {}
+
+
+def test_watch_repeats_until_its_count(tmp_path, capsys):
+    dead = os.getpid() + 4_000_000  # above any pid: not running
+    (tmp_path / "state.json").write_text(json.dumps({
+        "graph": "g", "base_url": "http://127.0.0.1:1/v1",
+        "components": [{"name": "encoder", "kind": "encoder", "pid": dead, "url": "http://127.0.0.1:1"}]}))
+    assert main(["--run-dir", str(tmp_path), "--watch", "0.01", "--count", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("graph g: http://127.0.0.1:1/v1 at ") == 3 and out.count(" DOWN") == 3
+    assert main(["--run-dir", str(tmp_path), "--json", "--watch", "0.01", "--count", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and [json.loads(x)["components"][0]["up"] for x in lines] == [False, False]
