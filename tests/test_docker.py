@@ -28,7 +28,7 @@ INSTRUCTIONS = frozenset({
     "ENTRYPOINT", "CMD", "SHELL", "VOLUME", "STOPSIGNAL", "ONBUILD",
 })
 SOURCE_TREE = ("mm_encoder", "configs", "pyproject.toml")  # what the images must not copy
-EXTRAS = "[dynamo,frontend,engine,stock]"  # stock: ai-dynamo's requirements (the encode planner's connectors)
+EXTRAS = "[dynamo,frontend,engine,stock,otel]"  # stock: the encode planner's connectors; otel: OTLP traces
 
 
 def _wheel() -> str:

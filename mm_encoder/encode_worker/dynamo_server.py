@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import MMEncoderError
 from ..core.requests import EncodeRequest
+from ..runtime import tracing
 from ..runtime.dynamo import ENCODER_COMPONENT, LOAD_ENDPOINT, endpoint_path, serve_endpoint
 from .pipeline import EncodeResult, EncodeService
 
@@ -75,7 +76,8 @@ class DynamoServer:
 
     async def _unless_stopped(self, req: EncodeRequest, context: Context | None) -> EncodeResult:
         """Run the request, cancelling it if the caller stops the stream (queued work is dropped)."""
-        work = asyncio.ensure_future(self.service.encode(req, "dynamo"))
+        headers = context.trace_headers() if context is not None else None  # the caller's trace, if any
+        work = asyncio.ensure_future(self.service.encode(req, "dynamo", tracing.extract(headers or {})))
         stopped = context.async_killed_or_stopped() if context is not None else None
         if stopped is None:
             return await work

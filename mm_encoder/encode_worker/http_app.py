@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler
 from ..core import wire
 from ..core.errors import BadRequest, MMEncoderError, UnsupportedEncoding, code_for_status
 from ..core.requests import EncodeRequest, unique_keys
+from ..runtime import tracing
 from .pipeline import EncodeService
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ async def post_encode(request: web.Request) -> web.Response:
     except MMEncoderError as e:
         service.metrics.refused("http", e.code)
         raise
-    result = await service.encode(req, "http")
+    result = await service.encode(req, "http", tracing.extract(request.headers))
     body, ctype = result.body, wire.CONTENT_TYPE
     if _wants_json(request):  # legacy json+base64, for comparison only
         body = await asyncio.get_running_loop().run_in_executor(None, wire.to_json, result.body)

@@ -33,6 +33,7 @@ from ..core.spec import PreprocessConfig
 from ..core.timing import ms_since
 from ..fetch import Fetcher
 from ..model.steps import EncodeSteps, Prepared
+from ..runtime import tracing
 from .admission import Admission
 from .batcher import DeviceBatcher
 from .caches import AliasCache, BodyCache, SingleFlight
@@ -141,7 +142,18 @@ class EncodeService:
             raise DtypeMismatch(f"this worker packs {self.batcher.wire_dtype} rows, the request expects {dtype}: "
                                 f"serve both with one dtype (--dtype, or --wire-dtype here)")
 
-    async def encode(self, req: EncodeRequest, transport: str = "http") -> EncodeResult:
+    async def encode(self, req: EncodeRequest, transport: str = "http",
+                     parent: tracing.Context | None = None) -> EncodeResult:
+        """One request, as one span (`mm_encoder.encode`, a child of the caller's `parent` context):
+        which level answered, the mm_hash, and the stages below it as child spans."""
+        with tracing.span("mm_encoder.encode", parent, kind="server",
+                          attributes={"mm_encoder.transport": transport, "mm_encoder.model": req.model}) as span:
+            result = await self._encode(req, transport)
+            span.set_attributes({"mm_encoder.source": result.source, "mm_encoder.mm_hash": result.mm_hash,
+                                 "mm_encoder.body_bytes": len(result.body)})
+            return result
+
+    async def _encode(self, req: EncodeRequest, transport: str) -> EncodeResult:
         t0 = time.perf_counter()
         idle = self._idle
         if idle is None:
@@ -200,7 +212,9 @@ class EncodeService:
         with self.admission.pending.hold():
             t0 = time.perf_counter()
             self.metrics.fetches.inc()
-            fetched = await self.fetcher.fetch(url)
+            with tracing.span("fetch") as span:
+                fetched = await self.fetcher.fetch(url)
+                span.set_attribute("mm_encoder.bytes", len(fetched.data))
             self.metrics.fetch_bytes.inc(len(fetched.data))
             timings = {"fetch": ms_since(t0)}
         result = await self._from_bytes(fetched.data, req.modality, cfg, timings)
@@ -230,7 +244,9 @@ class EncodeService:
                        ) -> tuple[wire.Packed, dict[str, float]]:
         modality, h = identified
         with self.admission.pending.hold():
-            plan = await self._in_pool(self.encoder.plan, data, cfg, identified=identified)
+            with tracing.span("plan", attributes={"mm_encoder.mm_hash": h, "mm_encoder.modality": modality}) as span:
+                plan = await self._in_pool(self.encoder.plan, data, cfg, identified=identified)
+                span.set_attributes({"mm_encoder.patches": plan.patches, "mm_encoder.pixels": plan.pixels})
             await self.admission.prepared.acquire(plan.patches)
             self.metrics.patches_admitted.inc(plan.patches)
             prepare: Future[list[Prepared]] | None = None
@@ -239,12 +255,16 @@ class EncodeService:
                 prepare = self._cpu.submit(self.encoder.decode, data, plan, cfg)
                 # the pixels are given back when the decode ends, even if this request is cancelled first
                 prepare.add_done_callback(lambda _: self.admission.decoding.release_soon(plan.pixels))
-                prepared = await asyncio.wrap_future(prepare)
+                with tracing.span("decode+preprocess"):
+                    prepared = await asyncio.wrap_future(prepare)
                 timings = {
                     "decode": sum(p.timings_ms["decode"] for p in prepared),
                     "preprocess": sum(p.timings_ms["preprocess"] for p in prepared),
                 }
-                packed, device = await self.batcher.submit(h, modality, prepared)
+                with tracing.span("device", attributes={"mm_encoder.patches": plan.patches}) as span:
+                    packed, device = await self.batcher.submit(h, modality, prepared)
+                    # queue wait, forward and pack, as the device thread measured them
+                    span.set_attributes({f"mm_encoder.{k}_ms": round(v, 3) for k, v in device.items()})
             finally:  # the patches: once the forward has them no more (or the cancelled decode is over)
                 if prepare is None or prepare.done():
                     self.admission.prepared.release(plan.patches)

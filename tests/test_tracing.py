@@ -1,0 +1,83 @@
+"""OpenTelemetry traces from the encode worker, exported over OTLP/HTTP (the SDK's exporter, as the
+standard environment configures it) to a real receiver decoding `ExportTraceServiceRequest`: a
+caller's `traceparent` is continued (its span the parent of the worker's), the stages are child
+spans in time order with the mm_hash, patches and device timings, a repeat shows the cache level
+that answered and no device span, and a request without `traceparent` starts a trace of its own.
+Off (no endpoint named), nothing is set up."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import sys
+import urllib.request
+
+from harness.media_factory import image_bytes, natural_image
+from harness.otlp import Receiver
+from harness.processes import Process
+from harness.serve_fixtures import data_url
+from mm_encoder.runtime import tracing
+
+PNG = image_bytes(natural_image(120, 90, seed=11))
+STAGES = ["plan", "decode+preprocess", "device"]
+
+
+def _encode(port: int, traceparent: str | None) -> None:
+    headers = {"Content-Type": "application/json", **({"traceparent": traceparent} if traceparent else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/encode", headers=headers,
+                                 data=json.dumps({"model": "tiny", "url": data_url(PNG)}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+
+
+def test_tracing_is_off_unless_an_endpoint_is_named():
+    assert not tracing.enabled({})
+    assert tracing.enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"})
+    assert tracing.enabled({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://x:4318/v1/traces"})
+    assert tracing.enabled({"OTEL_EXPORT_ENABLED": "true"})  # Dynamo's switch
+    assert not tracing.enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_SDK_DISABLED": "true"})
+    assert tracing.setup("x", {}) is None
+    with tracing.span("nothing") as span:  # the API's non-recording span: no trace id to log
+        assert not span.is_recording() and tracing.trace_id() is None
+
+
+def test_the_worker_continues_the_callers_trace_over_otlp(tmp_path):
+    with Receiver() as receiver:
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50",
+               "MM_ENCODER_HTTP_PORT": "0"}
+        with Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny"], name="worker", env=env,
+                     log=tmp_path / "worker.log") as proc:
+            line = proc.wait_for("mm-encoder worker ready", 120)
+            port = int(line.split("http_port=")[1].split()[0])
+            trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
+            _encode(port, f"00-{trace_id}-{caller}-01")
+            spans = receiver.wait(trace_id, {"mm_encoder.encode", *STAGES})
+            by_name = {s.name: s for s in spans}
+            root = by_name["mm_encoder.encode"]
+            assert root.service == "mm-encoder-worker" and root.parent_span_id == caller
+            assert root.attributes["mm_encoder.source"] == "forward"
+            assert root.attributes["mm_encoder.transport"] == "http"
+            mm_hash = root.attributes["mm_encoder.mm_hash"]
+            stages = [by_name[n] for n in STAGES]
+            assert all(s.parent_span_id == root.span_id for s in stages)
+            assert [s.start_ns for s in stages] == sorted(s.start_ns for s in stages)
+            assert all(a.end_ns <= b.start_ns for a, b in itertools.pairwise(stages))
+            assert root.start_ns <= stages[0].start_ns and stages[-1].end_ns <= root.end_ns
+            assert by_name["plan"].attributes["mm_encoder.mm_hash"] == mm_hash
+            device = by_name["device"].attributes
+            assert device["mm_encoder.patches"] > 0 and device["mm_encoder.forward_ms"] > 0
+
+            # the same image again: the body cache answers, and the trace says so (no stage below it)
+            again = secrets.token_hex(16)
+            _encode(port, f"00-{again}-{secrets.token_hex(8)}-01")
+            (hit,) = receiver.wait(again, {"mm_encoder.encode"})
+            assert hit.attributes["mm_encoder.source"] == "mm_hash" and hit.attributes["mm_encoder.mm_hash"] == mm_hash
+
+            # no traceparent: a trace of its own, with no parent
+            before = {s.trace_id for s in receiver.spans}
+            _encode(port, None)
+            proc.stop()  # SIGTERM: what is still batched is flushed on the way out
+            new = [s for s in receiver.spans if s.trace_id not in before and s.name == "mm_encoder.encode"]
+            assert len(new) == 1 and new[0].parent_span_id == ""
