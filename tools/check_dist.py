@@ -22,7 +22,7 @@ from email.parser import Parser
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = {"dev", "dynamo", "frontend", "engine", "stock", "vllm"}
+EXTRAS = {"dev", "dynamo", "frontend", "engine", "stock", "otel", "vllm"}
 ENTRY_POINTS = {
     ("console_scripts", "mm-encoder", "mm_encoder.cli:main"),
     ("dynamo.frontend.chat_processors", "mm-encoder", "mm_encoder.frontend.provider:chat_processor"),
