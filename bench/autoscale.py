@@ -42,6 +42,7 @@ from bench import stats
 from harness.autoscale import Answer, Load
 from harness.nginx_fixtures import free_port
 from harness.serve_fixtures import Served
+from mm_encoder.core.quantiles import nearest_rank
 
 GRAPH = "graphs/epd-autoscale.yaml"
 SCALED = re.compile(r"scaled \(the encode planner's decision\): \S+: (\d+) running \((.*)\)")
@@ -153,16 +154,10 @@ def _at_min(served: Served, t0: float, sampler: Sampler) -> bool:
         and latest.get("wanted") in (None, low)
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """The q-quantile (nearest rank) of `values`; None for none."""
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))] if v else None
-
-
 def ttft(answers: list[Answer], lo: float, hi: float) -> dict:
     """TTFT of the 200s sent in [lo, hi): p50, p95 (seconds) and how many."""
     v = [a.ttft_s for a in answers if a.status == 200 and a.ttft_s is not None and lo <= a.at < hi]
-    return {"p50_s": pct(v, 0.5), "p95_s": pct(v, 0.95), "n": len(v)}
+    return {"p50_s": nearest_rank(v, 0.5), "p95_s": nearest_rank(v, 0.95), "n": len(v)}
 
 
 def decisions(samples: list[dict], wall0: float) -> list[dict]:

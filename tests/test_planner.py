@@ -10,10 +10,11 @@ import math
 import pytest
 
 from mm_encoder.core.errors import GraphError
+from mm_encoder.core.quantiles import from_buckets as quantile
 from mm_encoder.deploy.graph import Graph
 from mm_encoder.planner.policy import Policy
 from mm_encoder.planner.settings import PlannerSettings, check_args
-from mm_encoder.planner.signals import Fleet, FleetSignals, Snapshot, quantile
+from mm_encoder.planner.signals import Fleet, FleetSignals, Snapshot
 
 BOUNDS = [(0.0005, 0), (0.1, 0), (1.0, 0), (math.inf, 0)]
 

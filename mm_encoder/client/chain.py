@@ -18,7 +18,7 @@ from ..core import wire
 from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge, WireError
 from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
 from ..core.requests import EncodeReply, EncodeRequest
-from ..runtime.dynamo import TOO_LARGE_HINT, is_too_large
+from ..runtime.dynamo import TOO_LARGE_HINT, is_too_large, payload
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ async def call_encode(client: Any, request: dict[str, Any], *, header_only: bool
     own code and status. Transport failures are Dynamo's exceptions, raised as they come."""
     reply = None
     async for msg in await client.round_robin({**request, "header_only": True} if header_only else request):
-        reply = msg.data() if hasattr(msg, "data") else msg
+        reply = payload(msg)
     if reply is None:
         raise RemoteError("the encode worker closed the stream without a response", "no_response", 502)
     return EncodeReply.from_dict(reply, header_only=header_only)

@@ -373,13 +373,14 @@ def main(argv: list[str] | None = None) -> int:
               f"(model {graph.llm.served_name}); status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops",
               flush=True)
         scaler = runner.executor()
+        scaled = graph.of_kind("encoder")[0][0] if scaler is not None else ""  # the planner's encoders
         last = time.monotonic()
         while True:
             for event in runner.check():
                 print(event, flush=True)
             if scaler is not None and (decision := scaler.pending()) is not None:
                 count, done = decision
-                outcome = scale_to(runner, runner.graph.of_kind("encoder")[0][0], count)
+                outcome = scale_to(runner, scaled, count)
                 done.set_result(outcome)
                 if outcome[0]:
                     print(f"scaled (the encode planner's decision): {outcome[0]}", flush=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from ..core.quantiles import from_buckets, nearest_rank
 
 
 def _get(url: str, timeout: float = 2.0) -> bytes | None:
@@ -55,17 +56,7 @@ def histogram_quantile(found: list[Sample], metric: str, q: float, **labels: str
     (what a histogram can say without interpolating), seconds; None without observations."""
     buckets = sorted((float(s.labels["le"]), s.value) for s in found
                      if s.name == f"{metric}_bucket" and labels.items() <= s.labels.items())
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    return next(le for le, count in buckets if count >= buckets[-1][1] * q)
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    """The q-quantile of a sample, nearest rank (no interpolation); None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    return from_buckets(buckets, q, interpolate=False)
 
 
 def collect(run_dir: Path) -> dict[str, Any]:
@@ -128,7 +119,7 @@ def _recent(procs: list[dict[str, Any]]) -> dict[str, Any]:
     if not spent:
         return {}
     slowest_ms, slowest = max(spent, key=lambda x: x[0])
-    return {"p50_ms": quantile([ms for ms, _ in spent], 0.5), "p95_ms": quantile([ms for ms, _ in spent], 0.95),
+    return {"p50_ms": nearest_rank([ms for ms, _ in spent], 0.5), "p95_ms": nearest_rank([ms for ms, _ in spent], 0.95),
             "slowest": {"request_id": slowest.get("request_id"), "ms": slowest_ms,
                         "timings": slowest.get("timings", {})}}
 

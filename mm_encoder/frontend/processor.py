@@ -38,7 +38,7 @@ from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
 from ..routing import BlockMMInfo, MediaSpan, block_mm_infos
-from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large
+from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large, payload
 from .chat import IncrementalDetokenizer, StopStrings, item_text, parse_messages, text_bytes
 from .hold import Capacity, Hold
 
@@ -410,7 +410,7 @@ async def _engine_items(stream: AsyncIterator[Any]) -> AsyncIterator[object]:
     generation completed") is EngineUnavailable, a 503."""
     try:
         async for item in stream:
-            yield item.data() if hasattr(item, "data") else item
+            yield payload(item)
     except asyncio.CancelledError:
         raise
     except Exception as e:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from ..runtime.dynamo import ENCODER_COMPONENT, LOAD_ENDPOINT, encoder_target, endpoint_path
+from ..runtime.dynamo import ENCODER_COMPONENT, LOAD_ENDPOINT, encoder_target, endpoint_path, payload
 from .policy import Decision, Policy
 from .settings import PlannerSettings
 from .signals import Fleet, FleetSignals, Snapshot
@@ -78,7 +78,7 @@ class EncodePlanner:
     async def _read(self, instance: int) -> Any:
         stream = await self.load.direct({}, instance)
         async for item in stream:
-            return item.data() if hasattr(item, "data") else item
+            return payload(item)
         raise ValueError("no answer")
 
     async def observe(self) -> set[str]:

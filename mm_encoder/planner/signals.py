@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.quantiles import from_buckets
+
 COUNTERS = ("forward_seconds", "patches_admitted", "patches_encoded", "rejected")
 
 
@@ -117,21 +119,4 @@ class Fleet:
         if fresh and not spans:
             stale.append("one load snapshot so far: no rate yet")
         return FleetSignals(len(fresh), stale, demand, encoded, busy, sum(caps) / len(caps) if caps else math.nan,
-                            depth, quantile(sorted(waits.items()), 0.95), rejected, min(spans, default=0.0))
-
-
-def quantile(cumulative: list[tuple[float, float]], q: float) -> float | None:
-    """The q-quantile of a histogram given as sorted (upper bound, cumulative count), interpolated
-    linearly inside the bucket (as Prometheus' histogram_quantile); None without observations."""
-    if not cumulative or cumulative[-1][1] <= 0:
-        return None
-    rank = q * cumulative[-1][1]
-    lower_le, lower_n = 0.0, 0.0
-    for le, n in cumulative:
-        if n >= rank:
-            if math.isinf(le):
-                return lower_le  # above the last finite bound: that bound is all a histogram can say
-            width = n - lower_n
-            return lower_le + (le - lower_le) * ((rank - lower_n) / width if width > 0 else 1.0)
-        lower_le, lower_n = le, n
-    return lower_le
+                            depth, from_buckets(sorted(waits.items()), 0.95), rejected, min(spans, default=0.0))

@@ -85,6 +85,11 @@ def make_runtime(loop: asyncio.AbstractEventLoop) -> DistributedRuntime:
                               event_plane=plane["DYN_EVENT_PLANE"])
 
 
+def payload(item: Any) -> Any:
+    """What a stream item from a Dynamo client carries (its `data()`; a plain value as it is)."""
+    return item.data() if hasattr(item, "data") else item
+
+
 def serve_endpoint(endpoint: Endpoint, handler: Callable[..., Any], *,
                    health_check: bool = False) -> asyncio.Future[Any]:
     """Serve `handler` on `endpoint` until the runtime shuts down; requests in flight then finish.
