@@ -278,6 +278,15 @@ class GraphRunner:
         return leftover_pids(groups)
 
 
+def say(text: str) -> None:
+    """A multi-line message (a death with its log's tail) as one write to stdout, so that a reader of
+    the pipe never sees half of it; print() may split it at its buffer's edge."""
+    sys.stdout.flush()
+    data = (text + "\n").encode()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data):]
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -377,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         last = time.monotonic()
         while True:
             for event in runner.check():
-                print(event, flush=True)
+                say(event)
             if scaler is not None and (decision := scaler.pending()) is not None:
                 count, done = decision
                 outcome = scale_to(runner, scaled, count)
