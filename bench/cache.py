@@ -17,7 +17,7 @@ level, every request is a hit; wrk (Debian's `wrk`) sends the same POST (the fro
   latency, 8 for req/s);
 - coalescing: 16 identical concurrent requests for a new image, straight to the worker (its
   single-flight) and through the cluster tier (nginx's cache lock, then the levels behind it);
-  the worker's `mm_encoder_forward_items_total` counts the forwards (must be 1).
+  the worker's `dynamo_component_encode_forward_items_total` counts the forwards (must be 1).
 Targets alternate in rounds in one process; figures are median (min-max) over rounds. wrk, nginx
 and the worker share the machine's cores.
 """
@@ -146,7 +146,7 @@ def forward_items(worker_url: str) -> float:
     with urllib.request.urlopen(f"{worker_url}/metrics", timeout=10) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("mm_encoder_forward_items_total"))
+               if line.startswith("dynamo_component_encode_forward_items_total"))
 
 
 def coalesce(worker_url: str, url: str, body: bytes, key: str | None) -> dict:

@@ -18,7 +18,7 @@ pixels. Each graph runs alone, then:
   cold. Arrivals do not wait for answers (open loop); at most 128 requests in flight from the
   client. Every request streams 8 tokens; TTFT = time to the first chunk.
 - encodes per unique image: EPD counts the encode worker's forwards
-  (`mm_encoder_forward_items_total`); agg counts the media items its engine encoded: it has no
+  (`dynamo_component_encode_forward_items_total`); agg counts the media items its engine encoded: it has no
   cache and encodes every media item it is sent (`engines.inline`), which is the frontend's
   `media_items` (/mm/stats).
 The schedule (arrival times, classes, images) is the same for both graphs. All processes share the

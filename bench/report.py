@@ -62,6 +62,7 @@ MODULES: dict[str, str] = {
     "hostile_memory": "bench/hostile_memory.py",
     "soak": "bench/soak.py",
     "autoscale": "bench/autoscale.py",
+    "tracing": "bench/tracing.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25

@@ -23,7 +23,6 @@ from .encode_worker.stock_encode import StockEncoder
 from .model.encoder import Encoder
 from .model.loading import load
 from .model.steps import EncodeSteps
-from .runtime import tracing
 from .runtime.dynamo import make_runtime
 from .runtime.process import Lifecycle, parse_settings, run
 
@@ -101,9 +100,6 @@ def load_encoder(s: WorkerSettings) -> EncodeSteps:
 async def serve(settings: WorkerSettings) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (`Worker.stop`: drain, then the transports)."""
     async with Lifecycle("mm-encoder worker") as life:
-        provider = tracing.setup("mm-encoder-worker")
-        if provider is not None:  # last: what is still batched goes out once the worker is done
-            life.on_exit(provider.shutdown)
         worker = Worker(settings)
         life.on_stop(worker.stop)
         await worker.start()

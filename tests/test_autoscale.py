@@ -48,7 +48,7 @@ def _encoded(url: str) -> float:
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-        return total(samples(r.read().decode()), "mm_encoder_requests_total")
+        return total(samples(r.read().decode()), "dynamo_component_encode_requests_total")
 
 
 @pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

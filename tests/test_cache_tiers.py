@@ -45,11 +45,12 @@ async def post(session, url: str, body: bytes, **headers) -> tuple[int, dict, by
 
 
 def forwards(worker) -> float:
-    return worker.service.metrics.value("mm_encoder_forward_items_total")
+    return worker.service.metrics.value("dynamo_component_encode_forward_items_total")
 
 
 def worker_requests(worker, outcome: str = "ok") -> float:
-    return worker.service.metrics.value("mm_encoder_requests_total", {"transport": "http", "outcome": outcome})
+    return worker.service.metrics.value("dynamo_component_encode_requests_total",
+                                        {"transport": "http", "outcome": outcome})
 
 
 async def test_two_tiers_and_router_report_miss_and_hit_per_tier(tiny, tmp_path):

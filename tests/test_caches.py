@@ -59,6 +59,30 @@ def test_body_cache_caps_bytes_and_evicts_lru():
     assert c.bytes == 50 and c.get("a").header.grid_thws == ((1, 4, 4),)
 
 
+
+def test_body_cache_counts_refills_of_what_it_dropped():
+    """A body put back for an mm_hash the cache had dropped (evicted, too big to keep, cleared) is a
+    refill, a re-encode: forwards minus refills are the unique images (the fleet dashboard's)."""
+    c = BodyCache(max_bytes=100)
+    c.put("a", _entry(60))
+    c.put("b", _entry(60))  # evicts a
+    assert c.stats.refills == 0
+    c.put("a", _entry(60))  # a again, evicting b
+    c.put("huge", _entry(101))  # never kept
+    c.put("huge", _entry(101))
+    assert c.stats.refills == 2
+    c.put("c", _entry(10))  # new: no refill
+    c.clear()
+    c.put("c", _entry(10))
+    assert c.stats.refills == 3
+    small = BodyCache(max_bytes=100)
+    small._forgotten.size = 2  # remembers the last two drops only
+    for key in "wxyz":
+        small.put(key, _entry(101))
+    small.put("w", _entry(101))
+    small.put("z", _entry(101))
+    assert small.stats.refills == 1
+
 async def test_single_flight_shares_results_and_never_replays_errors():
     sf = SingleFlight()
     release = asyncio.Event()

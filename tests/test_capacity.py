@@ -297,8 +297,8 @@ def test_json_and_plot(tmp_path, capsys):
 def test_capacity_from_a_workers_metrics(capsys):
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = (b"# TYPE mm_encoder_capacity_patches_per_second gauge\n"
-                    b"mm_encoder_capacity_patches_per_second 12345.5\n")
+            body = (b"# TYPE dynamo_component_encode_capacity_patches_per_second gauge\n"
+                    b"dynamo_component_encode_capacity_patches_per_second 12345.5\n")
             self.send_response(200 if self.path == "/metrics" else 404)
             self.end_headers()
             self.wfile.write(body)

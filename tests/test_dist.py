@@ -78,6 +78,7 @@ def test_the_artifacts_pass_the_metadata_checker_and_the_manifest(dist):
     with zipfile.ZipFile(dist / names[0]) as z:
         files = z.namelist()
     assert {f"mm_encoder/_graphs/{p.name}" for p in (ROOT / "graphs").glob("*.yaml")} <= set(files)
+    assert "mm_encoder/deploy/dashboards/encoder-fleet.json" in files  # render-k8s's Grafana dashboard
     assert not [f for f in files if f.startswith(("tests/", "bench/", "docs/")) or "__pycache__" in f]
     # the docker images COPY exactly this file (tests/test_docker.py checks the Dockerfiles' side)
     assert names[0] == f"mm_encoder-{VERSION}-py3-none-any.whl"
@@ -110,6 +111,9 @@ def test_the_installed_wheel_runs_without_the_repository(venv, capsys):
     assert [line.split()[0] for line in graphs.splitlines()[:6]] == ["agg", "epd", "epd-autoscale", "epd-etcd",
                                                                   "epd-stock", "epd-vllm"]
     assert str(home / "venv") in graphs.splitlines()[-1]  # read from the install, not the checkout
+    rendered = run(str(bin_ / "mm-encoder"), "render-k8s", "epd")  # with the dashboard the wheel ships
+    assert "kind: ConfigMap" in rendered and "grafana_dashboard: '1'" in rendered
+    assert "mm-encoder-fleet.json" in rendered
     # `mm-encoder encode` on the bundled sample gives what the checkout's package gives
     sample = Path(where).parent / "samples" / "sample.jpg"
     installed = json.loads(run(str(bin_ / "mm-encoder"), "encode", str(sample), "--json", "--dtype", "fp32"))

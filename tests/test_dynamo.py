@@ -53,7 +53,8 @@ async def test_dynamo_and_http_return_identical_bytes(tiny):
         assert reply.body == by_bytes.body == body  # three separate encodes, one byte string
         assert reply.mm_hash == headers["X-MM-Hash"] == wire.decode(body).mm_hash
         assert set(reply.timings_ms) >= {"decode", "preprocess", "forward", "pack", "total"}
-        assert w.service.metrics.value("mm_encoder_requests_total", {"transport": "dynamo", "outcome": "ok"}) == 2
+        ok = {"transport": "dynamo", "outcome": "ok"}
+        assert w.service.metrics.value("dynamo_component_encode_requests_total", ok) == 2
 
 
 @pytest.mark.parametrize(
@@ -107,7 +108,9 @@ async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(
                 assert r.status == 200 and await r.read() == reply.body
             async with s.get(f"http://127.0.0.1:{system_port}/metrics") as r:
                 text = await r.text()
-            assert r.status == 200 and 'mm_encoder_requests_total{outcome="ok",transport="dynamo"} 1.0' in text
+            labels = ('dynamo_component="mm_encoder",dynamo_endpoint="encode",dynamo_namespace="t1",outcome="ok",'
+                      'transport="dynamo",worker_type="encode"')
+            assert r.status == 200 and f"dynamo_component_encode_requests_total{{{labels}}} 1.0" in text
             async with s.get(f"http://127.0.0.1:{system_port}/health") as r:
                 assert r.status == 200
         proc.send_signal(signal.SIGTERM)
@@ -137,13 +140,14 @@ async def test_dynamo_caller_stopping_drops_queued_work(tiny):
 
         task = asyncio.create_task(second())
         depth = w.service.metrics.value
-        await wait_for(lambda: depth("mm_encoder_queue_depth") == 1, what="the second item to be queued")
+        await wait_for(lambda: depth("dynamo_component_encode_queue_depth") == 1, what="the second item to be queued")
         ctx.stop_generating()
         cancelled = {"transport": "dynamo", "outcome": "cancelled"}
-        await wait_for(lambda: w.service.metrics.value("mm_encoder_requests_total", cancelled) == 1,
+        await wait_for(lambda: w.service.metrics.value("dynamo_component_encode_requests_total", cancelled) == 1,
                        what="the queued request to be cancelled")
         gate.release()
         assert (await first).body
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
-        await wait_for(lambda: w.service.metrics.value("mm_encoder_queue_depth") == 0, what="the queue to empty")
-        assert w.service.metrics.value("mm_encoder_forward_items_total") == 1
+        await wait_for(lambda: w.service.metrics.value("dynamo_component_encode_queue_depth") == 0,
+                       what="the queue to empty")
+        assert w.service.metrics.value("dynamo_component_encode_forward_items_total") == 1

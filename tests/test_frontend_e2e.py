@@ -94,14 +94,14 @@ def test_two_images_one_repeated_then_the_same_request_costs_no_encode(graph):
     usage = json.loads(raw)["usage"]
     assert usage["completion_tokens"] == 4
     assert usage["prompt_tokens"] == graph.count(content, [image_rows(IMG_A), image_rows(IMG_B), image_rows(IMG_A)])
-    forwards = graph.worker_metric("mm_encoder_forward_items_total")
+    forwards = graph.worker_metric("dynamo_component_encode_forward_items_total")
     assert forwards == 2  # A and B; the repeated A is a cache hit
     first = graph.stats()["recent"][-1]
 
     status, raw = chat(graph, content, stream=True)
     events = sse_events(raw)
     assert status == 200 and events[-1]["usage"]["prompt_tokens"] == usage["prompt_tokens"]
-    assert graph.worker_metric("mm_encoder_forward_items_total") == forwards  # zero encodes
+    assert graph.worker_metric("dynamo_component_encode_forward_items_total") == forwards  # zero encodes
     assert graph.stats()["encoder_body_bytes"] == 0  # headers only: the engines fetched the bodies
     again = graph.stats()["recent"][-1]
     assert again["worker_id"] == first["worker_id"] and again["overlap_blocks"] > 0
@@ -393,7 +393,8 @@ def test_stopping_the_encoder_fails_media_fast_and_text_still_works(graph):
     assert graph.stats()["encoder_fallbacks"] >= 1  # the chain failed; direct RPC had no worker
     with urllib.request.urlopen(f"http://127.0.0.1:{graph.system_port}/metrics", timeout=30) as r:
         metrics = r.read().decode()  # the processor's counters on Dynamo's own /metrics
-    assert 'mm_frontend_encoder_fallbacks_total{model="kimi-k2.5-tiny"}' in metrics
-    assert "mm_frontend_errors_total" in metrics and "dynamo_" in metrics
+    assert 'dynamo_frontend_multimodal_encoder_fallbacks_total{model="kimi-k2.5-tiny"}' in metrics
+    assert "dynamo_frontend_multimodal_errors_total" in metrics
+    assert "dynamo_" in metrics.replace("dynamo_frontend_multimodal_", "")  # beside Dynamo's own
     status, _ = chat(graph, "text still works")
     assert status == 200

@@ -29,6 +29,7 @@ from mm_encoder.core.registry import get_spec
 from mm_encoder.core.requests import EncodeRequest, MediaRef, cache_key
 from mm_encoder.core.sampling import SamplingParams
 from mm_encoder.engines.engine import Placed, Prompt
+from mm_encoder.frontend import chunks
 from mm_encoder.frontend.chat import parse_messages
 from mm_encoder.frontend.hold import Hold
 from mm_encoder.frontend.processor import Limits, MultimodalProcessor
@@ -388,17 +389,17 @@ async def test_logprob_chunks_carry_the_engines_logprobs_in_openais_form(checkpo
     # Dynamo's per-position records (what its own frontends read): rank, id, text, logprob, bytes
     assert item["top_logprobs"] == [[{"rank": r, "token_id": int(t), **entry(int(t))}
                                      for r, t in enumerate(best.indices, 1)]]
-    assert processor(tok)._logprobs(parse_item(item), 2) == {
+    assert chunks.logprobs(tok, parse_item(item), 2) == {
         "content": [{**entry(token), "top_logprobs": [entry(int(t)) for t in best.indices]}]}
-    assert processor(tok)._logprobs(parse_item(item), 1)["content"][0]["top_logprobs"] == [entry(int(best.indices[0]))]
-    assert processor(tok)._logprobs(TokenBatch([token]), 2) == {"content": []}  # no logprobs asked: none
+    assert chunks.logprobs(tok, parse_item(item), 1)["content"][0]["top_logprobs"] == [entry(int(best.indices[0]))]
+    assert chunks.logprobs(tok, TokenBatch([token]), 2) == {"content": []}  # no logprobs asked: none
 
 
 def test_a_logprob_entrys_bytes_are_the_tokens_own(tok):
     """OpenAI's `bytes` lets a client rebuild characters split across tokens: "é" is 2 tokens here,
     each shown as U+FFFD, with its own byte; a special token's bytes are its text."""
     ids = [*tok.encode("é"), tok.token_id("<|im_end|>")]
-    content = processor(tok)._logprobs(TokenBatch(ids, None, [0.0] * 3, [[]] * 3), 0)
+    content = chunks.logprobs(tok, TokenBatch(ids, None, [0.0] * 3, [[]] * 3), 0)
     assert [(e["token"], e["bytes"]) for e in content["content"]] == [
         ("\ufffd", [0xC3]), ("\ufffd", [0xA9]), ("<|im_end|>", list(b"<|im_end|>"))]
 

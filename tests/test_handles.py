@@ -25,7 +25,7 @@ OTHER = image_bytes(natural_image(112, 84, seed=32))
 
 
 def forwards(worker) -> float:
-    return worker.service.metrics.value("mm_encoder_forward_items_total", {})
+    return worker.service.metrics.value("dynamo_component_encode_forward_items_total", {})
 
 
 async def tier_stats(tier) -> dict:

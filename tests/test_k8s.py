@@ -13,6 +13,7 @@ the real parsers of the worker, the frontend, the encode planner and `mm-encoder
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -23,6 +24,7 @@ import yaml
 from harness.k8s_schema import DYNAMO_GRAPH_DEPLOYMENT, errors
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import k8s
+from mm_encoder.deploy.grafana import FLEET, fleet_dashboard
 from mm_encoder.deploy.graph import Graph, load_graph
 from mm_encoder.planner.settings import check_args
 
@@ -512,3 +514,37 @@ def test_a_planner_graph_whose_decode_slot_would_be_ambiguous_is_refused(monkeyp
     monkeypatch.setitem(k8s.PLANNED_TYPES, "engine", "prefill")
     with pytest.raises(GraphError, match=r"encoder count would reach \['engine'\], not the worker component encoder"):
         k8s.render(autoscale)
+
+
+def test_the_encoder_fleet_dashboard_is_a_configmap_for_grafanas_sidecar(epd_docs, agg):
+    """A graph with encoders renders the shipped dashboard as a ConfigMap labelled for
+    kube-prometheus-stack's Grafana sidecar (`grafana_dashboard: "1"`), the JSON under one key whatever
+    the graph (two graphs' ConfigMaps are one dashboard); a graph without encoders renders none."""
+    cm = one(epd_docs, "ConfigMap", "epd-grafana-dashboard")
+    assert cm["apiVersion"] == "v1" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["labels"]["mm-encoder/graph"] == "epd"
+    assert list(cm["data"]) == ["mm-encoder-fleet.json"]
+    assert json.loads(cm["data"]["mm-encoder-fleet.json"]) == fleet_dashboard()
+    assert cm["data"]["mm-encoder-fleet.json"] == FLEET.read_text()  # byte for byte what the wheel ships
+    assert not [d for d in docs_of(agg) if d["kind"] == "ConfigMap"]
+    doc = yaml.safe_load((GRAPHS / "epd.yaml").read_text())
+    doc["components"]["grafana-dashboard"] = doc["components"].pop("cluster")  # its objects' name is taken
+    with pytest.raises(GraphError, match="Grafana dashboard"):
+        k8s.render(Graph.model_validate(doc))
+
+
+def test_a_component_with_an_otlp_endpoint_is_traced_as_serve_traces_it():
+    """A component whose env names a collector gets, as under `mm-encoder serve`, its service name
+    (`<graph>/<component>`), Dynamo's own tracing switch and one OTLP protocol; what it sets wins.
+    Without an endpoint nothing is added."""
+    graph = graph_of(components__engine={"kind": "engine", "env": {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318"}},
+                     components__frontend={"kind": "frontend", "env": {
+                         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                         "OTEL_SERVICE_NAME": "edge"}})
+    parts = components(one(docs_of(graph), "DynamoGraphDeployment"))
+    engine, frontend, encoder = env_of(parts["engine"]), env_of(parts["frontend"]), env_of(parts["encoder"])
+    assert {k: v for k, v in engine.items() if k.startswith("OTEL_")} == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318", "OTEL_SERVICE_NAME": "epd/engine",
+        "OTEL_EXPORT_ENABLED": "true", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    assert (frontend["OTEL_SERVICE_NAME"], frontend["OTEL_EXPORTER_OTLP_PROTOCOL"]) == ("edge", "grpc")
+    assert not any(k.startswith("OTEL_") for k in encoder)

@@ -70,12 +70,12 @@ def test_an_image_request_counts_the_expanded_prompt_and_the_repeat_costs_no_enc
     out = ask(stock, content)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
     assert out.usage.prompt_tokens == stock.count(content, [image_rows(SAMPLE.read_bytes())]) == 1223
-    forwards = encoder_metric(stock, "mm_encoder_forward_items_total")
+    forwards = encoder_metric(stock, "dynamo_component_encode_forward_items_total")
     assert forwards == 1
     again = ask(stock, content)
     assert again.usage.prompt_tokens == out.usage.prompt_tokens
     assert again.choices[0].message.content == out.choices[0].message.content
-    assert encoder_metric(stock, "mm_encoder_forward_items_total") == forwards  # 0 new forwards
+    assert encoder_metric(stock, "dynamo_component_encode_forward_items_total") == forwards  # 0 new forwards
 
 
 def test_a_video_request_is_spliced_per_chunk(stock):
@@ -92,10 +92,10 @@ def test_a_video_request_is_spliced_per_chunk(stock):
 
 def test_text_only_requests_never_call_the_encoder(stock):
     """Text without media: Dynamo's frontend sends it straight to an engine; the encoder sees nothing."""
-    before = encoder_metric(stock, "mm_encoder_requests_total")
+    before = encoder_metric(stock, "dynamo_component_encode_requests_total")
     for _ in range(2):
         assert ask(stock, "hello there, a text only question").usage.completion_tokens == 5
-    assert encoder_metric(stock, "mm_encoder_requests_total") == before
+    assert encoder_metric(stock, "dynamo_component_encode_requests_total") == before
 
 
 def test_an_overflowing_image_is_refused_with_a_4xx_naming_the_context(stock):

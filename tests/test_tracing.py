@@ -14,6 +14,8 @@ import secrets
 import sys
 import urllib.request
 
+import pytest
+
 from harness.media_factory import image_bytes, natural_image
 from harness.otlp import Receiver
 from harness.processes import Process
@@ -81,3 +83,69 @@ def test_the_worker_continues_the_callers_trace_over_otlp(tmp_path):
             proc.stop()  # SIGTERM: what is still batched is flushed on the way out
             new = [s for s in receiver.spans if s.trace_id not in before and s.name == "mm_encoder.encode"]
             assert len(new) == 1 and new[0].parent_span_id == ""
+
+
+def test_serve_turns_on_dynamos_tracing_beside_ours():
+    """Tracing on: each component gets its service and replica names, Dynamo's own switch (its
+    runtime continues the client's traceparent into the request context) and one protocol for
+    both exporters; what the environment already says is kept. Off: nothing."""
+    assert tracing.component_env({}, "epd/engine", "engine-1") == {}
+    on = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    assert tracing.component_env(on, "epd/engine", "engine-1") == {
+        "OTEL_EXPORT_ENABLED": "true", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_SERVICE_NAME": "epd/engine", "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=engine-1"}
+    given = {**on, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORT_ENABLED": "false",
+             "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"}
+    kept = tracing.component_env(given, "epd/frontend", "frontend")
+    assert kept == {"OTEL_SERVICE_NAME": "epd/frontend",
+                    "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,service.instance.id=frontend"}
+
+
+def test_an_engine_request_carries_the_frontends_trace():
+    """`EngineRequest.trace`: the W3C headers, sent only when traced, kept; anything else refused by name."""
+    from mm_encoder.core.engine_request import EngineRequest
+    from mm_encoder.core.errors import BadRequest
+
+    tp = f"00-{'a' * 32}-{'b' * 16}-01"
+    req = EngineRequest("r", [1, 2], 3, trace={"traceparent": tp})
+    assert EngineRequest.from_dict(req.to_dict()).trace == {"traceparent": tp}
+    assert "trace" not in EngineRequest("r", [1], 1).to_dict()
+    for bad in ({"cookie": "x"}, {"traceparent": 5}, {"traceparent": "x" * 600}, ["traceparent"]):
+        with pytest.raises(BadRequest, match="trace is a map of"):
+            EngineRequest.from_dict({**req.to_dict(), "trace": bad})
+
+
+def test_log_lines_carry_the_trace_id():
+    """Inside a recorded span each line names its trace and span: appended to the text format, as
+    fields of the JSONL one (DYN_LOGGING_JSONL, Dynamo's switch); outside, neither."""
+    import io
+    import logging
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from mm_encoder.runtime import logs
+
+    assert logs.jsonl({"DYN_LOGGING_JSONL": "true"}) and not logs.jsonl({})
+    tracer = TracerProvider().get_tracer("test")  # a recording tracer of its own: no global provider set
+    out, ids = {}, {}
+    for name, formatter in (("text", logs.TextFormatter()), ("jsonl", logs.JsonlFormatter())):
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.addFilter(logs._TraceIds())
+        handler.setFormatter(formatter)
+        logger = logging.getLogger(f"test.logs.{name}")
+        logger.addHandler(handler)
+        logger.propagate = False
+        with tracer.start_as_current_span("request") as span:
+            logger.warning("inside %s", 1)
+            ctx = span.get_span_context()
+            ids[name] = format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+        logger.warning("outside")
+        out[name] = stream.getvalue().splitlines()
+    inside, outside = out["text"]
+    assert inside.endswith(f"test.logs.text: inside 1 trace_id={ids['text'][0]} span_id={ids['text'][1]}")
+    assert outside.endswith("test.logs.text: outside")
+    inside, outside = (json.loads(line) for line in out["jsonl"])
+    assert {"level": "WARNING", "target": "test.logs.jsonl", "message": "inside 1", "trace_id": ids["jsonl"][0],
+            "span_id": ids["jsonl"][1]}.items() <= inside.items()
+    assert "trace_id" not in outside and outside["message"] == "outside"

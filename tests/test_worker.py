@@ -27,6 +27,9 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
+REQUESTS = "dynamo_component_encode_requests_total"
+
+
 def metric(worker, name: str, **labels) -> float:
     return worker.service.metrics.value(name, labels)
 
@@ -69,8 +72,8 @@ async def test_same_request_gives_byte_identical_bodies_without_caches(tiny, ses
     async with run_worker(tiny, cache_bytes=0, alias_cache_entries=0) as w:
         urls = [data_url(PNG), data_url(PNG).replace("data:", "DATA:", 1)]  # schemes are case-insensitive
         bodies = [(await post_json(session, w, {"model": "tiny", "url": url}))[2] for url in urls]
-        assert metric(w, "mm_encoder_forward_items_total") == 2  # computed twice, not cached
-        assert metric(w, "mm_encoder_fetches_total") == 0  # inline data is not a download
+        assert metric(w, "dynamo_component_encode_forward_items_total") == 2  # computed twice, not cached
+        assert metric(w, "dynamo_component_encode_fetches_total") == 0  # inline data is not a download
     assert bodies[0] == bodies[1]
 
 
@@ -94,7 +97,7 @@ async def test_single_flight_url(tiny, session):
         async with run_worker(tiny, fetch_allow_hosts=[origin.allow]) as w:
             payload = {"model": "tiny", "url": origin.url("a.png")}
             tasks = [asyncio.create_task(post_json(session, w, payload)) for _ in range(16)]
-            await wait_for(lambda: metric(w, "mm_encoder_inflight") == 16 and origin.waiting == 1,
+            await wait_for(lambda: metric(w, "dynamo_component_encode_inflight_requests") == 16 and origin.waiting == 1,
                            what="16 requests in flight")
             assert origin.hits["a.png"] == 1
             origin.gate.set()
@@ -102,9 +105,9 @@ async def test_single_flight_url(tiny, session):
             assert {r[0] for r in results} == {200}
             assert len({r[2] for r in results}) == 1
             assert origin.hits["a.png"] == 1
-            assert metric(w, "mm_encoder_fetches_total") == 1
-            assert metric(w, "mm_encoder_forward_items_total") == 1
-            assert metric(w, "mm_encoder_coalesced_total", stage="fetch") == 15
+            assert metric(w, "dynamo_component_encode_fetches_total") == 1
+            assert metric(w, "dynamo_component_encode_forward_items_total") == 1
+            assert metric(w, "dynamo_component_encode_coalesced_total", stage="fetch") == 15
             assert sorted(r[1]["X-MM-Cache"] for r in results).count("coalesced") == 15
 
 
@@ -123,8 +126,8 @@ async def test_single_flight_same_content_under_sixteen_urls(tiny, session):
             origin.gate.set()
             results = await asyncio.gather(*tasks)
             assert {r[0] for r in results} == {200} and len({r[2] for r in results}) == 1
-            assert metric(w, "mm_encoder_fetches_total") == 16
-            assert metric(w, "mm_encoder_forward_items_total") == 1
+            assert metric(w, "dynamo_component_encode_fetches_total") == 16
+            assert metric(w, "dynamo_component_encode_forward_items_total") == 1
 
 
 async def test_alias_and_mm_hash_hits_skip_their_work(tiny, session):
@@ -147,13 +150,17 @@ async def test_alias_and_mm_hash_hits_skip_their_work(tiny, session):
             assert smaller[1]["X-MM-Cache"] == "forward"  # processor settings are part of the identity
             assert wire.decode(smaller[2]).length < wire.decode(first[2]).length
 
-            assert metric(w, "mm_encoder_forward_items_total") == 2
-            assert metric(w, "mm_encoder_cache_hits_total", level="alias") == 1
-            assert metric(w, "mm_encoder_cache_hits_total", level="mm_hash") == 3
+            assert metric(w, "dynamo_component_encode_forward_items_total") == 2
+            assert metric(w, "dynamo_component_embedding_cache_hits_total", level="alias") == 1
+            assert metric(w, "dynamo_component_embedding_cache_hits_total", level="mm_hash") == 3
             async with session.get(url_for(w, "/metrics")) as r:
                 text = await r.text()
-            assert 'mm_encoder_cache_hits_total{level="alias"} 1.0' in text
-            assert 'mm_encoder_stage_seconds_count{stage="forward"} 2.0' in text
+            dynamo = 'dynamo_component="mm_encoder",dynamo_endpoint="encode",dynamo_namespace="mm"'
+            assert (f'dynamo_component_embedding_cache_hits_total{{{dynamo},level="alias",'
+                    'worker_type="encode"} 1.0') in text
+            assert (f'dynamo_component_encode_stage_duration_seconds_count{{{dynamo},stage="forward",'
+                    'worker_type="encode"} 2.0') in text
+            assert 'mm_encoder_cache_hits_total{level="alias"} 1.0' in text  # 0.2's name, until 0.4
 
 
 async def test_full_queue_gives_503_and_hits_still_served(tiny, session):
@@ -172,7 +179,7 @@ async def test_full_queue_gives_503_and_hits_still_served(tiny, session):
             origin.gate.set()
             assert (await held)[0] == 200
             assert (await post_json(session, w, {"model": "tiny", "url": data_url(PNG)}))[0] == 200
-            assert metric(w, "mm_encoder_rejected_total", reason="overloaded") == 1
+            assert metric(w, "dynamo_component_encode_rejected_total", reason="overloaded") == 1
 
 
 async def test_cancelled_request_never_reaches_the_device(tiny):
@@ -182,16 +189,17 @@ async def test_cancelled_request_never_reaches_the_device(tiny):
             first = asyncio.create_task(post_json(s1, w, {"model": "tiny", "url": data_url(PNG)}))
             await wait_for(lambda: gate.entered == 1, what="the first forward to start")
             second = asyncio.create_task(post_json(s2, w, {"model": "tiny", "url": data_url(PNG2)}))
-            await wait_for(lambda: metric(w, "mm_encoder_queue_depth") == 1, what="the second item to be queued")
+            await wait_for(lambda: metric(w, "dynamo_component_encode_queue_depth") == 1,
+                           what="the second item to be queued")
             second.cancel()  # the client goes away ...
             await s2.close()
-            await wait_for(lambda: metric(w, "mm_encoder_requests_total", transport="http", outcome="cancelled") == 1,
+            await wait_for(lambda: metric(w, REQUESTS, transport="http", outcome="cancelled") == 1,
                            what="the queued request to be cancelled")
             gate.release()
             assert (await first)[0] == 200
-            await wait_for(lambda: metric(w, "mm_encoder_queue_depth") == 0, what="the queue to empty")
-        assert metric(w, "mm_encoder_forward_items_total") == 1  # ... and its forward never ran
-        assert metric(w, "mm_encoder_requests_total", transport="http", outcome="cancelled") == 1
+            await wait_for(lambda: metric(w, "dynamo_component_encode_queue_depth") == 0, what="the queue to empty")
+        assert metric(w, "dynamo_component_encode_forward_items_total") == 1  # ... and its forward never ran
+        assert metric(w, "dynamo_component_encode_requests_total", transport="http", outcome="cancelled") == 1
 
 
 @pytest.mark.parametrize(
@@ -273,7 +281,8 @@ async def test_health_ready_models_metrics(tiny, session):
             assert data[0]["id"] == "tiny" and data[0]["out_dim"] == 256
         async with session.get(url_for(w, "/metrics")) as r:
             text = await r.text()
-            assert "mm_encoder_pending" in text and "mm_encoder_cache_bytes" in text
+            assert "dynamo_component_encode_pending_items" in text
+            assert "dynamo_component_embedding_cache_current_bytes" in text
 
 
 async def test_graceful_shutdown_loses_no_inflight_response(tiny, session):
@@ -281,7 +290,8 @@ async def test_graceful_shutdown_loses_no_inflight_response(tiny, session):
         gate = ForwardGate(w.service)
         payloads = [{"model": "tiny", "url": data_url(img)} for img in (PNG, PNG2)]
         tasks = [asyncio.create_task(post_json(session, w, p)) for p in payloads]
-        await wait_for(lambda: metric(w, "mm_encoder_inflight") == 2, what="two requests in flight")
+        await wait_for(lambda: metric(w, "dynamo_component_encode_inflight_requests") == 2,
+                       what="two requests in flight")
         stopping = asyncio.create_task(w.stop())
         await wait_for(lambda: w.service.draining, what="drain to begin")
         refused = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
@@ -306,12 +316,12 @@ async def test_queued_items_share_a_forward_up_to_the_patch_limit(tiny, session,
         first = asyncio.create_task(post_json(session, w, {"model": "tiny", "url": data_url(imgs[0])}))
         await wait_for(lambda: gate.entered == 1, what="the first forward")
         rest = [asyncio.create_task(post_json(session, w, {"model": "tiny", "url": data_url(i)})) for i in imgs[1:]]
-        await wait_for(lambda: metric(w, "mm_encoder_queue_depth") == 3, what="three queued items")
+        await wait_for(lambda: metric(w, "dynamo_component_encode_queue_depth") == 3, what="three queued items")
         gate.release()
         results = await asyncio.gather(first, *rest)
         assert [r[0] for r in results] == [200] * 4
-        assert metric(w, "mm_encoder_forwards_total") == forwards
-        assert metric(w, "mm_encoder_forward_items_total") == 4
+        assert metric(w, "dynamo_component_encode_forwards_total") == forwards
+        assert metric(w, "dynamo_component_encode_forward_items_total") == 4
         for img, (_, _, body) in zip(imgs, results, strict=True):  # batching never mixes items up
             assert torch.equal(wire.decode(body).embeds, tiny.encode([img])[0].embeds.to(torch.bfloat16))
 
@@ -387,28 +397,28 @@ async def test_demand_throughput_and_capacity_are_counted_in_patches(tiny, sessi
     async with run_worker(tiny) as w:
         await wait_for(lambda: w.service.metrics.capacity.probed is not None, timeout=30, what="the capacity probe")
         probed = w.service.metrics.capacity.probed
-        assert probed > 0 and metric(w, "mm_encoder_capacity_patches_per_second") == probed
-        assert metric(w, "mm_encoder_forwards_total") == 0  # the probe is not a request's forward
+        assert probed > 0 and metric(w, "dynamo_component_encode_capacity_patches_per_second") == probed
+        assert metric(w, "dynamo_component_encode_forwards_total") == 0  # the probe is not a request's forward
         for data in (PNG, LARGE_PNG):
             status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(data)})
             assert status == 200, body
         patches = [tiny.plan(PNG).patches, tiny.plan(LARGE_PNG).patches]
         assert patches[1] > 4 * patches[0]  # what a request costs is its patches, not its count
-        assert metric(w, "mm_encoder_patches_admitted_total") == sum(patches)
-        assert metric(w, "mm_encoder_patches_encoded_total") == sum(patches)
-        assert metric(w, "mm_encoder_queue_wait_seconds_count") == 2
-        busy = metric(w, "mm_encoder_forward_seconds_total")
+        assert metric(w, "dynamo_component_encode_patches_admitted_total") == sum(patches)
+        assert metric(w, "dynamo_component_encode_patches_encoded_total") == sum(patches)
+        assert metric(w, "dynamo_component_encode_queue_wait_seconds_count") == 2
+        busy = metric(w, "dynamo_component_encode_forward_seconds_total")
         assert busy > 0
-        assert metric(w, "mm_encoder_capacity_patches_per_second") == pytest.approx(sum(patches) / busy)
+        assert metric(w, "dynamo_component_encode_capacity_patches_per_second") == pytest.approx(sum(patches) / busy)
         status, _, _ = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
         assert status == 200
-        assert metric(w, "mm_encoder_patches_admitted_total") == sum(patches)
-        assert metric(w, "mm_encoder_forwards_total") == 2
+        assert metric(w, "dynamo_component_encode_patches_admitted_total") == sum(patches)
+        assert metric(w, "dynamo_component_encode_forwards_total") == 2
         # on /metrics with the labels Dynamo's own component metrics carry
         async with session.get(url_for(w, "/metrics")) as r:
             text = await r.text()
-        labels = 'dynamo_component="mm_encoder",dynamo_namespace="mm",worker_type="encode"'
-        assert f"mm_encoder_patches_admitted_total{{{labels}}} {float(sum(patches))}" in text
+        labels = 'dynamo_component="mm_encoder",dynamo_endpoint="encode",dynamo_namespace="mm",worker_type="encode"'
+        assert f"dynamo_component_encode_patches_admitted_total{{{labels}}} {float(sum(patches))}" in text
         # and as one map, what the planner reads over Dynamo (<namespace>.mm_encoder.load)
         load = w.service.metrics.load(draining=False)
         assert load["patches_admitted"] == load["patches_encoded"] == sum(patches)
@@ -420,11 +430,11 @@ async def test_demand_throughput_and_capacity_are_counted_in_patches(tiny, sessi
 
 async def test_without_the_probe_the_capacity_is_unknown_until_a_forward(tiny, session):
     async with run_worker(tiny, capacity_probe=False) as w:
-        assert math.isnan(metric(w, "mm_encoder_capacity_patches_per_second"))
+        assert math.isnan(metric(w, "dynamo_component_encode_capacity_patches_per_second"))
         status, _, body = await post_json(session, w, {"model": "tiny", "url": data_url(PNG)})
         assert status == 200, body
-        assert metric(w, "mm_encoder_capacity_patches_per_second") == pytest.approx(
-            tiny.plan(PNG).patches / metric(w, "mm_encoder_forward_seconds_total"))
+        assert metric(w, "dynamo_component_encode_capacity_patches_per_second") == pytest.approx(
+            tiny.plan(PNG).patches / metric(w, "dynamo_component_encode_forward_seconds_total"))
 
 
 def test_the_capacity_weighs_forwards_by_their_patches_over_a_window():

@@ -6,8 +6,8 @@ long description renders. This checks what it cannot know:
 - the metadata states what an operator pins against: Requires-Python, the license and its file,
   classifiers, the extras, the entry points Dynamo and vLLM load;
 - the wheel holds exactly the expected manifest: every module of `mm_encoder/`, every file the
-  package reads at run time (model configs, nginx templates, Kubernetes manifests, graphs,
-  samples), and nothing else (no tests, no benchmarks or their data, no docs);
+  package reads at run time (model configs, nginx templates, Kubernetes manifests, the Grafana
+  dashboard, graphs, samples), and nothing else (no tests, no benchmarks or their data, no docs);
 - the sdist holds what the wheel is built from, and no tests or benchmark data.
 Prints the wheel's listing; exit status 1 with every difference named.
 """

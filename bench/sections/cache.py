@@ -74,7 +74,7 @@ def _coalescing(result: dict) -> list[str]:
     co = result["coalescing"]
     lines = [
         f"Coalescing: {COALESCE_N} identical concurrent requests for a new image, forwards counted from the "
-        "worker's `mm_encoder_forward_items_total`:",
+        "worker's `dynamo_component_encode_forward_items_total`:",
         "",
         "| path | forwards (must be 1) | answered 200 | p50 ms | max ms |",
         "|---|---:|---:|---:|---:|",

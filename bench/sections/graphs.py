@@ -34,10 +34,10 @@ def section(result: dict, plots: Path) -> str:
         f"{cfg['duration_s']:.0f} s (seed {cfg['seed']}), half text-only, half with an image drawn from a pool of "
         f"{cfg['pool']} with a Zipf distribution (s={cfg['zipf_s']}), a fresh pool per rate; the same schedule for "
         "both graphs and both presets. Encodes per unique image: EPD counts the encode worker's forwards "
-        "(`mm_encoder_forward_items_total`); agg counts the media items its engine encoded (it has no cache and "
-        "encodes every media item it is sent: the frontend's `media_items`). Each preset's two graphs in one run, "
-        "one after the other; all processes share the machine's cores. Single-request rows: median (min-max) over "
-        "requests, one at a time.",
+        "(`dynamo_component_encode_forward_items_total`); agg counts the media items its engine encoded "
+        "(it has no cache and encodes every media item it is sent: the frontend's `media_items`). Each preset's "
+        "two graphs in one run, one after the other; all processes share the machine's cores. Single-request "
+        "rows: median (min-max) over requests, one at a time.",
         "",
         "| preset | graph | startup s | cold image ms | repeated image ms | text TTFT idle ms |",
         "|---|---|---:|---:|---:|---:|",

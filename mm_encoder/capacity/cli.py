@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from .simulate import Result, prepare, simulate, sweep
 from .traffic import Traffic
 
-METRIC = "mm_encoder_capacity_patches_per_second"
+METRIC = "dynamo_component_encode_capacity_patches_per_second"
 # option -> Traffic field (a dotted path for a nested one)
 OPTIONS: dict[str, tuple[str, str]] = {
     "--rps": ("requests_per_second", "requests per second"),

@@ -18,6 +18,7 @@ from ..core import wire
 from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge, WireError
 from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
 from ..core.requests import EncodeReply, EncodeRequest
+from ..runtime import tracing
 from ..runtime.dynamo import TOO_LARGE_HINT, is_too_large, payload
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class EncoderChain:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES)
         headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
+        tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         try:
             async with self._session.request(method, url, json=source.to_dict(), headers=headers) as r:

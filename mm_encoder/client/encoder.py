@@ -19,6 +19,7 @@ from ..core.errors import DtypeMismatch, RemoteError
 from ..core.handle import MediaHandle
 from ..core.requests import EncodeRequest, MediaRef
 from ..core.wire_schema import WireDtype
+from ..runtime import tracing
 from ..runtime.aio import gather_or_cancel
 from ..runtime.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, endpoint_path
 from .chain import EncoderChain
@@ -60,15 +61,20 @@ class EncoderClient:
         return await gather_or_cancel(self.embed(m, scope if scope is not None else self.scope) for m in media)
 
     async def embed(self, item: MediaRef, scope: str = "") -> Encoded:
+        """One item's header and handle: one call, traced as a client span with the level that
+        answered (`X-Cache-Status` through the tiers, or rpc)."""
         self.calls += 1
         source = EncodeRequest(model=self.model, url=item.url, modality=item.modality, scope=scope,
                                revision=self.revision, dtype=self.dtype)
         body = None
-        if self.send_bodies:
-            body, where = await self.chain.fetch(source)
-            header = wire.peek(body)
-        else:
-            header, where = await self.chain.describe(source)
+        with tracing.span("encode", kind="client", attributes={"mm_encoder.modality": item.modality}) as span:
+            if self.send_bodies:
+                body, where = await self.chain.fetch(source)
+                header = wire.peek(body)
+            else:
+                header, where = await self.chain.describe(source)
+            span.set_attributes({"mm_encoder.mm_hash": header.mm_hash, "mm_encoder.cache": where,
+                                 "mm_encoder.tokens": header.length})
         if self.dtype is not None and header.dtype != self.dtype:  # an encoder older than the `dtype` field
             raise RemoteError(f"the encoder answered {header.dtype} rows for a request that asks {self.dtype}",
                               DtypeMismatch.code, DtypeMismatch.http_status)

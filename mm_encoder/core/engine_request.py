@@ -70,6 +70,9 @@ class EngineRequest:
     # False: the client reads the whole answer at once, so the engine holds every token after the
     # first until the finish (`engines.stream.pacing`); sent only then
     stream: bool = True
+    # the frontend's trace, as W3C headers (`traceparent`, `tracestate`): the engine's spans continue
+    # it (Dynamo's request plane does not carry a Python caller's trace); sent only when traced
+    trace: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -83,6 +86,8 @@ class EngineRequest:
         }
         if not self.stream:
             d["stream"] = False
+        if self.trace:
+            d["trace"] = self.trace
         return d
 
     @classmethod
@@ -96,7 +101,7 @@ class EngineRequest:
         try:
             media = [MediaInput.from_dict(m) for m in d.get("media", [])]
             args = (str(d["request_id"]), list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                    media, dict(d.get("sampling") or {}), d.get("stream", True) is not False)
+                    media, dict(d.get("sampling") or {}), d.get("stream", True) is not False, _trace(d.get("trace")))
             if d.get("prompt") is not None:
                 return InlineRequest(*args, prompt=str(d["prompt"]), media_refs=list(d.get("media_refs", [])))
             return EngineRequest(*args)
@@ -104,6 +109,21 @@ class EngineRequest:
             raise BadRequest(f"the engine request has no {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise BadRequest(f"malformed engine request: {e}") from None
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+_MAX_TRACE_HEADER = 512  # W3C: a traceparent is 55 characters, a tracestate at most 32 entries of 256 bytes: kept short
+
+
+def _trace(value: Any) -> dict[str, str]:
+    """A request's `trace`: at most the W3C headers, as short strings; anything else is refused by name."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(k in TRACE_HEADERS and isinstance(v, str) and len(v) <= _MAX_TRACE_HEADER
+                                              for k, v in value.items()):
+        raise BadRequest(f"an engine request's trace is a map of {list(TRACE_HEADERS)} to strings of at most "
+                         f"{_MAX_TRACE_HEADER} characters")
+    return dict(value)
 
 
 @dataclass

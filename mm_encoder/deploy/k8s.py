@@ -5,9 +5,9 @@
 One `DynamoGraphDeployment` (nvidia.com/v1beta1: `spec.components[]`, each with a native pod template)
 for the frontend, encoders, engines and encode planner; a `Service` per encoder for the tiers to reach
 its HTTP API; with a planner, the Role and RoleBinding its connector needs; the nginx tiers as
-StatefulSet (shared) and Deployments (router, cluster). Every component's command line comes from the
-plan, on a `K8sSite` (fixed ports, Service DNS names, volumes under /models and /cache). What each
-object is for and why: docs/kubernetes.md.
+StatefulSet (shared) and Deployments (router, cluster); the encoders' Grafana dashboard as a ConfigMap
+(grafana.py). Every component's command line comes from the plan, on a `K8sSite` (fixed ports,
+Service DNS names, volumes under /models and /cache). What each object is for and why: docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from ..core.errors import GraphError
+from ..runtime import tracing
+from . import grafana
 from .cache_tiers import parse_args as parse_tier_args
 from .graph import Component, Graph, Kind, find_graph, load_graph
 from .k8s_site import (
@@ -151,8 +153,9 @@ def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
         "name": MAIN_CONTAINER,
         "image": image,
         "command": ["python", "-m", cp.module],
-        "args": _argv(cp),
-        "env": _env(cp.env),
+        "args": _argv(cp),  # tracing on: as `serve` does, its service name, Dynamo's switch, one protocol
+        "env": _env({**cp.env, **tracing.component_env(cp.env, cp.env.get("OTEL_SERVICE_NAME",
+                                                                           f"{names.g.name}/{cp.name}"))}),
     }
     if cp.kind in ("encoder", "planner"):  # ours (the tiers' Service, /status); the operator's stay its own
         port = ENCODER_PORT if cp.kind == "encoder" else PLANNER_PORT
@@ -397,13 +400,15 @@ def _check_components(g: Graph) -> None:
 
 
 def render(graph: Graph) -> list[dict[str, Any]]:
-    """The graph as Kubernetes objects: the DynamoGraphDeployment, the encoders' Services, the tiers."""
+    """The graph as Kubernetes objects: the DynamoGraphDeployment, the encoders' Services, the tiers, the dashboard."""
     names = K8sNames(graph)
     _check_components(graph)
     components = plan(graph, K8sSite(names))
     dgd = _graph_deployment(names, components)
     _check_planner_types(graph, dgd["spec"]["components"])
     objects = [dgd, *_encoder_services(names), *_connector_rbac(names), *_tiers(names, components)]
+    if names.dashboard is not None:  # the encoder fleet's Grafana dashboard, for Grafana's sidecar
+        objects.append(grafana.config_map(names.dashboard, _labels(graph, "grafana-dashboard", "dashboard")))
     plain: list[dict[str, Any]] = json.loads(json.dumps(objects))  # unshared data: no YAML anchors, safe to mutate
     return plain
 

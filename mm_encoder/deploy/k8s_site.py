@@ -67,6 +67,9 @@ class K8sNames:
                       if c.kind in ("cache-router", "cache-cluster")}
         self.tiers |= self.shared
         self.model_pvc = check_name(f"{g.name}-model", "the checkpoint volume claim") if g.llm.checkpoint else None
+        # The encoder fleet's Grafana dashboard (deploy/grafana.py), with a graph that has encoders.
+        self.dashboard = claim(f"{g.name}-grafana-dashboard", "the Grafana dashboard's ConfigMap") \
+            if g.of_kind("encoder") else None
         planner = g.planner
         # The Role and RoleBinding that let the encode planner's connector scale the encoder component.
         self.planner_rbac = claim(f"{g.name}-{planner[0]}-connector", "the encode planner's Role and RoleBinding") \

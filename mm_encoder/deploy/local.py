@@ -155,8 +155,9 @@ class GraphRunner:
     def spawn(self, p: Proc) -> subprocess.Popen[bytes]:
         p.log = self.run_dir / f"{p.name}.log"
         env = {**os.environ, **(self.runtime_env if p.kind in DYNAMO_KINDS else {}), **p.component.env}
-        if tracing.enabled(env) and "OTEL_SERVICE_NAME" not in p.component.env:  # one service each (observability.md)
-            env["OTEL_SERVICE_NAME"] = f"{self.graph.name}/{p.component.name}"
+        # tracing on: one service each, Dynamo's spans beside ours, one protocol (observability.md)
+        env.update(tracing.component_env(env, p.component.env.get("OTEL_SERVICE_NAME",
+                                                                  f"{self.graph.name}/{p.component.name}"), p.name))
         with p.log.open("a") as log:
             popen = p.popen = subprocess.Popen(p.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True, cwd=self.run_dir)

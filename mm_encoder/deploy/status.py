@@ -69,14 +69,14 @@ def collect(run_dir: Path) -> dict[str, Any]:
             text = _get(f"{url}/metrics")
             if text is not None:
                 found = samples(text.decode())
-                row["requests"] = total(found, "mm_encoder_requests_total")
-                row["encodes"] = total(found, "mm_encoder_forward_items_total")
+                row["requests"] = total(found, "dynamo_component_encode_requests_total")
+                row["encodes"] = total(found, "dynamo_component_encode_forward_items_total")
                 for level in ("alias", "mm_hash"):
-                    hits = total(found, "mm_encoder_cache_hits_total", level=level)
-                    misses = total(found, "mm_encoder_cache_misses_total", level=level)
+                    hits = total(found, "dynamo_component_embedding_cache_hits_total", level=level)
+                    misses = total(found, "dynamo_component_embedding_cache_misses_total", level=level)
                     row[f"hit_{level}"] = hits / (hits + misses) if hits + misses else None
                 for q, key in ((0.5, "p50_ms"), (0.95, "p95_ms")):
-                    v = histogram_quantile(found, "mm_encoder_stage_seconds", q, stage="total")
+                    v = histogram_quantile(found, "dynamo_component_encode_stage_duration_seconds", q, stage="total")
                     row[key] = v * 1e3 if v is not None else None
         elif row["up"] and url and c["kind"].startswith("cache-") and c["kind"] != "cache-router":
             raw = _get(f"{url}/_cache/stats")
@@ -113,14 +113,15 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
 def _recent(procs: list[dict[str, Any]]) -> dict[str, Any]:
     """The frontend's recent requests (its /mm/stats, up to 256 per processor): the p50 and p95 of
-    the time before the engine (encode + route, ms), and the slowest of them by request id."""
+    the time before the engine (encode + route, ms), and the slowest of them by request id (and its
+    trace id, where the frontend traces)."""
     recent = [r for p in procs for r in p.get("recent", [])]
     spent = [(sum(v for k, v in r.get("timings", {}).items() if k in ("encode_ms", "route_ms")), r) for r in recent]
     if not spent:
         return {}
     slowest_ms, slowest = max(spent, key=lambda x: x[0])
     return {"p50_ms": nearest_rank([ms for ms, _ in spent], 0.5), "p95_ms": nearest_rank([ms for ms, _ in spent], 0.95),
-            "slowest": {"request_id": slowest.get("request_id"), "ms": slowest_ms,
+            "slowest": {"request_id": slowest.get("request_id"), "trace_id": slowest.get("trace_id"), "ms": slowest_ms,
                         "timings": slowest.get("timings", {})}}
 
 
@@ -139,7 +140,9 @@ def format_lines(status: dict[str, Any]) -> list[str]:
             bound = "<=" if r["kind"] == "encoder" else "="  # an encoder's are its histogram's bucket bounds
             parts.append(f"p50{bound}{r['p50_ms']:.0f}ms p95{bound}{r['p95_ms']:.0f}ms")
         if r.get("slowest"):
-            parts.append(f"slowest={r['slowest']['request_id']} ({r['slowest']['ms']:.0f}ms)")
+            slow = r["slowest"]
+            parts.append(f"slowest={slow['request_id']} ({slow['ms']:.0f}ms"
+                         + (f", trace {slow['trace_id']})" if slow.get("trace_id") else ")"))
         if r.get("routed"):
             parts.append("routed=" + ",".join(str(v) for v in r["routed"].values()))
         if r.get("kind") == "planner" and r.get("wanted") is not None:

@@ -65,7 +65,7 @@ class DeviceBatcher:
         self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
-        """Jobs waiting for the device (the `mm_encoder_queue_depth` gauge)."""
+        """Jobs waiting for the device (the `dynamo_component_encode_queue_depth` gauge)."""
         return len(self._jobs)
 
     def start(self) -> None:

@@ -4,7 +4,9 @@
   A hit skips the download; scopes (tenants) never see each other's entries.
 - `BodyCache`: mm_hash -> packed response body with its header (`wire.Packed`), capped in body
   bytes (not entries: a 4K image's body is ~1000x a thumbnail's). A hit skips decode, preprocess
-  and forward.
+  and forward. It remembers the last `FORGOTTEN` mm_hashes it dropped (evicted, cleared, or too big
+  to keep), so a body put back for one of them counts as a refill: a re-encode of an image this
+  worker had encoded before (forwards minus refills: the unique images, for the fleet dashboard).
 - `SingleFlight`: concurrent identical work runs once; errors are returned to the waiters of
   that flight only, never stored.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -28,6 +31,7 @@ T = TypeVar("T")
 K = TypeVar("K")
 V = TypeVar("V")
 _AliasKey = tuple[str, str, bytes]  # (scope, url, processor identity)
+FORGOTTEN = 1 << 16  # dropped mm_hashes a BodyCache remembers (about 12 MB of keys at most)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     expirations: int = 0
+    refills: int = 0  # puts of a key the cache had dropped before (BodyCache)
 
 
 class _CountsEvictions(cachetools.Cache[K, V]):
@@ -49,8 +54,34 @@ class _CountsEvictions(cachetools.Cache[K, V]):
         return item
 
 
+class _Forgotten:
+    """The last `size` keys a cache dropped, oldest first out."""
+
+    def __init__(self, size: int = FORGOTTEN):
+        self.size = size
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+
+    def take(self, key: str) -> bool:
+        """Whether `key` was dropped before (and forget that it was)."""
+        if key not in self._keys:
+            return False
+        del self._keys[key]
+        return True
+
+
 class _LRU(_CountsEvictions[str, Packed], cachetools.LRUCache[str, Packed]):
-    pass
+    forgotten: _Forgotten
+
+    def popitem(self) -> tuple[str, Packed]:
+        item = super().popitem()
+        self.forgotten.add(item[0])
+        return item
 
 
 class _TTL(_CountsEvictions[_AliasKey, str], cachetools.TTLCache[_AliasKey, str, float]):
@@ -101,6 +132,7 @@ class BodyCache:
         self.stats = CacheStats()
         self._entries = _LRU(max(max_bytes, 1), getsizeof=_body_size)
         self._entries.stats = self.stats
+        self._entries.forgotten = self._forgotten = _Forgotten()
 
     @property
     def bytes(self) -> int:
@@ -115,10 +147,16 @@ class BodyCache:
         return entry
 
     def put(self, mm_hash: str, entry: Packed) -> None:
+        if self._forgotten.take(mm_hash):
+            self.stats.refills += 1
         if len(entry.body) <= self.max_bytes:  # a bigger one would evict everything and still not fit
             self._entries[mm_hash] = entry
+        else:
+            self._forgotten.add(mm_hash)
 
     def clear(self) -> None:
+        for mm_hash in list(self._entries):
+            self._forgotten.add(mm_hash)
         self._entries.clear()
 
     def __len__(self) -> int:

@@ -76,8 +76,8 @@ class DynamoServer:
 
     async def _unless_stopped(self, req: EncodeRequest, context: Context | None) -> EncodeResult:
         """Run the request, cancelling it if the caller stops the stream (queued work is dropped)."""
-        headers = context.trace_headers() if context is not None else None  # the caller's trace, if any
-        work = asyncio.ensure_future(self.service.encode(req, "dynamo", tracing.extract(headers or {})))
+        # the caller's trace, as Dynamo's request context carries it
+        work = asyncio.ensure_future(self.service.encode(req, "dynamo", tracing.from_dynamo(context)))
         stopped = context.async_killed_or_stopped() if context is not None else None
         if stopped is None:
             return await work

@@ -3,14 +3,14 @@
 What a request costs is its patches, not its count (a 4K image is ~16x a 448x448 one), so demand,
 throughput and capacity are counted in patches (the metrics in `metrics.py`):
 
-- `mm_encoder_forward_seconds_total`: device seconds in forward passes; its rate is the device's
-  busy fraction;
-- `mm_encoder_patches_admitted_total` / `mm_encoder_patches_encoded_total`: demand (items admitted
-  past the caches, before their decode) and throughput;
-- `mm_encoder_queue_wait_seconds`: per item, from the device queue to its forward;
-- `mm_encoder_rejected_total{reason}`: the 503s, by reason;
-- `mm_encoder_capacity_patches_per_second`: what the device gets through per busy second, measured
-  (`CapacityMeter`): one probe forward at start-up, then the live forwards.
+- `dynamo_component_encode_forward_seconds_total`: device seconds in forward passes; its rate
+  is the device's busy fraction;
+- `dynamo_component_encode_patches_admitted_total` / `..._patches_encoded_total`: demand (items
+  admitted past the caches, before their decode) and throughput;
+- `dynamo_component_encode_queue_wait_seconds`: per item, from the device queue to its forward;
+- `dynamo_component_encode_rejected_total{reason}`: the 503s, by reason;
+- `dynamo_component_encode_capacity_patches_per_second`: what the device gets through per busy
+  second, measured (`CapacityMeter`): one probe forward at start-up, then the live forwards.
 """
 
 from __future__ import annotations

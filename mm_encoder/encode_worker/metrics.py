@@ -1,8 +1,13 @@
-"""Prometheus metrics of one encode service, in its own registry.
+"""Prometheus metrics of one encode service, in its own registry (the table: docs/observability.md).
 
 Its own `CollectorRegistry` (not the process-global one) so that two services in one process
 (tests, benchmarks) never share counters, and the Dynamo system server can append exactly this
-text to its `/metrics`. Cache levels are read at scrape time from the caches' own counters.
+text to its `/metrics`. Named in Dynamo's conventions: `dynamo_component_encode_*`, and Dynamo's own
+`dynamo_component_embedding_cache_*` for the two cache levels (read at scrape time from the caches'
+own counters); every sample carries Dynamo's component labels (`dynamo_namespace`,
+`dynamo_component="mm_encoder"`, `dynamo_endpoint="encode"`, `worker_type="encode"`), added when
+the registry is collected. 0.2's `mm_encoder_*` names are emitted too until 0.4
+(`core.deprecated_metrics`).
 """
 
 from __future__ import annotations
@@ -16,12 +21,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ..runtime.dynamo import ENCODER_COMPONENT, NAMESPACE
+from ..core import deprecated_metrics
+from ..core.prom import WithLabels
+from ..runtime.dynamo import ENCODE_ENDPOINT, ENCODER_COMPONENT, NAMESPACE
 from .admission import Admission
 from .caches import AliasCache, BodyCache
 from .load import CapacityMeter
 
-DYNAMO_LABELS = ("dynamo_namespace", "dynamo_component", "worker_type")  # Dynamo's own metrics carry them
+# Dynamo's own component metrics carry these; a request's endpoint is the worker's one encode endpoint
+# whichever transport brought it (the `transport` label tells HTTP from Dynamo RPC)
+DYNAMO_LABELS = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "worker_type")
+PREFIX = "dynamo_component_encode"
+CACHE_PREFIX = "dynamo_component_embedding_cache"  # Dynamo's multimodal embedding cache metrics, per `level`
 STAGES = ("fetch", "decode", "preprocess", "queue", "forward", "pack", "total")
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -43,12 +54,17 @@ class _CacheCollector(Collector):
             ("evictions", "Entries evicted to stay within the cap", "evictions"),
             ("expirations", "Entries dropped because their TTL passed", "expirations"),
         ):
-            c = CounterMetricFamily(f"mm_encoder_cache_{name}", doc, labels=["level"])
+            c = CounterMetricFamily(f"{CACHE_PREFIX}_{name}", doc, labels=["level"])
             for level, cache in levels.items():
                 c.add_metric([level], getattr(cache.stats, attr))
             yield c
-        entries = GaugeMetricFamily("mm_encoder_cache_entries", "Entries held", labels=["level"])
-        size = GaugeMetricFamily("mm_encoder_cache_bytes", "Bytes held (mm_hash level: bodies)", labels=["level"])
+        refills = CounterMetricFamily(f"{CACHE_PREFIX}_refills", "Bodies put back after the cache had dropped "
+                                      "them (evicted or too big to keep): re-encodes", labels=["level"])
+        refills.add_metric(["mm_hash"], self.body.stats.refills)
+        yield refills
+        entries = GaugeMetricFamily(f"{CACHE_PREFIX}_entries", "Entries held", labels=["level"])
+        size = GaugeMetricFamily(f"{CACHE_PREFIX}_current_bytes", "Bytes held (mm_hash level: bodies)",
+                                 labels=["level"])
         for level, cache in levels.items():
             entries.add_metric([level], len(cache))
         size.add_metric(["mm_hash"], self.body.bytes)
@@ -59,57 +75,60 @@ class _CacheCollector(Collector):
 class ServiceMetrics:
     def __init__(self, alias: AliasCache, body: BodyCache, admission: Admission, *, inflight: Callable[[], int],
                  queued: Callable[[], int], capacity: CapacityMeter | None = None, namespace: str = NAMESPACE):
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.dynamo = {"dynamo_namespace": namespace, "dynamo_component": ENCODER_COMPONENT, "worker_type": "encode"}
+        # `own`: the metrics with their own labels only (what `load` and `value` read); `registry`: what
+        # /metrics shows, `own` with Dynamo's labels, and 0.2's names until 0.4
+        self.own = r = CollectorRegistry(auto_describe=True)
+        self.dynamo = {"dynamo_namespace": namespace, "dynamo_component": ENCODER_COMPONENT,
+                       "dynamo_endpoint": ENCODE_ENDPOINT, "worker_type": "encode"}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(WithLabels(r, self.dynamo))
+        self.registry.register(deprecated_metrics.DeprecatedAliases(r, deprecated_metrics.WORKER))
         self.capacity = capacity or CapacityMeter()
         self.requests = Counter(
-            "mm_encoder_requests", "Encode requests by transport and outcome (ok or an error code)",
+            f"{PREFIX}_requests", "Encode requests by transport and outcome (ok, cancelled or an error code)",
             ["transport", "outcome"], registry=r,
         )
         self.served_from = Counter(
-            "mm_encoder_served_from", "Successful requests by the level that answered them", ["level"], registry=r
+            f"{PREFIX}_served_from", "Successful requests by the level that answered them (alias, mm_hash, "
+            "coalesced, forward)", ["level"], registry=r,
         )
         self.stage_seconds = Histogram(
-            "mm_encoder_stage_seconds", "Per-request time per pipeline stage", ["stage"], buckets=_BUCKETS, registry=r
+            f"{PREFIX}_stage_duration_seconds", "Per-request time per pipeline stage", ["stage"], buckets=_BUCKETS,
+            registry=r,
         )
-        self.fetches = Counter("mm_encoder_fetches", "Media downloads started", registry=r)
-        self.fetch_bytes = Counter("mm_encoder_fetch_bytes", "Media bytes downloaded", registry=r)
-        self.forwards = Counter("mm_encoder_forwards", "Forward batches run on the device", registry=r)
-        self.forward_items = Counter("mm_encoder_forward_items", "Media items encoded by forward passes", registry=r)
+        self.fetches = Counter(f"{PREFIX}_fetches", "Media downloads started", registry=r)
+        self.fetch_bytes = Counter(f"{PREFIX}_fetch_bytes", "Media bytes downloaded", registry=r)
+        self.forwards = Counter(f"{PREFIX}_forwards", "Forward batches run on the device", registry=r)
+        self.forward_items = Counter(f"{PREFIX}_forward_items", "Media items encoded by forward passes", registry=r)
         self.batch_patches = Histogram(
-            "mm_encoder_batch_patches", "Patches per forward batch", registry=r,
+            f"{PREFIX}_batch_patches", "Patches per forward batch", registry=r,
             buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
         )
         self.coalesced = Counter(
-            "mm_encoder_coalesced", "Requests that joined identical in-flight work (single-flight)", ["stage"],
+            f"{PREFIX}_coalesced", "Requests that joined identical in-flight work (single-flight)", ["stage"],
             registry=r,
         )
-        self.rejected = Counter("mm_encoder_rejected", "Requests refused with 503", ["reason"], registry=r)
-        # the load signals an encode planner reads (encode_worker/load.py): counted in patches, labelled as
-        # Dynamo labels a component's metrics (its namespace and component; `worker_type` "encode")
-        d = self.dynamo
-        self.forward_seconds = Counter("mm_encoder_forward_seconds",
-                                       "Device seconds in forward passes (its rate: the device's busy fraction)",
-                                       DYNAMO_LABELS, registry=r).labels(**d)
-        self.patches_admitted = Counter("mm_encoder_patches_admitted",
-                                        "Patches of the items admitted past the caches (demand)", DYNAMO_LABELS,
-                                        registry=r).labels(**d)
-        self.patches_encoded = Counter("mm_encoder_patches_encoded", "Patches encoded by forward passes",
-                                       DYNAMO_LABELS, registry=r).labels(**d)
-        self.queue_wait = Histogram("mm_encoder_queue_wait_seconds", "Per item: from the device queue to its "
-                                    "forward", DYNAMO_LABELS, buckets=_BUCKETS, registry=r).labels(**d)
-        Gauge("mm_encoder_capacity_patches_per_second",
+        self.rejected = Counter(f"{PREFIX}_rejected", "Requests refused with 503", ["reason"], registry=r)
+        # the load signals an encode planner reads (encode_worker/load.py): counted in patches
+        self.forward_seconds = Counter(f"{PREFIX}_forward_seconds", "Device seconds in forward passes (its rate: "
+                                       "the device's busy fraction)", registry=r)
+        self.patches_admitted = Counter(f"{PREFIX}_patches_admitted", "Patches of the items admitted past the "
+                                        "caches (demand)", registry=r)
+        self.patches_encoded = Counter(f"{PREFIX}_patches_encoded", "Patches encoded by forward passes", registry=r)
+        self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "Per item: from the device queue to its "
+                                    "forward", buckets=_BUCKETS, registry=r)
+        Gauge(f"{PREFIX}_capacity_patches_per_second",
               "Patches the device encodes per second of forward time: the last forwards, else the start-up probe",
-              DYNAMO_LABELS, registry=r).labels(**d).set_function(lambda: self.capacity.patches_per_second)
-        self.body_bytes = Counter("mm_encoder_response_bytes", "Response body bytes produced", registry=r)
-        Gauge("mm_encoder_pending", "Items admitted past the caches, not yet packed",
+              registry=r).set_function(lambda: self.capacity.patches_per_second)
+        self.body_bytes = Counter(f"{PREFIX}_response_bytes", "Response body bytes produced", registry=r)
+        Gauge(f"{PREFIX}_pending_items", "Items admitted past the caches, not yet packed",
               registry=r).set_function(lambda: admission.pending.in_use)
-        Gauge("mm_encoder_decoding_pixels", "Pixels reserved for decoding, all requests together",
+        Gauge(f"{PREFIX}_decoding_pixels", "Pixels reserved for decoding, all requests together",
               registry=r).set_function(lambda: admission.decoding.in_use)
-        Gauge("mm_encoder_prepared_patches", "Patches reserved for prepared items not yet encoded",
+        Gauge(f"{PREFIX}_prepared_patches", "Patches reserved for prepared items not yet encoded",
               registry=r).set_function(lambda: admission.prepared.in_use)
-        Gauge("mm_encoder_inflight", "Requests being served", registry=r).set_function(inflight)
-        Gauge("mm_encoder_queue_depth", "Items waiting for the device", registry=r).set_function(queued)
+        Gauge(f"{PREFIX}_inflight_requests", "Requests being served", registry=r).set_function(inflight)
+        Gauge(f"{PREFIX}_queue_depth", "Items waiting for the device", registry=r).set_function(queued)
         r.register(_CacheCollector(alias, body))
 
     def served(self, transport: str, source: str, timings_ms: dict[str, float], body_bytes: int) -> None:
@@ -134,26 +153,26 @@ class ServiceMetrics:
     def load(self, *, draining: bool) -> dict[str, Any]:
         """The load signals as one map, for the encode planner (`<namespace>.mm_encoder.load`): the
         same counters as /metrics, so the planner takes rates as Prometheus would."""
-        def get(name: str, labels: dict[str, str] | None = None) -> float | None:
-            return self.registry.get_sample_value(name, labels if labels is not None else self.dynamo)
+        def get(name: str, labels: dict[str, str] | None = None) -> float:
+            return self.own.get_sample_value(f"{PREFIX}_{name}", labels or {}) or 0.0
 
         capacity = self.capacity.patches_per_second
         return {
-            "forward_seconds": get("mm_encoder_forward_seconds_total") or 0.0,
-            "patches_admitted": get("mm_encoder_patches_admitted_total") or 0.0,
-            "patches_encoded": get("mm_encoder_patches_encoded_total") or 0.0,
-            "rejected": {reason: get("mm_encoder_rejected_total", {"reason": reason}) or 0.0
-                         for reason in ("overloaded", "draining")},
-            "queue_depth": int(get("mm_encoder_queue_depth", {}) or 0),
-            "queue_wait_buckets": [[le, get("mm_encoder_queue_wait_seconds_bucket", {"le": _le(le), **self.dynamo})
-                                    or 0.0] for le in (*_BUCKETS, math.inf)],
+            "forward_seconds": get("forward_seconds_total"),
+            "patches_admitted": get("patches_admitted_total"),
+            "patches_encoded": get("patches_encoded_total"),
+            "rejected": {reason: get("rejected_total", {"reason": reason}) for reason in ("overloaded", "draining")},
+            "queue_depth": int(get("queue_depth")),
+            "queue_wait_buckets": [[le, get("queue_wait_seconds_bucket", {"le": _le(le)})]
+                                   for le in (*_BUCKETS, math.inf)],
             "capacity_pps": None if math.isnan(capacity) else capacity,
             "draining": draining,
         }
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """A sample's current value (0 when absent; the Dynamo labels may go unsaid): for tests and benchmarks."""
-        found = self.registry.get_sample_value(name, labels or {})
+        """A sample's current value by its own labels (0 when absent), for tests and benchmarks; a
+        deprecated 0.2 name reads its alias."""
+        found = self.own.get_sample_value(name, labels or {})
         if found is None:
-            found = self.registry.get_sample_value(name, {**(labels or {}), **self.dynamo})
+            found = self.registry.get_sample_value(name, labels or {})
         return found or 0.0

@@ -151,6 +151,8 @@ class EncodeService:
             result = await self._encode(req, transport)
             span.set_attributes({"mm_encoder.source": result.source, "mm_encoder.mm_hash": result.mm_hash,
                                  "mm_encoder.body_bytes": len(result.body)})
+            log.debug("encoded %s over %s: from %s, %d bytes", result.mm_hash[:16], transport, result.source,
+                      len(result.body))
             return result
 
     async def _encode(self, req: EncodeRequest, transport: str) -> EncodeResult:

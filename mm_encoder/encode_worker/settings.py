@@ -73,7 +73,7 @@ class WorkerSettings(DynamoOptions):
     )
     capacity_probe: bool = Field(
         True, description="time one forward of a 448x448 image when the worker starts: the capacity estimate "
-                          "(mm_encoder_capacity_patches_per_second) before live forwards refine it")
+                          "(dynamo_component_encode_capacity_patches_per_second) before live forwards refine it")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest request body accepted")
     max_receiving_bytes: int = Field(
         256 * 1024 * 1024, ge=1024,

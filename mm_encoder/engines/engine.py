@@ -33,6 +33,7 @@ from ..core.errors import BadRequest, MMEncoderError
 from ..core.prompt import Splicer
 from ..core.sampling import SamplingParams
 from ..routing import BlockMMInfo, MediaSpan, block_hashes, block_mm_infos
+from ..runtime import tracing
 from .dynamo_request import chunk as dynamo_chunk
 from .dynamo_request import from_preprocessed
 from .front_door import FrontDoor
@@ -166,18 +167,28 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
         with the expanded prompt's length as `completion_usage.prompt_tokens`."""
         from ..runtime.dynamo import worker_error
 
+        root = tracing.start("mm_engine.generate", tracing.from_dynamo(context), kind="server",
+                             attributes={"mm_engine.protocol": "dynamo"})
+        error: BaseException | None = None
         try:
-            req = from_preprocessed(request, self.splicer, self.context_length,
-                                    context.id() if context is not None else None)
-            params = self.sampling(req)
-            prompt = await self.prepare(req, {})
-        except MMEncoderError as e:
-            raise worker_error(e) from None
-        n = 0
-        async for batch, _ in self.tokens(req, prompt, params, context):
-            n += 1
-            yield {**dynamo_chunk(batch.token_ids[0], batch.finish_reason, len(prompt.token_ids), n),
-                   **batch.logprob_fields()}
+            try:
+                req = from_preprocessed(request, self.splicer, self.context_length,
+                                        context.id() if context is not None else None)
+                params = self.sampling(req)
+                with tracing.within(root):
+                    prompt = await self.prepare(req, {})
+            except MMEncoderError as e:
+                raise worker_error(e) from None
+            n = 0
+            async for batch, _ in self.tokens(req, prompt, params, context):
+                n += 1
+                yield {**dynamo_chunk(batch.token_ids[0], batch.finish_reason, len(prompt.token_ids), n),
+                       **batch.logprob_fields()}
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.finish(root, error)
 
     async def decode(self, prompt: Prompt, max_tokens: int, params: SamplingParams, eos_token_ids: list[int],
                      context: Context | None = None) -> AsyncIterator[tuple[Step, int]]:

@@ -13,10 +13,11 @@ decoded media -> what its model takes) and `tokens` (generate from them).
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..client import HandleResolver
 from ..core.context import check_fits
@@ -24,9 +25,14 @@ from ..core.engine_reply import TokenBatch, Usage, refusal
 from ..core.engine_request import EngineRequest
 from ..core.errors import MMEncoderError
 from ..core.timing import ms_since
+from ..runtime import tracing
 from .inputs import Media, decode_media, fetch_bodies
 from .stream import batched, pacing
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+log = logging.getLogger(__name__)
 Inputs = TypeVar("Inputs")
 Sampling = TypeVar("Sampling")
 
@@ -58,18 +64,41 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
         the first)."""
 
     async def generate(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        """Our frontend's request, answered as `core.engine_reply` items."""
+        """Our frontend's request, answered as `core.engine_reply` items; traced as one span over its
+        steps' spans, a child of the frontend's engine call (the request's `trace`), else of the trace
+        Dynamo's request context carries."""
         timings: dict[str, float] = {}
         try:
             req = EngineRequest.from_dict(request)
-            sampling = self.sampling(req)
-            inputs = await self.prepare(req, timings)
-        except MMEncoderError as e:
+        except MMEncoderError as e:  # not a request of ours: nothing to trace
             yield refusal(e)
             return
-        async for batch in batched(self._with_usage(req, inputs, sampling, timings, context),
-                                   *pacing(req.stream, self.stream_interval_s)):
-            yield batch.to_dict()
+        # our frontend's trace (the request's `trace`), else Dynamo's; Dynamo's own spans of the call linked
+        dynamo = tracing.from_dynamo(context)
+        root = tracing.start("mm_engine.generate", tracing.extract(req.trace) if req.trace else dynamo,
+                             kind="server", links=(dynamo,) if req.trace else ())
+        error: BaseException | None = None
+        try:
+            try:
+                root.set_attributes({"mm_engine.request_id": req.request_id, "mm_engine.prompt_tokens":
+                                     len(req.token_ids), "mm_engine.media": len(req.media)})
+                with tracing.within(root):  # no yield inside: the fetch's spans (and log lines) are the request's
+                    log.debug("request %s: %d prompt tokens, %d media", req.request_id, len(req.token_ids),
+                              len(req.media))
+                    sampling = self.sampling(req)
+                    inputs = await self.prepare(req, timings)
+            except MMEncoderError as e:
+                root.set_attribute("mm_engine.refused", e.code)
+                yield refusal(e)
+                return
+            async for batch in batched(self._with_usage(req, inputs, sampling, timings, context, root),
+                                       *pacing(req.stream, self.stream_interval_s)):
+                yield batch.to_dict()
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.finish(root, error)
 
     async def prepare(self, req: EngineRequest, timings: dict[str, float]) -> Inputs:
         """Checked, fetched and decoded, before any model work: the context first (no fetch for a
@@ -77,9 +106,12 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
         the prompt the engine runs from here on."""
         self.check_fits(len(req.token_ids), req.max_tokens)
         t0 = time.perf_counter()
-        bodies = await fetch_bodies(req, self.resolver)
+        with tracing.span("handle_fetch", attributes={"mm_engine.media": len(req.media)}) as span:
+            bodies = await fetch_bodies(req, self.resolver)
+            span.set_attribute("mm_engine.bytes", sum(len(b) for b in bodies))
         t1 = time.perf_counter()
-        inputs = await self.inputs(req, await decode_media(req, bodies))
+        with tracing.span("handle_decode"):  # each body decoded once and checked against its handle
+            inputs = await self.inputs(req, await decode_media(req, bodies))
         timings["fetch"], timings["decode"] = (t1 - t0) * 1e3, ms_since(t1)
         return inputs
 
@@ -87,12 +119,29 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
         check_fits(prompt_tokens, max_tokens, self.context_length, self.context_name)
 
     async def _with_usage(self, req: EngineRequest, inputs: Inputs, sampling: Sampling, timings: dict[str, float],
-                          context: Any) -> AsyncIterator[TokenBatch]:
-        """The engine's batches, the first carrying the request's `Usage` (the frontend's /mm/stats)."""
+                          context: Any, root: Span) -> AsyncIterator[TokenBatch]:
+        """The engine's batches, the first carrying the request's `Usage` (the frontend's /mm/stats);
+        traced as a `prefill` span (to the first batch) and a `decode` span (the rest)."""
         t0 = time.perf_counter()
-        first = True
-        async for batch, reused in self.tokens(req, inputs, sampling, context):
-            if first:
-                batch.usage = Usage(len(req.token_ids), reused, {**timings, "prefill": ms_since(t0)})
-                first = False
-            yield batch
+        parent = tracing.context_of(root)
+        span = tracing.start("prefill", parent, attributes={"mm_engine.prompt_tokens": len(req.token_ids)})
+        first, tokens, finish = True, 0, None
+        error: BaseException | None = None
+        try:
+            async for batch, reused in self.tokens(req, inputs, sampling, context):
+                tokens += len(batch.token_ids)
+                finish = batch.finish_reason or finish
+                if first:
+                    batch.usage = Usage(len(req.token_ids), reused, {**timings, "prefill": ms_since(t0)})
+                    first = False
+                    span.set_attribute("mm_engine.reused_tokens", reused)
+                    tracing.finish(span)
+                    span = tracing.start("decode", parent)
+                yield batch
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if not first:
+                span.set_attributes({"mm_engine.completion_tokens": tokens, "mm_engine.finish_reason": finish or ""})
+            tracing.finish(span, error)

@@ -43,6 +43,7 @@ from ..core.errors import BadRequest
 from ..core.sampling import UNSUPPORTED, SamplingParams
 from ..families import VllmInput, read_config  # read_config: the checkpoint's config.json, before vLLM starts
 from ..routing import MediaSpan, block_mm_infos
+from ..runtime import logs
 from ..runtime.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,
@@ -51,7 +52,7 @@ from ..runtime.dynamo import (
     register_engine,
     serve_endpoint,
 )
-from ..runtime.process import LOG_FORMAT, parse_known_settings
+from ..runtime.process import parse_known_settings
 from .front_door import FrontDoor
 from .inputs import Media
 from .options import EngineOptions
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
     if parsed is None:
         return 2
     args, rest = parsed
-    logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    logs.configure(args.log_level)
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:

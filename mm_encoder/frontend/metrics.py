@@ -1,5 +1,7 @@
 """Prometheus metrics of the frontend's processors, appended to Dynamo's system `/metrics`
-(set DYN_SYSTEM_PORT): Dynamo owns the HTTP metrics; these add what only the processor knows."""
+(set DYN_SYSTEM_PORT): Dynamo owns the HTTP metrics (`dynamo_frontend_*`); these add what only the
+processor knows, as `dynamo_frontend_multimodal_*` (docs/observability.md has the table). 0.2's
+`mm_frontend_*` names are emitted too until 0.4 (`core.deprecated_metrics`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ..core import deprecated_metrics
+
+PREFIX = "dynamo_frontend_multimodal"
 
 
 class _ProcessorCollector(Collector):
@@ -25,15 +31,15 @@ class _ProcessorCollector(Collector):
             ("encoder_body_bytes", "Embedding bytes received from the encoders (0: handles only)"),
         )
         for key, doc in simple:
-            c = CounterMetricFamily(f"mm_frontend_{key}", doc, labels=["model"])
+            c = CounterMetricFamily(f"{PREFIX}_{key}", doc, labels=["model"])
             for s in snaps:
                 c.add_metric([s["model"]], s[key])
             yield c
-        errors = CounterMetricFamily("mm_frontend_errors", "Refused or failed requests by code",
+        errors = CounterMetricFamily(f"{PREFIX}_errors", "Refused or failed requests by code",
                                      labels=["model", "code"])
-        routed = CounterMetricFamily("mm_frontend_routed", "Requests routed per engine instance",
+        routed = CounterMetricFamily(f"{PREFIX}_routed", "Requests routed per engine instance",
                                      labels=["model", "worker"])
-        live = GaugeMetricFamily("mm_frontend_media_requests_in_flight",
+        live = GaugeMetricFamily(f"{PREFIX}_media_requests_in_flight",
                                  "Requests with media between encoding and the engine's first token",
                                  labels=["model"])
         for s in snaps:
@@ -49,6 +55,14 @@ class _ProcessorCollector(Collector):
 
 def exposition(snapshots: Callable[[], Iterable[dict[str, Any]]]) -> Callable[[], str]:
     """A zero-argument callback for `endpoint.metrics.register_prometheus_expfmt_callback`."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_ProcessorCollector(snapshots))
-    return lambda: generate_latest(registry).decode()
+    processors = registry(snapshots)
+    return lambda: generate_latest(processors).decode()
+
+
+def registry(snapshots: Callable[[], Iterable[dict[str, Any]]]) -> CollectorRegistry:
+    """The processors' metrics, and under 0.2's names until 0.4."""
+    out = CollectorRegistry(auto_describe=False)
+    processors = _ProcessorCollector(snapshots)
+    out.register(processors)
+    out.register(deprecated_metrics.DeprecatedAliases(processors, deprecated_metrics.FRONTEND))
+    return out

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..client.encoder import Encoded, EncoderClient
 from ..core.context import room
-from ..core.engine_reply import TokenBatch, parse_item
+from ..core.engine_reply import parse_item
 from ..core.engine_request import EngineRequest, InlineRequest, MediaInput
 from ..core.errors import (
     ContextOverflow,
@@ -38,11 +38,15 @@ from ..core.sampling import SamplingParams
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
 from ..routing import BlockMMInfo, MediaSpan, block_mm_infos
+from ..runtime import tracing
 from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large, payload
+from . import chunks
 from .chat import IncrementalDetokenizer, StopStrings, item_text, parse_messages, text_bytes
 from .hold import Capacity, Hold
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from ..runtime.dynamo import Context
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,14 @@ class _Sent:
     prompt_tokens: int | None  # None: the engine counts them (the aggregated baseline)
     timings: dict[str, float]  # shown at /mm/stats; the answer adds the engine's
     t0: float  # time.perf_counter() at dispatch
+    span: Span  # the engine's stream, from the send to its end (tracing)
+
+
+@dataclass
+class _EngineCall:
+    """The engine call's span, once `_send` starts it: its stream's span, which `_answer` ends."""
+
+    span: Span | None = None
 
 
 class Router(Protocol):
@@ -144,16 +156,30 @@ class MultimodalProcessor:
     async def generate(self, request: dict[str, Any], context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
         """One chat request: admitted (`_admit`), made ready and sent to an engine (`_dispatch`), its
         answer streamed back as OpenAI chunks (`_answer`). What it holds of this processor while in
-        flight is one `Hold`, given back whichever way the request ends."""
+        flight is one `Hold`, given back whichever way the request ends. Traced as one span, a
+        child of the client's trace as Dynamo's request context carries it, over its steps' spans."""
         self.last_request = time.monotonic()
-        self._admit()
-        hold = Hold(self.capacity, uuid.uuid4().hex, lambda rid: self._router_note(self.router.free, rid))
+        rid = uuid.uuid4().hex
+        root = tracing.start("mm_frontend.request", tracing.from_dynamo(context), kind="server",
+                             attributes={"mm_frontend.model": self.served_name, "mm_frontend.request_id": rid,
+                                         "dynamo.request_id": context.id() if context is not None else ""})
+        error: BaseException | None = None
         try:
-            sent = await self._dispatch(request, hold)
-            async for chunk in self._answer(sent, hold, context):
-                yield chunk
+            with tracing.within(root):
+                self._admit()
+            hold = Hold(self.capacity, rid, lambda rid: self._router_note(self.router.free, rid))
+            try:
+                with tracing.within(root):  # no yield inside: the steps' spans are children of the request's
+                    sent = await self._dispatch(request, hold)
+                async for chunk in self._answer(sent, hold, context):
+                    yield chunk
+            finally:
+                hold.release()
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            hold.release()
+            tracing.finish(root, error)
 
     def _admit(self) -> None:
         """Fewer than `max_inflight_requests` in flight, or a 503 at once: not a queue that grows
@@ -180,11 +206,14 @@ class MultimodalProcessor:
             # rendering and tokenizing a long prompt takes seconds: off the loop, so others are not
             # blocked; a short one takes less than the hop to a thread and back
             short = size <= INLINE_TEXT_BYTES
-            text = self.tok.render(messages) if short else await asyncio.to_thread(self.tok.render, messages)
+            with tracing.span("template", attributes={"mm_frontend.text_bytes": size}):
+                text = self.tok.render(messages) if short else await asyncio.to_thread(self.tok.render, messages)
             interim = self._interim(request, params)
-            stream, prompt_tokens = await self._media_path(hold, params, text, media, timings, interim, short)
+            call = _EngineCall()
+            stream, prompt_tokens = await self._media_path(hold, params, text, media, timings, interim, short, call)
+            assert call.span is not None  # `_send` started it
             hold.sent()
-            return _Sent(rid, params, stream, prompt_tokens, timings, t0)
+            return _Sent(rid, params, stream, prompt_tokens, timings, t0, call.span)
         except MMEncoderError as e:
             self.stats.errors[e.code] += 1
             log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
@@ -195,11 +224,13 @@ class MultimodalProcessor:
             raise internal_error(e) from None
 
     async def _by_handle(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
-                         timings: dict[str, float], interim: bool, short: bool) -> tuple[AsyncIterator[Any], int]:
+                         timings: dict[str, float], interim: bool, short: bool,
+                         call: _EngineCall) -> tuple[AsyncIterator[Any], int]:
         """Every item encoded (its header and handle), the prompt expanded, routed on (tokens,
         [mm_hash]) and sent by handle: the engine's stream and the prompt's length."""
         if media:
-            await hold.take_media_slot()
+            with tracing.span("admission", attributes={"mm_frontend.media_waiting": self.capacity.waiting}):
+                await hold.take_media_slot()
         t_enc = time.perf_counter()
         encoded: list[Encoded] = []
         if media:
@@ -208,8 +239,10 @@ class MultimodalProcessor:
         timings["encode_ms"] = ms_since(t_enc)
         self.stats.media_items += len(media)
         grids = [(e.handle.header.modality, e.handle.num_tokens, e.handle.header.timestamps) for e in encoded]
-        spliced = (self.splicer.expand_text(text, grids) if short and not encoded
-                   else await asyncio.to_thread(self.splicer.expand_text, text, grids))
+        with tracing.span("splice+tokenize") as span:
+            spliced = (self.splicer.expand_text(text, grids) if short and not encoded
+                       else await asyncio.to_thread(self.splicer.expand_text, text, grids))
+            span.set_attribute("mm_frontend.prompt_tokens", len(spliced.token_ids))
         # each item's one record from here on: its handle, its spans in the prompt (and its body,
         # in the body transport); routing, the stats and the engine request all read it
         items = [MediaInput(e.handle, list(spans), e.body)
@@ -217,16 +250,19 @@ class MultimodalProcessor:
         prompt_tokens = len(spliced.token_ids)
         max_tokens = self.max_tokens_for(params, prompt_tokens)
         t_route = time.perf_counter()
-        infos = block_mm_infos(prompt_tokens, self.block_size,
-                               [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
-        worker_id, overlap = await self._route(hold, spliced.token_ids, infos)
+        with tracing.span("route") as span:
+            infos = block_mm_infos(prompt_tokens, self.block_size,
+                                   [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
+            worker_id, overlap = await self._route(hold, spliced.token_ids, infos)
+            span.set_attributes({"mm_frontend.worker_id": str(worker_id), "mm_frontend.overlap_blocks": overlap})
         timings["route_ms"] = ms_since(t_route)
-        self.stats.recent.append({"request_id": hold.rid, "worker_id": worker_id, "overlap_blocks": overlap,
+        self.stats.recent.append({"request_id": hold.rid, "trace_id": tracing.trace_id(), "worker_id": worker_id,
+                                  "overlap_blocks": overlap,
                                   "prompt_tokens": prompt_tokens, "media": [m.mm_hash for m in items],
                                   "timings": timings})
         payload = EngineRequest(hold.rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
                                 sampling=params.to_dict(), stream=interim).to_dict()
-        return await self._send(payload, worker_id), prompt_tokens
+        return await self._send(payload, worker_id, call), prompt_tokens
 
     async def _route(self, hold: Hold, token_ids: list[int],
                      infos: list[BlockMMInfo | None] | None = None) -> tuple[int, int]:
@@ -246,6 +282,8 @@ class MultimodalProcessor:
         when they decode to no text yet), with exact stop-string semantics over batched items."""
         rid, params, timings = sent.rid, sent.params, sent.timings
         created = int(time.time())
+        error: BaseException | None = None
+        finish: str | None = None
         detok = IncrementalDetokenizer(self.tok)
         stops = StopStrings(params.stop)
         prompt_tokens = sent.prompt_tokens
@@ -262,6 +300,7 @@ class MultimodalProcessor:
                 if first:
                     first = False
                     timings["first_token_ms"] = ms_since(sent.t0)
+                    sent.span.add_event("first_item")
                     usage = data.usage
                     for stage, ms in (usage.timings_ms if usage else {}).items():  # fetch, decode, prefill
                         timings[f"engine_{stage}_ms"] = ms
@@ -276,9 +315,9 @@ class MultimodalProcessor:
                     finish = "stop"
                     data = data.first(used)
                 assert prompt_tokens is not None  # the engine's count, from its first item, where not ours
-                logprobs = self._logprobs(data, params.top_logprobs) if params.logprobs else None
-                yield self._chunk(rid, created, {"role": "assistant", "content": delta}, finish, prompt_tokens,
-                                  len(detok.ids), logprobs)
+                lp = chunks.logprobs(self.tok, data, params.top_logprobs) if params.logprobs else None
+                yield chunks.chunk(rid, created, self.served_name, {"role": "assistant", "content": delta}, finish,
+                                   prompt_tokens, len(detok.ids), lp)
                 if finish:
                     break
                 if context is not None and context.is_stopped():
@@ -286,7 +325,15 @@ class MultimodalProcessor:
         except EngineUnavailable as e:  # the engine died mid-stream: a retryable 5xx, not the client's fault
             self.stats.errors[e.code] += 1
             log.warning("request %s: [%s] %s", rid, e.code, e.message)
+            error = e
             raise client_error(e) from None
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            sent.span.set_attributes({"mm_frontend.finish_reason": finish or "", "mm_frontend.completion_tokens":
+                                      len(detok.ids)})
+            tracing.finish(sent.span, error)
 
     @staticmethod
     def _interim(request: dict[str, Any], params: SamplingParams) -> bool:
@@ -314,24 +361,40 @@ class MultimodalProcessor:
         fut.add_done_callback(done)
 
     async def _inline(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
-                      timings: dict[str, float], interim: bool, short: bool) -> tuple[AsyncIterator[Any], None]:
+                      timings: dict[str, float], interim: bool, short: bool,
+                      call: _EngineCall) -> tuple[AsyncIterator[Any], None]:
         """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
         engine fetch, encode and expand; the engine's stream (the engine counts the prompt)."""
         flat = await asyncio.to_thread(self.tok.encode, text)
         asked = params.max_tokens or self.limits.default_max_tokens
         worker_id, overlap = await self._route(hold, flat)
         self.stats.media_items += len(media)
-        self.stats.recent.append({"request_id": hold.rid, "worker_id": worker_id, "overlap_blocks": overlap,
+        self.stats.recent.append({"request_id": hold.rid, "trace_id": tracing.trace_id(), "worker_id": worker_id,
+                                  "overlap_blocks": overlap,
                                   "prompt_tokens": None, "media": [m.url[:64] for m in media],
                                   "timings": timings})  # the engine's timings and reused tokens, once known
         payload = InlineRequest(hold.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
                                 stream=interim,
                                 prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
-        return await self._send(payload.to_dict(), worker_id), None
+        return await self._send(payload.to_dict(), worker_id, call), None
 
-    async def _send(self, payload: dict[str, Any], worker_id: int) -> AsyncIterator[Any]:
+    async def _send(self, payload: dict[str, Any], worker_id: int, call: _EngineCall) -> AsyncIterator[Any]:
         """Send to the routed engine; if it is unreachable (a crashed engine stays in file discovery
-        for a while), try once more on another registered instance."""
+        for a while), try once more on another registered instance. The engine's request carries
+        this call's trace (`trace`): Dynamo's request plane does not carry a Python caller's."""
+        call.span = span = tracing.start("engine", kind="client", attributes={"mm_frontend.worker_id": str(worker_id)})
+        headers: dict[str, str] = {}
+        tracing.inject(headers, tracing.context_of(span))
+        if headers:  # the engine's spans continue this one (`EngineRequest.trace`)
+            payload["trace"] = headers
+        try:
+            return await self._direct(payload, worker_id)
+        except BaseException as e:
+            tracing.finish(span, e)
+            raise
+
+    async def _direct(self, payload: dict[str, Any], worker_id: int) -> AsyncIterator[Any]:
+        """The routed engine's stream, else another instance's once."""
         try:
             return await self.engine_client.direct(payload, worker_id)
         except Exception as e:
@@ -346,43 +409,6 @@ class MultimodalProcessor:
             return await self.engine_client.direct(payload, others[0])
         except Exception as e:
             raise EngineUnavailable(f"no engine reachable: {e}") from None
-
-    def _logprobs(self, data: TokenBatch, top: int) -> dict[str, Any]:
-        """The engine's logprobs for this step's tokens in OpenAI's form (`choices[].logprobs`): per
-        token its text, log-probability and bytes, and the `top` most likely tokens by rank. The
-        engine's per-position records (Dynamo's convention: the chosen token among them) carry each
-        token's text and bytes; a token without them is decoded here."""
-        def entry(record: dict[str, Any]) -> dict[str, Any]:
-            tid = int(record["token_id"])
-            text, raw = record.get("token"), record.get("bytes")
-            return {"token": text if isinstance(text, str) else self.tok.token_text(tid),
-                    "logprob": float(record["logprob"]),
-                    "bytes": raw if isinstance(raw, list) else list(self.tok.token_bytes(tid))}
-
-        content = []
-        for tid, lp, position in zip(data.token_ids, data.log_probs or [], data.top_logprobs or [], strict=False):
-            ranked = sorted((r for r in position if isinstance(r, dict)), key=lambda r: r.get("rank", 1 << 30))
-            chosen = next((r for r in ranked if r.get("token_id") == tid), {})
-            content.append({**entry({**chosen, "token_id": tid, "logprob": lp}),
-                            "top_logprobs": [entry(r) for r in ranked[:top]]})
-        return {"content": content}
-
-    def _chunk(self, rid: str, created: int, delta: dict[str, Any], finish: str | None, prompt: int, completion: int,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-        if logprobs is not None:
-            choice["logprobs"] = logprobs
-        chunk = {
-            "id": f"chatcmpl-{rid}",
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.served_name,
-            "choices": [choice],
-        }
-        if finish:
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                              "total_tokens": prompt + completion}
-        return chunk
 
     @property
     def inflight(self) -> int:

@@ -16,8 +16,9 @@ from typing import Any
 from aiohttp import web
 
 from ..core.errors import MMEncoderError
+from ..runtime import logs
 from ..runtime.dynamo import PLANNER_COMPONENT, PLANNER_ENDPOINT, endpoint_path, planner_connector, serve_endpoint
-from ..runtime.process import LOG_FORMAT, Lifecycle, parse_settings, run
+from ..runtime.process import Lifecycle, parse_settings, run
 from .service import EncodePlanner, load_path
 from .settings import PlannerSettings
 
@@ -66,7 +67,7 @@ async def serve(s: PlannerSettings) -> None:
         await _refuse_a_rival(await rt.endpoint(path).client(), s.namespace)
         connector = planner_connector(s.connector, rt, s.namespace, s.model_name, s.component)
         # importing Dynamo's planner hands the root logger to Dynamo's (DYN_LOG-filtered) bridge: ours again
-        logging.basicConfig(level=s.log_level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+        logs.configure(s.log_level, force=True)
         await connector.async_init()
         load = await rt.endpoint(load_path(s.namespace)).client()
         planner = EncodePlanner(s, load, connector)

@@ -5,7 +5,7 @@ their counters; `signals.Fleet` turns them into rates, `policy.Policy` into a re
 change goes to Dynamo's planner connector as the encoder component's `TargetReplica`
 (`runtime.dynamo.encoder_target`), without waiting for it to be carried out. While the fleet is
 not yet at what was last asked for, the planner holds. Each decision is one log line, the
-`mm_encoder_planner_*` metrics and `GET /status` (what `mm-encoder status` shows)."""
+`dynamo_planner_encode_*` metrics and `GET /status` (what `mm-encoder status` shows)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from ..runtime.dynamo import ENCODER_COMPONENT, LOAD_ENDPOINT, encoder_target, endpoint_path, payload
+from ..core.prom import WithLabels
+from ..runtime.dynamo import (
+    ENCODER_COMPONENT,
+    LOAD_ENDPOINT,
+    NAMESPACE,
+    PLANNER_COMPONENT,
+    encoder_target,
+    endpoint_path,
+    payload,
+)
 from .policy import Decision, Policy
 from .settings import PlannerSettings
 from .signals import Fleet, FleetSignals, Snapshot
@@ -28,26 +37,30 @@ if TYPE_CHECKING:
     from ..runtime.dynamo import Client
 
 log = logging.getLogger("mm_encoder.planner")
+PREFIX = "dynamo_planner_encode"
 
 
 class PlannerMetrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.replicas = Gauge("mm_encoder_planner_replicas", "Encoders: wanted (the last decision) and running "
-                              "(in discovery)", ["state"], registry=r)
-        self.decisions = Counter("mm_encoder_planner_decisions", "Decisions by action (up, down, hold)", ["action"],
-                                 registry=r)
-        self.errors = Counter("mm_encoder_planner_apply_errors", "Decisions the connector failed to apply",
-                              registry=r)
-        self.stale = Gauge("mm_encoder_planner_holding_stale", "1 while missing or stale load data holds the fleet",
-                           registry=r)
-        self.demand = Gauge("mm_encoder_planner_demand_patches_per_second", "Patches admitted per second, all "
-                            "encoders", registry=r)
-        self.capacity = Gauge("mm_encoder_planner_capacity_patches_per_second", "Measured capacity per encoder",
-                              registry=r)
-        self.busy = Gauge("mm_encoder_planner_busy", "Forward seconds per second, all encoders", registry=r)
-        self.wait_p95 = Gauge("mm_encoder_planner_queue_wait_p95_seconds", "p95 queue wait over the window "
-                              "(NaN: nothing waited)", registry=r)
+    """`dynamo_planner_encode_*`: Dynamo's planner prefix (its own are `dynamo_planner_*`) and what this
+    one plans; every sample labelled with the namespace it plans and its component (encode_planner)."""
+
+    def __init__(self, namespace: str = NAMESPACE) -> None:
+        self.own = r = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(WithLabels(r, {"dynamo_namespace": namespace, "dynamo_component": PLANNER_COMPONENT}))
+        p = PREFIX
+        self.replicas = Gauge(f"{p}_replicas", "Encoders: wanted (the last decision) and running (in discovery)",
+                              ["state"], registry=r)
+        self.decisions = Counter(f"{p}_decisions", "Decisions by action (up, down, hold)", ["action"], registry=r)
+        self.errors = Counter(f"{p}_apply_errors", "Decisions the connector failed to apply", registry=r)
+        self.stale = Gauge(f"{p}_holding_stale", "1 while missing or stale load data holds the fleet", registry=r)
+        self.demand = Gauge(f"{p}_demand_patches_per_second", "Patches admitted per second, all encoders",
+                            registry=r)
+        self.capacity = Gauge(f"{p}_capacity_patches_per_second", "Measured capacity per encoder", registry=r)
+        self.busy = Gauge(f"{p}_busy_seconds_per_second", "Forward seconds per second, all encoders (the sum of "
+                          "their busy fractions)", registry=r)
+        self.wait_p95 = Gauge(f"{p}_queue_wait_p95_seconds", "p95 queue wait over the window (NaN: nothing "
+                              "waited)", registry=r)
 
     def record(self, d: Decision, running: int, sig: FleetSignals) -> None:
         self.decisions.labels(d.action).inc()
@@ -68,7 +81,7 @@ class EncodePlanner:
         self.s, self.load, self.connector, self.clock = s, load, connector, clock
         self.fleet = Fleet(s.window_s, s.stale_after_s)
         self.policy = Policy(s)
-        self.metrics = PlannerMetrics()
+        self.metrics = PlannerMetrics(s.namespace)
         self.wanted: int | None = None  # the last count asked for (None: take what is running)
         self.unsettled_since: float | None = None  # since when the running count differs from `wanted`
         self.running = 0

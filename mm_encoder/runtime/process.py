@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -17,12 +16,12 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource
 
 from ..core.errors import MMEncoderError
+from . import logs, tracing
 
 if TYPE_CHECKING:
     from .dynamo import DistributedRuntime
 
 S = TypeVar("S", bound=BaseSettings)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def parse_settings(cls: type[S], argv: list[str] | None, check: Callable[[S], Any] | None = None) -> S | None:
@@ -90,7 +89,7 @@ def stop_on_signals() -> asyncio.Event:
 
 def run(main: Coroutine[Any, Any, Any], log_level: str = "INFO") -> int:
     """Run `main` to its end; 0, or 1 with the error on stderr."""
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logs.configure(log_level)
     runner = asyncio.run
     with contextlib.suppress(ImportError):
         import uvloop
@@ -115,7 +114,8 @@ class Lifecycle:
     frontend): a stop event set by SIGTERM/SIGINT, Dynamo's runtime made on first use, the tasks
     it serves, the one ready line the launcher waits for, and the shutdown: the process's own
     steps (`on_stop`, last registered first), then the runtime, then the served tasks (each given
-    `grace_s` to finish), then what must outlive them (`on_exit`).
+    `grace_s` to finish), then what must outlive them (`on_exit`), the trace exporter's flush last
+    (tracing from the standard OpenTelemetry environment, `runtime.tracing`).
 
         async with Lifecycle("mm-encoder engine") as life:
             endpoint = life.runtime.endpoint(path)
@@ -135,6 +135,9 @@ class Lifecycle:
 
     async def __aenter__(self) -> Lifecycle:
         self.stop = stop_on_signals()
+        provider = tracing.setup(self.name.replace(" ", "-"))  # None unless the environment asks (tracing.py)
+        if provider is not None:  # last of all: what is still batched goes out once the process is done
+            self._on_exit.insert(0, provider.shutdown)
         return self
 
     @property

@@ -23,6 +23,9 @@ from opentelemetry.context import Context as Context  # re-exported: the rooms' 
 log = logging.getLogger(__name__)
 TRACER = "mm_encoder"
 _KINDS = {"server": trace.SpanKind.SERVER, "client": trace.SpanKind.CLIENT, "internal": trace.SpanKind.INTERNAL}
+# This process's tracer once `setup` has turned tracing on; None (off): every function below takes
+# its shortest way (the API's invalid span, no context work), so off costs next to nothing.
+_tracer: trace.Tracer | None = None
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -60,18 +63,47 @@ def setup(service_name: str, environ: Mapping[str, str] = os.environ) -> Any | N
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    global _tracer
+    _tracer = provider.get_tracer(TRACER)
     log.info("tracing: spans go over OTLP (%s) as service %s", protocol or "http/protobuf", name)
     return provider
 
 
-def extract(carrier: Mapping[str, str]) -> Context:
+def component_env(environ: Mapping[str, str], service: str, instance: str | None = None) -> dict[str, str]:
+    """What a launcher sets in one component's environment when tracing is on (else nothing): its
+    service name and replica (`service.instance.id`), Dynamo's own switch (its runtime then continues a client's
+    `traceparent` into the request context, `Context.trace_headers`, and exports its own spans, the
+    parents of ours) and one protocol for both exporters (Dynamo's default is grpc, the SDK's
+    http/protobuf)."""
+    if not enabled(environ):
+        return {}
+    defaults = {"OTEL_EXPORT_ENABLED": "true", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    out = {**{k: v for k, v in defaults.items() if k not in environ}, "OTEL_SERVICE_NAME": service}
+    attributes = environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    if instance and "service.instance.id=" not in attributes:
+        out["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(filter(None, (attributes, f"service.instance.id={instance}")))
+    return out
+
+
+def extract(carrier: Mapping[str, str] | None) -> Context:
     """The caller's trace context from its headers (`traceparent`, `tracestate`); empty without them."""
-    return propagate.extract(carrier)
+    return propagate.extract(carrier or {})
 
 
-def inject(carrier: MutableMapping[str, str]) -> None:
-    """The current span's context into outgoing headers, so the next process continues the trace."""
-    propagate.inject(carrier)
+def from_dynamo(context: Any) -> Context:
+    """The trace a Dynamo request context carries (`Context.trace_headers()`: set when Dynamo's
+    runtime traces, OTEL_EXPORT_ENABLED); empty for none or a context without it."""
+    if _tracer is None:
+        return Context()
+    headers = getattr(context, "trace_headers", None)
+    return extract(headers() if callable(headers) else None)
+
+
+def inject(carrier: MutableMapping[str, str], context: Context | None = None) -> None:
+    """The current span's context (or `context`'s) into outgoing headers, so the next process
+    continues the trace; nothing when there is no recorded trace."""
+    if _tracer is not None:
+        propagate.inject(carrier, context=context)
 
 
 @contextlib.contextmanager
@@ -79,9 +111,45 @@ def span(name: str, parent: Context | None = None, *, kind: str = "internal",
          attributes: Mapping[str, str | int | float | bool] | None = None) -> Iterator[trace.Span]:
     """A span around a block, a child of `parent` (else of the current span); an exception escaping
     the block is recorded on it and marks it as an error."""
-    tracer = trace.get_tracer(TRACER)
-    with tracer.start_as_current_span(name, context=parent, kind=_KINDS[kind], attributes=attributes) as s:
+    if _tracer is None:
+        yield trace.INVALID_SPAN
+        return
+    with _tracer.start_as_current_span(name, context=parent, kind=_KINDS[kind], attributes=attributes) as s:
         yield s
+
+
+def start(name: str, parent: Context | None = None, *, kind: str = "internal",
+          attributes: Mapping[str, str | int | float | bool] | None = None,
+          links: tuple[Context, ...] = ()) -> trace.Span:
+    """A span that is not made current, for a stretch that crosses `yield`s (a stream): end it with
+    `finish`; `within(span)` makes it the parent of what a block starts. `links`: other traces'
+    spans it relates to (e.g. Dynamo's own spans of the same call)."""
+    if _tracer is None:
+        return trace.INVALID_SPAN
+    linked = [trace.Link(c) for c in (trace.get_current_span(ctx).get_span_context() for ctx in links) if c.is_valid]
+    return _tracer.start_span(name, context=parent, kind=_KINDS[kind], attributes=attributes, links=linked)
+
+
+def within(s: trace.Span) -> contextlib.AbstractContextManager[trace.Span]:
+    """`s` as the current span inside a block (no `yield` of an async generator inside it), not ended after."""
+    if _tracer is None:
+        return contextlib.nullcontext(s)
+    return trace.use_span(s, end_on_exit=False)
+
+
+def finish(s: trace.Span, error: BaseException | None = None) -> None:
+    """End a `start`ed span, marked as an error if `error` (a cancelled stream is not one)."""
+    if not s.is_recording():
+        return
+    if error is not None and not isinstance(error, GeneratorExit):
+        s.record_exception(error)
+        s.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    s.end()
+
+
+def context_of(s: trace.Span) -> Context:
+    """A context whose current span is `s`: the explicit parent of spans under it."""
+    return trace.set_span_in_context(s)
 
 
 def trace_id() -> str | None:
