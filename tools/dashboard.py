@@ -4,7 +4,7 @@
     python tools/dashboard.py --check    # exit 1 when the committed JSON is not what this builds
 
 The JSON ships in the wheel; `mm-encoder render-k8s` wraps it in a ConfigMap for Grafana's sidecar
-(deploy/dashboards.py). Every query names metrics the package exports (tests/test_dashboard.py);
+(deploy/grafana.py). Every query names metrics the package exports (tests/test_dashboard.py);
 what each metric means: docs/observability.md "Metrics".
 """
 
