@@ -17,4 +17,5 @@ benchmarks run as `python -m bench.<name>` from the root). Not shipped: the whee
 - glm: a tiny GLM-4.1V for vLLM's GLM plugin (tests/vllm and bench/gpu_vllm.py).
 - k8s_schema: the DynamoGraphDeployment schema the manifests are checked against.
 - venvs: vLLM's virtualenv, waited for while `make test` builds it.
+- certs: a deployment's CA and components' certificates, and the bad ones red-team tests present.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import sys
 
 from aiohttp import web
@@ -43,6 +44,9 @@ class Worker:
         self.service: EncodeService | None = None
         self.http_runner: web.AppRunner | None = None
         self.http_port: int | None = None
+        self.ops_runner: web.AppRunner | None = None  # with TLS: health and metrics in plaintext
+        self.ops_port: int | None = None
+        self.tls: ssl.SSLContext | None = None  # the HTTPS port's context (its files re-read by `reload_tls`)
         self.dynamo: DynamoServer | None = None
         self.stock: StockEncoder | None = None
         self._stopped: asyncio.Future[None] | None = None
@@ -54,8 +58,15 @@ class Worker:
         service = self.service = EncodeService(self.encoder, s)
         await service.start()
         if s.http_port >= 0:
-            self.http_runner, self.http_port = await start_http(service, s.http_host, s.http_port)
-            log.info("HTTP on http://%s:%d (POST /v1/encode)", s.http_host, self.http_port)
+            self.tls = s.server_context() if s.tls else None
+            callers = frozenset(s.tls_allow) if s.tls else None
+            self.http_runner, self.http_port = await start_http(service, s.http_host, s.http_port,
+                                                                ssl_context=self.tls, callers=callers)
+            scheme = "https" if s.tls else "http"
+            log.info("HTTP on %s://%s:%d (POST /v1/encode)%s", scheme, s.http_host, self.http_port,
+                     f"; callers: {', '.join(sorted(callers))}" if callers else "")
+        if s.tls and s.ops_port >= 0:
+            self.ops_runner, self.ops_port = await start_http(service, s.http_host, s.ops_port, ops=True)
         if s.dynamo:
             dynamo = self.dynamo = DynamoServer(service, make_runtime(asyncio.get_running_loop()), s.namespace)
             await dynamo.start()
@@ -81,8 +92,9 @@ class Worker:
         if self.stock is not None:
             await self.stock.stop(timeout)
         await drained
-        if self.http_runner is not None:
-            await self.http_runner.cleanup()
+        for runner in (self.http_runner, self.ops_runner):
+            if runner is not None:
+                await runner.cleanup()
         await service.close()
         log.info("stopped")
 
@@ -104,7 +116,9 @@ async def serve(settings: WorkerSettings) -> None:
         life.on_stop(worker.stop)
         await worker.start()
         assert worker.encoder is not None  # start() loaded it
-        life.ready(model=worker.encoder.spec.name, http_port=worker.http_port, dynamo=settings.dynamo)
+        ops = {"ops_port": worker.ops_port} if worker.ops_port is not None else {}
+        life.ready(model=worker.encoder.spec.name, http_port=worker.http_port, dynamo=settings.dynamo,
+                   tls=settings.tls, **ops)
         await life.wait()
         log.info("signal received: draining")
 

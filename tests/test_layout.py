@@ -20,20 +20,23 @@ ALLOWED = {
     "model": {"core", "kernels", "families"},
     "runtime": {"core"},
     "fetch": {"core"},
-    "encode_worker": {"core", "runtime", "model", "fetch"},
-    "client": {"core", "runtime"},
-    "frontend": {"core", "runtime", "routing", "client", "families"},
-    "engines": {"core", "runtime", "routing", "fetch", "model", "client", "families"},
+    "encode_worker": {"core", "runtime", "model", "fetch", "security"},
+    "client": {"core", "runtime", "security"},
+    "frontend": {"core", "runtime", "routing", "client", "families", "security"},
+    "engines": {"core", "runtime", "routing", "fetch", "model", "client", "families", "security"},
     "planner": {"core", "runtime"},  # the encode planner: signals, policy, Dynamo's connectors (through runtime)
-    "deploy": {"core", "runtime", "planner.settings"},  # a planner's options, checked before anything starts
+    # a planner's options, checked before anything starts; the certificates and TLS options of a graph
+    "deploy": {"core", "runtime", "planner.settings", "security"},
     "capacity": {"core", "families"},  # the capacity model: registry specs, the families' torch-free resize rules
+    "security": {"core"},  # the deployment's CA and certificates, SSL contexts and the hop policy
 }
 TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt", "mm_encoder.core.card",
               "mm_encoder.core.requests", "mm_encoder.runtime.dynamo", "mm_encoder.frontend",
               "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.client", "mm_encoder.fetch",
               "mm_encoder.engines.model_dir", "mm_encoder.families", "mm_encoder.families.card",
               "mm_encoder.deploy.local", "mm_encoder.deploy.k8s", "mm_encoder.deploy.cache_tiers",
-              "mm_encoder.deploy.status", "mm_encoder.planner", "mm_encoder.planner.__main__"]
+              "mm_encoder.deploy.status", "mm_encoder.planner", "mm_encoder.planner.__main__",
+              "mm_encoder.security", "mm_encoder.security.pki"]
 MAX_LINES = 450
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from typing import Any
 
 import aiohttp
@@ -26,17 +27,23 @@ log = logging.getLogger(__name__)
 
 class EncoderChain:
     """The encoders as one component reaches them: the HTTP cache chain first (`http_url`, the first
-    tier or a worker), Dynamo RPC (`rpc_client`) when the chain itself fails or is not configured."""
+    tier or a worker), Dynamo RPC (`rpc_client`) when the chain itself fails or is not configured.
+    With `tls` (this component's client context, `security.tls`) the chain is HTTPS, the server
+    checked against the deployment's CA and this component's certificate presented."""
 
     def __init__(self, *, http_url: str | None = None, route: str = "cluster,shared", rpc_client: Any = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, tls: ssl.SSLContext | None = None):
         if http_url is None and rpc_client is None:
             raise ValueError("EncoderChain needs an HTTP cache chain, a Dynamo RPC client, or both")
+        if http_url is not None and (tls is not None) != http_url.startswith("https://"):
+            raise ValueError(f"cache chain {http_url}: " + ("with TLS the chain is an https:// URL" if tls else
+                                                            "an https:// chain needs this component's TLS files"))
         if not ROUTE.fullmatch(route):
             raise ValueError(f"cache route {route!r} is not a comma-separated list of tier names")
         self.http_url = chain_url(http_url) if http_url else None
         self.route = route
         self.rpc_client = rpc_client
+        self.tls = tls
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
         self.fallbacks = 0
@@ -73,7 +80,10 @@ class EncoderChain:
 
     async def _http(self, chain: str, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES)
+            # one pool per chain: connections (and, with TLS, sessions) are kept and reused
+            connector = aiohttp.TCPConnector(ssl=self.tls) if self.tls is not None else None
+            self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES,
+                                                  connector=connector)
         headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
         tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")

@@ -11,6 +11,7 @@ here (POST through the chain) and sent to the engine with the handle.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +36,14 @@ class Encoded:
 class EncoderClient:
     def __init__(self, model: str, *, http_url: str | None = None, route: str = "cluster,shared",
                  rpc_client: Any = None, timeout_s: float = 600.0, scope: str = "", namespace: str | None = None,
-                 send_bodies: bool = False, revision: str | None = None, dtype: WireDtype | None = None):
+                 send_bodies: bool = False, revision: str | None = None, dtype: WireDtype | None = None,
+                 tls: ssl.SSLContext | None = None):
         self.model = model
         self.revision = revision  # the checkpoint's: an encoder serving another refuses, a tier never mixes them
         self.dtype = dtype  # the engines' rows: likewise
         self.send_bodies = send_bodies
         self.scope = scope
-        self.chain = EncoderChain(http_url=http_url, route=route, rpc_client=rpc_client, timeout_s=timeout_s)
+        self.chain = EncoderChain(http_url=http_url, route=route, rpc_client=rpc_client, timeout_s=timeout_s, tls=tls)
         self.rpc_path = endpoint_path(namespace, ENCODER_COMPONENT, ENCODE_ENDPOINT) if namespace else None
         self.calls = 0
 

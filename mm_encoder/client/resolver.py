@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from ..core.errors import HandleError
@@ -15,9 +16,10 @@ class HandleResolver:
     engine's own RPC client to the encode workers as the fallback."""
 
     def __init__(self, trusted_chains: list[str] | tuple[str, ...] = (), rpc_client: Any = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, tls: ssl.SSLContext | None = None):
         self.trusted = {chain_url(c) for c in trusted_chains}
         self.rpc_client = rpc_client
+        self.tls = tls  # this engine's client context, for https:// chains
         self.timeout_s = timeout_s
         self._chains: dict[tuple[str | None, str], EncoderChain] = {}
         self.fetches = 0
@@ -33,7 +35,7 @@ class HandleResolver:
         key = (chain, handle.route)
         if key not in self._chains:
             self._chains[key] = EncoderChain(http_url=chain, route=handle.route, rpc_client=self.rpc_client,
-                                             timeout_s=self.timeout_s)
+                                             timeout_s=self.timeout_s, tls=self.tls)
         return self._chains[key]
 
     async def body(self, handle: MediaHandle) -> bytes:

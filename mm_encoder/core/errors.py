@@ -100,6 +100,13 @@ class DtypeMismatch(MMEncoderError):
     http_status = 409
 
 
+class ForbiddenPeer(MMEncoderError):
+    """A peer with a valid certificate whose role may not call this hop (`security.tls.allowed`)."""
+
+    code = "forbidden_peer"
+    http_status = 403
+
+
 class RequestTooLarge(MMEncoderError):
     code = "request_too_large"
     http_status = 413

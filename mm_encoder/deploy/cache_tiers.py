@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict, SettingsError
+from pydantic_settings import CliPositionalArg, SettingsConfigDict, SettingsError
 
 from ..core.errors import CacheTierError, MMEncoderError
 from ..core.registry import config_dir
+from ..security.pki import ROLES
+from ..security.tls import HOP_CALLERS, TlsOptions
 
 PACKAGES = "nginx libnginx-mod-http-lua lua-nginx-string"
 MODULE_DIRS = ("/usr/lib/nginx/modules", "/usr/lib64/nginx/modules", "/usr/share/nginx/modules")
@@ -48,8 +50,10 @@ class _Template(string.Template):
     delimiter = "@"  # nginx and Lua use `$` themselves
 
 
-class TierConfig(BaseSettings):
-    """One nginx process: a cache tier (`cluster` or `shared`) or the stateless `router`."""
+class TierConfig(TlsOptions):
+    """One nginx process: a cache tier (`cluster` or `shared`) or the stateless `router`; with
+    --tls-cert/--tls-key/--tls-ca, HTTPS to callers whose certificate's role is in --tls-allow and
+    HTTPS to the next level, the tier's status in plaintext on --ops-listen only."""
 
     model_config = SettingsConfigDict(
         env_prefix="MM_CACHE_", extra="forbid", frozen=True, populate_by_name=True,
@@ -75,6 +79,12 @@ class TierConfig(BaseSettings):
     workers: str = "auto"
     drop_client_key: bool = Field(False, description="ignore a client's X-Cache-Key (the outermost tier)")
     log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
+    tls_allow: tuple[str, ...] = Field((), description="with TLS: the roles (certificate OU) that may call this "
+                                       "tier (default: security.tls.HOP_CALLERS for the tier)")
+    tls_server_name: str = Field("localhost", pattern=r"^[A-Za-z0-9.-]+$",
+                                 description="with TLS: the name the next level's certificate must carry")
+    ops_listen: str | None = Field(None, description="with TLS: host:port for /_cache/stats, /_cache/health and "
+                                                     "/_cache/status in plaintext (loopback or the pod network)")
     user: str = Field(
         "root", pattern=r"^[A-Za-z0-9_.-]+( [A-Za-z0-9_.-]+)?$",
         description="worker user when started as root (nginx `user`); non-root starts ignore it. root by "
@@ -87,6 +97,19 @@ class TierConfig(BaseSettings):
     def _address(cls, v: str) -> str:
         if not _ADDRESS.match(v):
             raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @field_validator("ops_listen")
+    @classmethod
+    def _ops_address(cls, v: str | None) -> str | None:
+        return None if v is None else cls._address(v)
+
+    @field_validator("tls_allow")
+    @classmethod
+    def _roles(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [r for r in v if r not in ROLES]
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; roles are {', '.join(ROLES)}")
         return v
 
     @field_validator("next", "direct", "shards")
@@ -128,7 +151,14 @@ class TierConfig(BaseSettings):
             raise ValueError(f"a {self.tier} tier needs --next (the next level, or the encoders)")
         elif self.shards:
             raise ValueError("--shard is for the router")
+        if (self.ops_listen is not None or self.tls_allow) and not self.tls:
+            raise ValueError("--ops-listen and --tls-allow go with TLS (--tls-cert, --tls-key, --tls-ca)")
         return self
+
+    @property
+    def callers(self) -> tuple[str, ...]:
+        """With TLS: the roles that may call this tier."""
+        return self.tls_allow or tuple(sorted(HOP_CALLERS[f"cache-{self.tier}"]))
 
     @property
     def port(self) -> int:
@@ -149,13 +179,46 @@ def _servers(addresses: tuple[str, ...], extra: str = "") -> str:
     return "\n".join(f"        server {a}{extra};" for a in addresses)
 
 
+def _snippet(name: str, fields: dict[str, str]) -> str:
+    return _Template((config_dir() / "nginx" / name).read_text()).substitute(fields)
+
+
+def snippets(cfg: TierConfig) -> dict[str, str]:
+    """The files nginx.conf includes from the run directory: the status locations, and with TLS the
+    handshake, the callers' roles, the next level's TLS and the plaintext ops server."""
+    run_dir = str(cfg.resolved_run_dir().resolve())
+    out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier})}
+    if cfg.tls:
+        fields = {"tier": cfg.tier, "run_dir": run_dir, "tls_cert": str(cfg.tls_cert), "tls_key": str(cfg.tls_key),
+                  "tls_ca": str(cfg.tls_ca), "server_name": cfg.tls_server_name,
+                  "allowed_roles": "|".join(re.escape(r) for r in cfg.callers),
+                  "allowed_list": ", ".join(cfg.callers), "ops_listen": cfg.ops_listen or ""}
+        out["tls-http.conf"] = _snippet("tls-http.conf", fields)
+        out["tls-server.conf"] = _snippet("tls-server.conf", fields)
+        if cfg.ops_listen is not None:
+            out["ops-server.conf"] = _snippet("ops-server.conf", fields)
+    return out
+
+
 def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
-    """The nginx.conf text for `cfg` (paths as they will be under cfg.run_dir)."""
+    """The nginx.conf text for `cfg` (paths as they will be under cfg.run_dir; the files it
+    includes from there: `snippets`)."""
     name = "router.conf" if cfg.tier == "router" else "cache-tier.conf"
     template = _Template((config_dir() / "nginx" / name).read_text())
+    run_dir = str(cfg.resolved_run_dir().resolve())
+    included = snippets(cfg)
+
+    def include(snippet: str, indent: str) -> str:
+        return f"{indent}include {run_dir}/{snippet};" if snippet in included else ""
+
     fields = {
         "modules": modules_dir or find_modules_dir() or MODULE_DIRS[0],
-        "run_dir": str(cfg.resolved_run_dir().resolve()),
+        "run_dir": run_dir,
+        "listen_tls": " ssl" if cfg.tls else "",
+        "scheme": "https" if cfg.tls else "http",
+        "tls_http": include("tls-http.conf", "    "),
+        "tls_server": include("tls-server.conf", "        "),
+        "ops_server": include("ops-server.conf", "    "),
         "workers": cfg.workers,
         "log_level": cfg.log_level,
         "listen": cfg.listen,
@@ -228,6 +291,8 @@ def prepare(cfg: TierConfig) -> tuple[list[str], Path]:
     if cfg.tier != "router":
         cfg.resolved_cache_dir().mkdir(parents=True, exist_ok=True)
     shutil.copyfile(config_dir() / "nginx" / "cache_key.lua", run_dir / "cache_key.lua")
+    for name, text in snippets(cfg).items():
+        (run_dir / name).write_text(text)
     conf = run_dir / "nginx.conf"
     conf.write_text(render(cfg, modules))
     return [nginx, "-p", f"{run_dir}/", "-c", str(conf), "-e", "stderr"], conf

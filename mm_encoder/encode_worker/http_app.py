@@ -10,6 +10,11 @@
     GET  /metrics     Prometheus text
     GET  /v1/models   served model names
 
+With TLS (`security.tls`) the port serves HTTPS: the handshake refuses a client without a
+certificate from the deployment's CA, and a caller whose role may not call the worker gets 403
+`forbidden_peer` before its request is read. /health, /ready and /metrics are then also served
+in plaintext on the ops port (`ops_app`), for probes and Prometheus, which hold no certificate.
+
 Errors are `{"error": {"code", "message"}}` with the error's status, and the code and message again
 in `X-MM-Error-Code` / `X-MM-Error` (a HEAD answer has no body); 503s carry Retry-After.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 
 import msgpack
 from aiohttp import web
@@ -28,11 +34,13 @@ from ..core import wire
 from ..core.errors import BadRequest, MMEncoderError, UnsupportedEncoding, code_for_status
 from ..core.requests import EncodeRequest, unique_keys
 from ..runtime import tracing
+from ..security.tls import allowed
 from .pipeline import EncodeService
 
 log = logging.getLogger(__name__)
 
 SERVICE_KEY = web.AppKey("service", EncodeService)
+CALLERS_KEY = web.AppKey("callers", frozenset[str])  # with TLS: the roles that may call this worker
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
@@ -49,6 +57,14 @@ def _header_text(text: str, limit: int = 512) -> str:
     """A message as one printable-ASCII header line."""
     out = "".join(c if " " <= c <= "~" else "?" for c in text)
     return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+@web.middleware
+async def _peers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With TLS: the caller's certificate names a role this worker admits, else 403 before any work."""
+    callers: frozenset[str] = request.app[CALLERS_KEY]
+    allowed(request.transport.get_extra_info("ssl_object") if request.transport else None, callers)
+    return await handler(request)
 
 
 @web.middleware
@@ -164,10 +180,14 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [entry]})
 
 
-def build_app(service: EncodeService) -> web.Application:
+def build_app(service: EncodeService, callers: frozenset[str] | None = None) -> web.Application:
+    """The worker's app; with `callers` (TLS), only peers of those roles get past the first step."""
     s = service.settings
-    app = web.Application(middlewares=[_errors, _admit_bodies], client_max_size=s.max_body_bytes)
+    first = [_peers] if callers is not None else []
+    app = web.Application(middlewares=[_errors, *first, _admit_bodies], client_max_size=s.max_body_bytes)
     app[SERVICE_KEY] = service
+    if callers is not None:
+        app[CALLERS_KEY] = callers
     app.router.add_post("/v1/encode", post_encode)
     app.router.add_get("/v1/encode", post_encode)  # and HEAD (aiohttp adds it; the body is dropped)
     app.router.add_post("/v1/encode/fetch", post_encode)  # an engine's fetch by handle (the tiers' lock-free path)
@@ -178,15 +198,28 @@ def build_app(service: EncodeService) -> web.Application:
     return app
 
 
-async def start_http(service: EncodeService, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (for cleanup) and the bound port (for port 0)."""
+def ops_app(service: EncodeService) -> web.Application:
+    """Health, readiness and metrics alone: the plaintext port beside an HTTPS one."""
+    app = web.Application(middlewares=[_errors])
+    app[SERVICE_KEY] = service
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_http(service: EncodeService, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+                     callers: frozenset[str] | None = None, ops: bool = False) -> tuple[web.AppRunner, int]:
+    """Start serving (with `ssl_context`: HTTPS to `callers`; `ops`: the ops app instead); returns
+    the runner (for cleanup) and the bound port (for port 0)."""
     # handler_cancellation: a client that hangs up cancels its handler, so queued work is dropped.
     # keepalive_timeout also closes a connection whose request headers never complete (slowloris).
     # auto_decompress off: a compressed body is refused by name (_admit_bodies), never inflated.
     runner = web.AppRunner(
-        build_app(service), handler_cancellation=True, access_log=None, auto_decompress=False,
-        shutdown_timeout=service.settings.drain_timeout_s, keepalive_timeout=service.settings.idle_timeout_s,
+        ops_app(service) if ops else build_app(service, callers), handler_cancellation=True, access_log=None,
+        auto_decompress=False, shutdown_timeout=service.settings.drain_timeout_s,
+        keepalive_timeout=service.settings.idle_timeout_s,
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     return runner, runner.addresses[0][1]

@@ -17,9 +17,10 @@ from ..core.wire_schema import WireDtype
 from ..fetch import FetchPolicy
 from ..model.steps import BATCH_MAX_PATCHES
 from ..runtime.dynamo import DynamoOptions
+from ..security.tls import HOP_CALLERS, TlsOptions
 
 
-class WorkerSettings(DynamoOptions):
+class WorkerSettings(DynamoOptions, TlsOptions):
     model_config = SettingsConfigDict(
         env_prefix="MM_ENCODER_",
         cli_kebab_case=True,
@@ -50,6 +51,12 @@ class WorkerSettings(DynamoOptions):
     handle_chain: str | None = Field(
         None, description="the cache chain URL that handles name (engines fetch bodies there; unset: RPC only)")
     handle_route: str = Field("cluster,shared", description="X-Cache-Route handles name with --handle-chain")
+    # with --tls-cert/--tls-key/--tls-ca (security/tls.py) the HTTP port serves HTTPS to callers with a
+    # certificate from the CA whose role is listed; health and metrics move to --ops-port, plaintext
+    tls_allow: list[str] = Field(sorted(HOP_CALLERS["encoder"]),
+                                 description="with TLS: the roles (their certificates' OU) that may call this worker")
+    ops_port: int = Field(-1, ge=-1, le=65535, description="with TLS: a plaintext port on --http-host for /health, "
+                                                           "/ready and /metrics only (0 picks one; -1: none)")
 
     # --- wire format -------------------------------------------------------------------------
     wire_dtype: WireDtype | None = Field(
@@ -117,6 +124,8 @@ class WorkerSettings(DynamoOptions):
             raise ValueError("nothing to serve: HTTP is disabled (--http-port -1) and --dynamo is off")
         if self.stock_model_dir and not self.dynamo:
             raise ValueError("--stock-model-dir registers a Dynamo Encode worker: it needs --dynamo")
+        if self.ops_port >= 0 and not self.tls:
+            raise ValueError("--ops-port is the plaintext port beside an HTTPS one: it needs --tls-cert")
         return self
 
     def fetch_policy(self) -> FetchPolicy:

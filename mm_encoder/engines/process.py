@@ -92,7 +92,8 @@ def build_engine(s: EngineSettings, publisher: KvEventPublisher | None = None, r
     # the registry model that says how this checkpoint's prompts place media, as the frontend reads it
     splicer = Splicer(ChatTokenizer(s.checkpoint), get_spec(ModelCard.read(s.checkpoint).spec_name).prompt)
     kw = _EngineParts(splicer=splicer, block_size=s.block_size, publisher=publisher,
-                      resolver=HandleResolver(s.encoder_chain, rpc), prefix_tokens=s.prefix_cache_tokens,
+                      resolver=HandleResolver(s.encoder_chain, rpc, tls=s.client_tls()),
+                      prefix_tokens=s.prefix_cache_tokens,
                       stream_interval_s=s.stream_interval_ms / 1e3)
     if s.encode_inline:  # the aggregated baseline: a strategy chosen here, not a branch per request
         return InlineEngine(lm, InlineMedia(s.checkpoint, lm), **kw)

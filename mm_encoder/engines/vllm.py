@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
                 relay = KvRelay(kv_event_publisher(endpoint, args.block_size), args.block_size)
                 life.on_stop(asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"),
                                                                 relay)).cancel)
-            handler = VllmEngine(llm, HandleResolver(args.encoder_chain, rpc), family, block_size=args.block_size,
+            resolver = HandleResolver(args.encoder_chain, rpc, tls=args.client_tls())
+            handler = VllmEngine(llm, resolver, family, block_size=args.block_size,
                                  max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
                                  tokenizer=lambda: ChatTokenizer(args.model),
                                  stream_interval_s=args.stream_interval_ms / 1e3)

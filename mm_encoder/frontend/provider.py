@@ -83,7 +83,7 @@ class ProcessorFactory:
             self.encoder = EncoderClient(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc,
                                          timeout_s=s.encoder_timeout_s, namespace=s.namespace if use_rpc else None,
                                          send_bodies=s.media_transport == "body", revision=card.revision,
-                                         dtype=s.wire_dtype)
+                                         dtype=s.wire_dtype, tls=s.client_tls())
         return SharedParts(
             card=card, spec=spec, tokenizer=ChatTokenizer(s.model_dir, s.allow_remote_code),
             engine_client=await runtime.endpoint(engine_path).client(),

@@ -11,10 +11,11 @@ from pydantic_settings import SettingsConfigDict
 
 from ..core.wire_schema import WireDtype
 from ..runtime.dynamo import ENGINE_COMPONENT, KvOptions
+from ..security.tls import TlsOptions
 from .processor import Limits
 
 
-class FrontendSettings(KvOptions):
+class FrontendSettings(KvOptions, TlsOptions):
     """Every option from the command line or `MM_FRONTEND_<OPTION>`."""
 
     model_config = SettingsConfigDict(env_prefix="MM_FRONTEND_", cli_kebab_case=True, cli_implicit_flags=True,

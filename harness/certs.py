@@ -1,0 +1,74 @@
+"""Certificates for tests: a deployment's CA and its components' certificates in a temporary
+directory, and the bad ones red-team tests present (another CA's, expired, not yet valid, the wrong
+role). Each is an `Issued` (`cert`, `key`, `identity`) from `mm_encoder.security.pki`; the bad ones
+live in their own folders, so a component's good files are never replaced by them.
+
+    certs = Certs(tmp_path)
+    server = certs.issue("encoder", "encoder")
+    ctx.load_verify_locations(certs.ca_file)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from mm_encoder.security.pki import DEFAULT_HOSTS, Authority, Identity, Issued
+
+
+class Certs:
+    """The deployment's CA in `root/ca` (made on first use) and certificates from it or for it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._ca: Authority | None = None
+        self._others: dict[str, Authority] = {}
+        self._issued: dict[str, Identity] = {}  # name -> the identity its good certificate names
+
+    @property
+    def ca(self) -> Authority:
+        if self._ca is None:
+            self._ca = Authority.create(self.root / "ca")
+        return self._ca
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA certificate every component trusts (`--tls-ca`)."""
+        return self.ca.cert_path
+
+    def issue(self, name: str, role: str, *, hosts: Sequence[str] = DEFAULT_HOSTS, replace: bool = False) -> Issued:
+        """A component's good certificate (`root/ca/<name>.pem`, `.key`)."""
+        issued = self.ca.issue(Identity(name, role), hosts=hosts, replace=replace)
+        self._issued[name] = issued.identity
+        return issued
+
+    def _identity(self, who: Identity | str) -> Identity:
+        if isinstance(who, Identity):
+            return who
+        if who not in self._issued:
+            raise KeyError(f"no certificate was issued for {who!r}: give an Identity, or issue() it first")
+        return self._issued[who]
+
+    def other_ca(self, who: Identity | str, ca: str = "other") -> Issued:
+        """The same identity (or that of the name `issue` gave a certificate) from a CA the deployment
+        does not trust (`root/ca-<ca>`)."""
+        if ca not in self._others:
+            self._others[ca] = Authority.create(self.root / f"ca-{ca}", name=f"mm-encoder-{ca}")
+        return self._others[ca].issue(self._identity(who), replace=True)
+
+    def expired(self, who: Identity | str) -> Issued:
+        """From the deployment's CA, valid until a day ago (`root/expired`)."""
+        now = datetime.now(timezone.utc)
+        return self.ca.issue(self._identity(who), self.root / "expired", not_before=now - timedelta(days=10),
+                             not_after=now - timedelta(days=1), replace=True)
+
+    def not_yet_valid(self, who: Identity | str) -> Issued:
+        """From the deployment's CA, valid from tomorrow (`root/not-yet-valid`)."""
+        now = datetime.now(timezone.utc)
+        return self.ca.issue(self._identity(who), self.root / "not-yet-valid", not_before=now + timedelta(days=1),
+                             not_after=now + timedelta(days=10), replace=True)
+
+    def wrong_role(self, name: str, role: str) -> Issued:
+        """From the deployment's CA, for `name` but with `role` in its OU (`root/wrong-role`)."""
+        return self.ca.issue(Identity(name, role), self.root / "wrong-role", replace=True)

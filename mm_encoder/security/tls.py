@@ -1,0 +1,101 @@
+"""TLS with client certificates on the package's own HTTP hops: the options every component takes,
+the standard library's SSL contexts from them, and who may call whom.
+
+Every component has a certificate from the deployment's one CA (`security.pki`) whose subject's OU
+is its role. A server requires a client certificate that chains to the CA (the handshake refuses
+plaintext, none, another CA's, an expired one), then `allowed` checks the caller's role against
+the hop's list before any work (a 403 `forbidden_peer`). A client verifies the server the same way
+(its certificate, for the host it dialled) and presents its own."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings
+
+from ..core.errors import ForbiddenPeer
+
+# The roles each hop's server admits by default (a graph's plan may name others, e.g. a frontend
+# that calls the encode workers directly when a graph has no tiers).
+HOP_CALLERS: dict[str, frozenset[str]] = {
+    "cache-cluster": frozenset({"frontend", "engine"}),
+    "cache-router": frozenset({"cache-cluster"}),
+    "cache-shared": frozenset({"cache-router", "cache-cluster"}),
+    "encoder": frozenset({"cache-shared", "engine"}),
+}
+
+
+class TlsOptions(BaseSettings):
+    """A component's certificate, key and the deployment's CA: all three or none (plaintext)."""
+
+    tls_cert: Path | None = Field(None, description="this component's certificate (PEM), from the deployment's CA")
+    tls_key: Path | None = Field(None, description="its private key (PEM; mode 0600)")
+    tls_ca: Path | None = Field(None, description="the deployment's CA certificate (PEM): peers must chain to it")
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> TlsOptions:
+        given = [n for n in ("tls_cert", "tls_key", "tls_ca") if getattr(self, n) is not None]
+        if given and len(given) != 3:
+            missing = sorted({"tls_cert", "tls_key", "tls_ca"} - set(given))
+            raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together; missing: "
+                             + ", ".join("--" + m.replace("_", "-") for m in missing))
+        return self  # the files are read when a context is made (a path may name a file in another machine's pod)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def server_context(self) -> ssl.SSLContext:
+        """A server's context: its certificate, and a client certificate required, chaining to the CA."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._load(ctx)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client's context: the server's certificate checked against the CA and the host dialled;
+        this component's own certificate presented."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED by default
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._load(ctx)
+        return ctx
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """The client context with TLS configured, else None (plaintext)."""
+        return self.client_context() if self.tls else None
+
+    def _load(self, ctx: ssl.SSLContext) -> None:
+        assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        ctx.load_verify_locations(cafile=self.tls_ca)
+
+    def reload(self, ctx: ssl.SSLContext) -> None:
+        """The certificate and key files read again into a live context (rotation): new handshakes
+        present the new certificate; connections already open keep theirs."""
+        assert self.tls_cert is not None and self.tls_key is not None
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+
+
+def peer_role(ssl_object: Any) -> str | None:
+    """The role (the subject's OU) of the certificate the peer presented, or None."""
+    cert = ssl_object.getpeercert() if ssl_object is not None else None
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "organizationalUnitName":
+                return str(value)
+    return None
+
+
+def allowed(ssl_object: Any, roles: Iterable[str]) -> str:
+    """The peer's role if it may call this hop; ForbiddenPeer (403) otherwise."""
+    role = peer_role(ssl_object)
+    roles = frozenset(roles)
+    if role is None or role not in roles:
+        raise ForbiddenPeer(f"a {role or 'certificate without a role'} may not call this hop "
+                            f"(it admits: {', '.join(sorted(roles))})")
+    return role

@@ -1,0 +1,157 @@
+"""Red team at the cache tiers' hops with TLS (issue 33): real nginx tiers (`mm-encoder cache up
+--tls-cert ...`) in front of a real encode worker, all with certificates from one deployment CA.
+The frontend's way in (the cluster tier, then the shared tier, then the worker, each hop HTTPS with
+client certificates) answers, the second time from the cluster tier's cache. At each tier,
+plaintext, no certificate, another CA's, an expired one and a role the tier does not admit are
+each refused with a 403 naming why (`https_required`, `client_certificate_required`,
+`bad_client_certificate`, `forbidden_peer`) before the cache is looked at: none of them
+reads a cached entry, fills one, or causes an encode (the tiers' request counters and JSON log
+lines, the worker's encode counter, all read in plaintext on their ops ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import ssl
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from harness.certs import Certs
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.processes import Process
+from harness.serve_fixtures import data_url
+from mm_encoder.client.chain import EncoderChain
+from mm_encoder.core.requests import EncodeRequest
+from mm_encoder.security.pki import Identity
+from mm_encoder.security.tls import TlsOptions
+
+PNG = image_bytes(natural_image(72, 40, seed=5))
+SOURCE = EncodeRequest(model="tiny", url=data_url(PNG))
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _stats(ops: int) -> dict:
+    return json.loads(_get(f"http://127.0.0.1:{ops}/_cache/stats"))
+
+
+def _encodes(ops: int) -> float:
+    text = _get(f"http://127.0.0.1:{ops}/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dynamo_component_encode_forward_items_total{"))
+
+
+def _client(issued, ca) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if issued is not None:
+        ctx.load_cert_chain(issued.cert, issued.key)
+    return ctx
+
+
+def _head(port: int, ctx: ssl.SSLContext) -> tuple[int, dict[str, str]]:
+    """The frontend's question (HEAD /v1/encode with the request in the body), raw."""
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
+    try:
+        conn.request("HEAD", "/v1/encode", body=json.dumps(SOURCE.to_dict()),
+                     headers={"Content-Type": "application/json", "X-Cache-Key": SOURCE.key()})
+        r = conn.getresponse()
+        r.read()
+        return r.status, dict(r.getheaders())
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """worker <- shared tier <- cluster tier, every hop HTTPS with client certificates."""
+    require_nginx()
+    tmp = tmp_path_factory.mktemp("tls-tiers")
+    certs = Certs(tmp / "pki")
+    ca = str(certs.ca_file)
+    procs: list[Process] = []
+
+    def tls(name: str, role: str) -> list[str]:
+        issued = certs.issue(name, role)
+        return ["--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", ca]
+
+    try:
+        worker = Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--ops-port", "0",
+                          *tls("encoder", "encoder")], name="tls worker", log=tmp / "worker.log",
+                         env={**os.environ, "MM_ENCODER_HTTP_PORT": "0"})
+        procs.append(worker)
+        fields = dict(f.split("=", 1) for f in worker.wait_for("mm-encoder worker ready", 120).split() if "=" in f)
+        ports = {"worker": int(fields["http_port"]), "worker_ops": int(fields["ops_port"])}
+        for name, tier, nxt in (("shared", "shared", ports["worker"]), ("cluster", "cluster", None)):
+            port, ops = free_port(), free_port()
+            nxt = nxt or ports["shared"]
+            proc = Process([sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", tier,
+                            "--listen", f"127.0.0.1:{port}", "--next", f"127.0.0.1:{nxt}", "--ops-listen",
+                            f"127.0.0.1:{ops}", "--run-dir", str(tmp / f"nginx-{name}"), "--cache-dir",
+                            str(tmp / f"cache-{name}"), "--workers", "1", *tls(name, f"cache-{tier}")],
+                           name=f"nginx {name}", log=tmp / f"{name}.log")
+            procs.append(proc)
+            proc.wait_url(f"http://127.0.0.1:{ops}/_cache/health", 15)
+            ports[name], ports[f"{name}_ops"] = port, ops
+        yield certs, ports, tmp
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _describe(port: int, issued, ca) -> str:
+    """The package's own client, as the frontend uses it: the answering levels (X-Cache-Status)."""
+    tls = TlsOptions(tls_cert=issued.cert, tls_key=issued.key, tls_ca=ca)
+
+    async def go() -> str:
+        chain = EncoderChain(http_url=f"https://127.0.0.1:{port}", tls=tls.client_context())
+        try:
+            return (await chain.describe(SOURCE))[1]
+        finally:
+            await chain.close()
+
+    return asyncio.run(go())
+
+
+def test_the_frontends_way_in_answers_then_hits(chain):
+    certs, ports, _ = chain
+    frontend = certs.issue("frontend", "frontend")
+    assert _describe(ports["cluster"], frontend, certs.ca_file) == "http:cluster=MISS, shared=MISS"
+    assert _describe(ports["cluster"], frontend, certs.ca_file) == "http:cluster=HIT"
+    assert _encodes(ports["worker_ops"]) == 1
+
+
+@pytest.mark.parametrize("tier", ["cluster", "shared"])
+def test_unauthenticated_or_unadmitted_callers_get_nothing_from_a_tier(chain, tier):
+    """Each bad caller asks for the entry the test above cached (and would fill it otherwise)."""
+    certs, ports, tmp = chain
+    port = ports[tier]
+    before = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), (tmp / f"{tier}.log").read_text())
+    # plaintext to the HTTPS port
+    with pytest.raises(urllib.error.HTTPError) as plain:
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/encode", method="POST",
+                                                      data=json.dumps(SOURCE.to_dict()).encode()), timeout=10)
+    assert plain.value.code == 403 and plain.value.headers["X-MM-Error-Code"] == "https_required"
+    # no certificate, another CA's, an expired one: nginx completes the handshake and refuses by name
+    engine = Identity("engine-0", "engine")
+    for bad, code in ((None, "client_certificate_required"), (certs.other_ca(engine), "bad_client_certificate"),
+                      (certs.expired(engine), "bad_client_certificate")):
+        status, headers = _head(port, _client(bad, certs.ca_file))
+        assert (status, headers["X-MM-Error-Code"]) == (403, code), headers
+        assert "X-Cache-Status" not in headers  # no cache result: the lookup never ran
+    assert "expired" in _head(port, _client(certs.expired(engine), certs.ca_file))[1]["X-MM-Error"]
+    # valid certificates of roles this tier does not admit: 403 before the cache is looked at
+    for name, role in (("encoder", "encoder"), *([("frontend", "frontend")] if tier == "shared" else [])):
+        status, headers = _head(port, _client(certs.wrong_role(name, role), certs.ca_file))
+        assert status == 403 and headers["X-MM-Error-Code"] == "forbidden_peer", (status, headers)
+        assert "X-Cache-Status" not in headers
+    after = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), (tmp / f"{tier}.log").read_text())
+    assert after == before  # no request reached the cache location: no read, no fill, no log line, no encode
