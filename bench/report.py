@@ -63,6 +63,7 @@ MODULES: dict[str, str] = {
     "soak": "bench/soak.py",
     "autoscale": "bench/autoscale.py",
     "tracing": "bench/tracing.py",
+    "tls": "bench/tls.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25

@@ -548,3 +548,10 @@ def test_a_component_with_an_otlp_endpoint_is_traced_as_serve_traces_it():
         "OTEL_EXPORT_ENABLED": "true", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
     assert (frontend["OTEL_SERVICE_NAME"], frontend["OTEL_EXPORTER_OTLP_PROTOCOL"]) == ("edge", "grpc")
     assert not any(k.startswith("OTEL_") for k in encoder)
+
+
+def test_a_graph_with_tls_is_refused_until_kubernetes_has_its_secrets():
+    """`tls` on Kubernetes (certificates from Secrets, NetworkPolicies) is not rendered yet: refused by
+    name rather than rendered without it."""
+    with pytest.raises(GraphError, match="`tls`"):
+        k8s.render(graph_of(tls={"enabled": True}))

@@ -19,7 +19,7 @@ from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, frontend_stats, sample_tokens
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy.graph import load_graph
-from mm_encoder.deploy.local import listeners
+from mm_encoder.deploy.procfs import listeners
 from mm_encoder.deploy.status import collect
 
 

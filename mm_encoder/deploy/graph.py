@@ -79,6 +79,18 @@ class LLM(_Strict):
         return f"kimi-k2.5-{self.preset}"
 
 
+class Tls(_Strict):
+    """TLS with client certificates on the graph's own HTTP hops (docs/security.md): every component
+    gets a certificate from one CA naming its role, serves HTTPS to the roles that may call it and
+    calls the next hop over HTTPS. `serve`: a throwaway CA in the run directory, or the operator's
+    (`ca_dir`: its ca.pem and ca.key). The frontend's OpenAI port serves HTTPS with a certificate
+    from the same CA; `client_auth` asks its clients for one too."""
+
+    enabled: bool = False
+    ca_dir: str | None = None
+    client_auth: bool = False
+
+
 class Runtime(_Strict):
     """Dynamo's own distributed runtime for the graph. `default`: each site's own (`serve`: file
     discovery, TCP requests, ZMQ events, no servers to run; Kubernetes: the operator's discovery).
@@ -107,6 +119,7 @@ class Graph(_Strict):
     llm: LLM = Field(default_factory=LLM)
     block_size: int = Field(BLOCK_SIZE, ge=1)
     runtime: Runtime = Field(default_factory=Runtime)
+    tls: Tls = Field(default_factory=Tls)
     components: dict[str, Component]
 
     @model_validator(mode="after")

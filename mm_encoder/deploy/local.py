@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import json
 import os
 import signal
@@ -35,9 +34,10 @@ from ..runtime import tracing
 from . import infra
 from .graph import Graph, Kind, find_graph, load_graph
 from .plan import DYNAMO_KINDS, READY_LINE, ComponentPlan, GeneratedCheckpoint, Replica, Site, plan
-from .procfs import processes
+from .procfs import leftover_pids
 from .scaling import Scaler, check_local, scale_to
 from .status import collect, format_lines
+from .tls_site import LocalTls, ready_note
 
 PY = sys.executable
 LOOPBACK = "127.0.0.1"
@@ -61,12 +61,21 @@ class LocalSite(Site):
         self.checkpoint_dir = (str(Path(graph.llm.checkpoint).resolve()) if graph.llm.checkpoint
                                else str(run_dir / "checkpoint" / f"kimi-k2.5-{graph.llm.preset}"))
         self._ports: dict[tuple[str, int], int] = {}
+        self.tls = LocalTls(run_dir, graph.tls.ca_dir) if graph.tls.enabled else None
+
+    def tls_files(self, replica: str) -> tuple[str, str, str]:
+        assert self.tls is not None  # the plan asks only with the graph's TLS on
+        return self.tls.files(replica)
+
+    def ops_listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
+        return self.listen(f"{name}:ops", kind, replica)
 
     def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
         if (name, replica) not in self._ports:
-            port = self.graph.frontend_port if kind == "frontend" else free_port()
+            graph_port = kind == "frontend" and ":" not in name  # the frontend's own port, not an ops port
+            port = self.graph.frontend_port if graph_port else free_port()
             # a port just freed may be handed out again: never give two components one port
-            while kind != "frontend" and port in {self.graph.frontend_port, *self._ports.values()}:
+            while not graph_port and port in {self.graph.frontend_port, *self._ports.values()}:
                 port = free_port()
             self._ports[(name, replica)] = port
         return LOOPBACK, self._ports[(name, replica)]
@@ -122,7 +131,13 @@ class Proc:
 
     @property
     def url(self) -> str | None:
-        return f"http://{LOOPBACK}:{self.replica.port}" if self.replica.port else None
+        tls = self.component.tls and self.kind != "planner"  # the planner's /status stays plaintext
+        return f"{'https' if tls else 'http'}://{LOOPBACK}:{self.replica.port}" if self.replica.port else None
+
+    @property
+    def ops_url(self) -> str | None:
+        """With TLS: its health, status and metrics in plaintext (encoders and tiers)."""
+        return f"http://{LOOPBACK}:{self.replica.ops_port}" if self.replica.ops_port else None
 
 
 class GraphRunner:
@@ -148,7 +163,10 @@ class GraphRunner:
             generated.write(self.site.checkpoint_dir)
         elif not (Path(self.site.checkpoint_dir) / "config.json").is_file():
             raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
-        return [Proc(c, r) for c in plan(self.graph, self.site) for r in c.replicas]
+        plans = plan(self.graph, self.site)
+        if self.site.tls is not None:
+            self.site.tls.issue(plans)
+        return [Proc(c, r) for c in plans for r in c.replicas]
 
     # --- running -----------------------------------------------------------------------------
 
@@ -168,8 +186,10 @@ class GraphRunner:
     def healthy(self, p: Proc) -> bool:
         if p.component.health_path is None:
             return p.log is not None and READY_LINE in p.log.read_text(errors="replace")
+        tls = self.site.tls.client_context() if self.site.tls and p.ops_url is None else None
         try:
-            with urllib.request.urlopen(f"{p.url}{p.component.health_path}", timeout=2) as r:
+            with urllib.request.urlopen(f"{p.ops_url or p.url}{p.component.health_path}", timeout=2,
+                                        context=tls) as r:
                 if r.status != 200:
                     return False
                 if p.kind == "frontend":
@@ -218,14 +238,20 @@ class GraphRunner:
     def write_state(self) -> None:
         state = {
             "graph": self.graph.name, "namespace": self.graph.namespace, "run_dir": str(self.run_dir),
-            "base_url": f"http://{LOOPBACK}:{self.graph.frontend_port}/v1", "model": self.graph.llm.served_name,
+            "base_url": self.base_url, "model": self.graph.llm.served_name,
+            **({"tls": self.site.tls.state()} if self.site.tls else {}),
             "supervisor_pid": os.getpid(),
             "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
-                            "url": p.url, "log": str(p.log)} for p in self.procs],
+                            "url": p.url, **({"ops_url": p.ops_url} if p.ops_url else {}), "log": str(p.log)}
+                           for p in self.procs],
             "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.pid} for s in self.servers]},
             **({"scaling": self.scaling} if self.scaling else {}),
         }
         (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
+
+    @property
+    def base_url(self) -> str:
+        return f"{'https' if self.site.tls else 'http'}://{LOOPBACK}:{self.graph.frontend_port}/v1"
 
     def executor(self) -> Scaler | None:
         """With an encode planner: the thread that takes its decisions (Dynamo's VirtualConnectorClient)."""
@@ -293,40 +319,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def leftover_pids(groups: set[int]) -> list[int]:
-    """Live processes (not zombies) whose process group is one of the graph's sessions."""
-    return [p.pid for p in processes() if p.pgid in groups]
-
-
-def listeners(groups: set[int]) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every listening TCP socket held by a process in one of `groups`:
-    the sockets' inodes from /proc/net/tcp{,6}, their owners from /proc/<pid>/fd."""
-    listening: dict[str, tuple[str, int]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if f[3] != "0A":  # TCP_LISTEN
-                    continue
-                host, port = f[1].split(":")
-                listening[f[9]] = (_address(host), int(port, 16))
-    out = []
-    for pid in leftover_pids(groups):
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("socket:[") and target[8:-1] in listening:
-                        out.append((pid, *listening[target[8:-1]]))
-    return sorted(set(out))
-
-
-def _address(hex_host: str) -> str:
-    """/proc/net's hex address -> text: IPv4, or IPv6, both as 4-byte words in host (little-endian) order."""
-    raw = bytes.fromhex(hex_host)
-    return str(ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mm-encoder serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -342,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=("tiny", "small", "vllm-tiny"),
                    help="without a checkpoint: the generated Kimi-K2.5's "
                    "size (default: the graph's llm.preset)")
+    p.add_argument("--tls", action="store_true", help="TLS with client certificates on every hop, from a "
+                   "throwaway CA in the run directory (the graph's `tls`; docs/security.md)")
+    p.add_argument("--tls-dir", type=Path, help="with --tls: the operator's CA (its ca.pem and ca.key) instead")
     args = p.parse_args(argv)
     try:
         graph_file = find_graph(args.graph)
@@ -351,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.port:
         graph = graph.model_copy(update={"frontend_port": args.port})
+    if args.tls or args.tls_dir:
+        tls = {"enabled": True, **({"ca_dir": str(args.tls_dir.resolve())} if args.tls_dir else {})}
+        graph = graph.model_copy(update={"tls": graph.tls.model_copy(update=tls)})
     llm = {k: v for k, v in (("checkpoint", args.checkpoint and str(args.checkpoint.resolve())),
                              ("dtype", args.dtype), ("preset", args.preset)) if v}
     if llm:
@@ -379,9 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     try:
         runner.start()
-        print(f"graph {graph.name} ready: OpenAI base URL http://{LOOPBACK}:{graph.frontend_port}/v1 "
-              f"(model {graph.llm.served_name}); status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops",
-              flush=True)
+        print(f"graph {graph.name} ready: OpenAI base URL {runner.base_url} (model {graph.llm.served_name}); "
+              f"{ready_note(runner.site.tls)}; status: mm-encoder status --run-dir {run_dir}; Ctrl-C stops", flush=True)
         scaler = runner.executor()
         scaled = graph.of_kind("encoder")[0][0] if scaler is not None else ""  # the planner's encoders
         last = time.monotonic()

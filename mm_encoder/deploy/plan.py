@@ -40,6 +40,8 @@ STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), fro
 DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend", "planner")  # on Dynamo's runtime (not nginx)
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
 READY_LINE = "engine ready"  # what an engine prints once registered (it serves no HTTP)
+CACHE_TIERS: tuple[Kind, ...] = ("cache-shared", "cache-router", "cache-cluster")
+OPS_KINDS: tuple[Kind, ...] = ("encoder", *CACHE_TIERS)  # with TLS: status and health on a plaintext ops port
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Replica:
     name: str  # the component's name, plus -N for replicas beyond one (on one machine)
     argv: tuple[str, ...]  # after `python -m <module>`
     port: int | None  # where it serves HTTP (None: an engine)
+    ops_port: int | None = None  # with TLS: its health, status and metrics in plaintext (encoders, tiers)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ComponentPlan:
     env: dict[str, str]  # the Dynamo environment, then the graph's `env` (which wins)
     health_path: str | None  # GET on the replica's port that answers 200 once ready
     uses: frozenset[str]  # "model": it reads the checkpoint directory
+    tls: bool = False  # the graph's TLS: its HTTP hops are HTTPS with client certificates
 
 
 class Site(ABC):
@@ -83,6 +87,14 @@ class Site(ABC):
     def dynamo_env(self, kind: Kind) -> dict[str, str]:
         """Dynamo's environment for a component of `kind`, beyond the planes every site shares."""
 
+    def tls_files(self, replica: str) -> tuple[str, str, str]:
+        """With TLS: replica `replica`'s certificate and key and the deployment's CA, as it sees them."""
+        raise GraphError("`tls` is not supported on this site yet")
+
+    def ops_listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
+        """With TLS: where replica `replica` of an encoder or tier serves its status in plaintext."""
+        raise GraphError("`tls` is not supported on this site yet")
+
 
 def replica_name(name: str, i: int, n: int) -> str:
     return name if n == 1 else f"{name}-{i}"
@@ -102,6 +114,8 @@ class _Planner:
         self.reach: dict[Kind, list[str]] = {}
         self.dtype = ["--dtype", graph.llm.dtype] if graph.llm.dtype else []
         self.wire_dtype = self._wire_dtype()
+        self.tls = graph.tls.enabled
+        self.scheme = "https" if self.tls else "http"
 
     def _wire_dtype(self) -> str | None:
         """The rows' dtype from encoder to engine: an encoder's explicit `--wire-dtype`, else the
@@ -133,9 +147,12 @@ class _Planner:
             "planner": (self.planner, "/healthz", ()),
         }[c.kind]
         scaled = c.kind == "encoder" and self.g.planner is not None  # names that stay as the count moves
+        ops = self.tls and c.kind in OPS_KINDS
         replicas = tuple(
-            Replica(replica_name(name, i, 2 if scaled else c.replicas), (*argv(name, i), *c.args),
-                    self.site.listen(name, c.kind, i)[1] if health else None)
+            Replica(rname := replica_name(name, i, 2 if scaled else c.replicas),
+                    (*argv(name, i), *self._tls(rname, c.kind, name, i), *c.args),
+                    self.site.listen(name, c.kind, i)[1] if health else None,
+                    self.site.ops_listen(name, c.kind, i)[1] if ops else None)
             for i in range(c.replicas)
         )
         env = {"PYTHONUNBUFFERED": "1"}
@@ -148,7 +165,23 @@ class _Planner:
         if c.kind in BODY_KINDS:  # a body fetched over RPC (the chain's fallback) is the embeddings' size
             env["DYN_TCP_MAX_MESSAGE_SIZE"] = str(MAX_MESSAGE_SIZE)
         module = STOCK_FRONTEND if c.stock else VLLM_ENGINE if c.backend == "vllm" else MODULES[c.kind]
-        return ComponentPlan(name, c.kind, c, module, replicas, {**env, **c.env}, health, frozenset(uses))
+        return ComponentPlan(name, c.kind, c, module, replicas, {**env, **c.env}, health, frozenset(uses), self.tls)
+
+    def _tls(self, replica: str, kind: Kind, name: str, i: int) -> list[str]:
+        """With TLS: a replica's certificate, the roles that may call it and its plaintext status address."""
+        if not self.tls or kind == "planner":
+            return []
+        cert, key, ca = self.site.tls_files(replica)
+        argv = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+        if kind == "encoder":  # the shared tiers, the engines, and the cluster tier's direct route
+            callers = {"cache-shared", "engine", *(["cache-cluster"] if self.g.of_kind("cache-cluster") else [])}
+            ops_port = self.site.ops_listen(name, kind, i)[1]
+            argv += ["--tls-allow", ",".join(sorted(callers)), "--ops-port", str(ops_port)]
+        elif kind in CACHE_TIERS:
+            argv += ["--ops-listen", ":".join(map(str, self.site.ops_listen(name, kind, i)))]
+        elif kind == "frontend":
+            argv += ["--https", *(["--https-client-auth"] if self.g.tls.client_auth else [])]
+        return argv
 
     def _http(self, name: str, kind: Kind, i: int) -> list[str]:
         host, port = self.site.listen(name, kind, i)
@@ -202,10 +235,11 @@ class _Planner:
         cluster, router = self.g.of_kind("cache-cluster"), self.g.of_kind("cache-router")
         if cluster:  # the outermost tier, and the route through the chain
             name, c = cluster[0]
-            return f"http://{self.site.reach(name, c.kind, c.replicas)[0]}", "cluster,shared" if router else "cluster"
+            return f"{self.scheme}://{self.site.reach(name, c.kind, c.replicas)[0]}", \
+                "cluster,shared" if router else "cluster"
         if router:
             name, c = router[0]
-            return f"http://{self.site.reach(name, c.kind, c.replicas)[0]}", "shared"
+            return f"{self.scheme}://{self.site.reach(name, c.kind, c.replicas)[0]}", "shared"
         return None
 
     def frontend(self, name: str, i: int) -> list[str]:

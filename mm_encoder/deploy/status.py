@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.request
@@ -19,11 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from ..core.quantiles import from_buckets, nearest_rank
+from ..security.tls import tls_client
 
 
-def _get(url: str, timeout: float = 2.0) -> bytes | None:
+def _get(url: str, context: ssl.SSLContext | None = None, timeout: float = 2.0) -> bytes | None:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             body: bytes = r.read()
             return body
     except OSError:
@@ -62,9 +64,13 @@ def histogram_quantile(found: list[Sample], metric: str, q: float, **labels: str
 def collect(run_dir: Path) -> dict[str, Any]:
     state = json.loads((run_dir / "state.json").read_text())
     rows = []
+    # with TLS: encoders and tiers in plaintext on their ops ports; the frontend's HTTPS with the CA and
+    # the launcher's certificate
+    tls = state.get("tls")
+    context = tls_client(tls["ca"], tls.get("cert"), tls.get("key")) if tls else None
     for c in state["components"]:
         row = {"name": c["name"], "kind": c["kind"], "up": _alive(c.get("pid"))}
-        url = c.get("url")
+        url = c.get("ops_url") or c.get("url")
         if row["up"] and url and c["kind"] == "encoder":
             text = _get(f"{url}/metrics")
             if text is not None:
@@ -92,7 +98,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 row.update(wanted=planner["wanted"], running=planner["running"], decision=planner["last_decision"],
                            signals=planner["signals"])
         elif row["up"] and url and c["kind"] == "frontend":
-            raw = _get(f"{url}/mm/stats")
+            raw = _get(f"{url}/mm/stats", context)
             if raw:
                 procs = json.loads(raw).get("processors", [])
                 row["requests"] = sum(p["requests"] for p in procs)

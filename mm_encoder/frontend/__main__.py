@@ -30,9 +30,10 @@ async def serve(s: FrontendSettings) -> None:
         # appended to Dynamo's system server /metrics (DYN_SYSTEM_PORT); no endpoint needs serving for it
         life.runtime.endpoint(f"{s.namespace}.frontend.mm_processor").metrics.register_prometheus_expfmt_callback(
             exposition(factory.snapshots))
+        https = (str(s.tls_cert), str(s.tls_key), str(s.tls_ca) if s.https_client_auth else None) if s.https else None
         life.serve(await http_frontend(life.runtime, factory, host=s.http_host, port=s.http_port,
-                                       namespace=s.namespace, routes={"/mm/stats": stats}))
-        life.ready(f"http://{s.http_host}:{s.http_port}", model_dir=s.model_dir)
+                                       namespace=s.namespace, routes={"/mm/stats": stats}, https=https))
+        life.ready(f"{'https' if s.https else 'http'}://{s.http_host}:{s.http_port}", model_dir=s.model_dir)
         await life.wait()
         await drain(factory, s)
 

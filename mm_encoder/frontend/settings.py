@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from ..core.wire_schema import WireDtype
@@ -24,6 +24,8 @@ class FrontendSettings(KvOptions, TlsOptions):
     model_dir: Path = Field(description="the served LLM's directory: config.json, tokenizer, chat template")
     http_host: str = Field("127.0.0.1")
     http_port: int = Field(8000, ge=1, le=65535)
+    https: bool = Field(False, description="serve the OpenAI port over HTTPS with --tls-cert/--tls-key")
+    https_client_auth: bool = Field(False, description="with --https: clients need a certificate from --tls-ca")
     engine_component: str = Field(ENGINE_COMPONENT, description="engines serve <namespace>.<component>.generate")
     encoder_http: str | None = Field(None, description="cache chain URL (the cluster tier); unset: RPC only")
     encoder_route: str = Field("cluster,shared", description="X-Cache-Route for the chain")
@@ -59,5 +61,13 @@ class FrontendSettings(KvOptions, TlsOptions):
                                 "wake-ups per request (BENCHMARKS.md: our frontend vs Dynamo's stock frontend)")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
+
+    @model_validator(mode="after")
+    def _https(self) -> FrontendSettings:
+        if (self.https or self.https_client_auth) and not self.tls:
+            raise ValueError("--https serves this frontend's certificate: it needs --tls-cert, --tls-key, --tls-ca")
+        if self.https_client_auth and not self.https:
+            raise ValueError("--https-client-auth goes with --https")
+        return self
 
 

@@ -155,9 +155,11 @@ def chat_engine(generate: Callable[..., Any], loop: asyncio.AbstractEventLoop) -
 
 
 async def http_frontend(runtime: DistributedRuntime, factory: Callable[..., Any], *, host: str, port: int,
-                        namespace: str, routes: dict[str, Callable[[Any], Any]]) -> asyncio.Future[Any]:
+                        namespace: str, routes: dict[str, Callable[[Any], Any]],
+                        https: tuple[str, str, str | None] | None = None) -> asyncio.Future[Any]:
     """Dynamo's OpenAI HTTP frontend on `host:port`, its chat engines made by `factory` per model
-    discovered in `namespace`, plus our GET `routes`; serving until the runtime shuts down."""
+    discovered in `namespace`, plus our GET `routes`; serving until the runtime shuts down. With
+    `https` (certificate, key, and the CA clients' certificates must chain to, or None): HTTPS."""
     # EngineType, make_engine, run_input: re-exported by dynamo.llm without `as`, so unseen by mypy
     from dynamo.llm import (  # type: ignore[attr-defined]
         EngineType,
@@ -167,8 +169,10 @@ async def http_frontend(runtime: DistributedRuntime, factory: Callable[..., Any]
         run_input,
     )
 
+    cert, key, client_ca = https or (None, None, None)
     args = EntrypointArgs(EngineType.Dynamic, http_host=host, http_port=port, namespace=namespace,
-                          chat_engine_factory=factory, migration_limit=0)
+                          chat_engine_factory=factory, migration_limit=0, tls_cert_path=cert, tls_key_path=key,
+                          tls_client_ca_cert_path=client_ca)
     engine = await make_engine(runtime, args)
     extra = [FrontendRoute("GET", path, handler) for path, handler in routes.items()]
     return asyncio.ensure_future(run_input(runtime, "http", engine, extra))

@@ -81,6 +81,15 @@ class TlsOptions(BaseSettings):
         ctx.load_cert_chain(self.tls_cert, self.tls_key)
 
 
+def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path | None = None) -> ssl.SSLContext:
+    """A client of the deployment's HTTPS ports from outside it (the launcher, `mm-encoder status`):
+    its CA trusted, and a certificate presented where one is given."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if cert is not None and key is not None:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 def peer_role(ssl_object: Any) -> str | None:
     """The role (the subject's OU) of the certificate the peer presented, or None."""
     cert = ssl_object.getpeercert() if ssl_object is not None else None

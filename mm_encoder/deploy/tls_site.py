@@ -1,0 +1,75 @@
+"""`mm-encoder serve` with TLS (a graph's `tls`, `--tls`): the deployment's CA and one certificate
+per replica, issued into the run directory before anything starts (docs/security.md).
+
+The CA is a throwaway one made in `<run_dir>/tls` on the first start (a later start in the same run
+directory keeps it, so clients that trust it keep working), or the operator's own (`ca_dir`: its
+`ca.pem` and `ca.key`, read, never written). Each replica's certificate names it (CN) and its
+kind's role (OU), for loopback (`localhost`, 127.0.0.1); keys are 0600 in a 0700 directory."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+from ..core.errors import GraphError
+from ..security.pki import CA_CERT, CA_KEY, Authority, Identity, PkiError
+from ..security.tls import tls_client
+from .graph import Kind
+from .plan import ComponentPlan
+
+LAUNCHER = "mm-encoder-serve"  # the launcher's own certificate, in a folder of its own (no clash with a replica)
+ROLES: dict[Kind, str] = {"encoder": "encoder", "cache-shared": "cache-shared", "cache-router": "cache-router",
+                          "cache-cluster": "cache-cluster", "engine": "engine", "frontend": "frontend",
+                          "planner": "planner"}
+
+
+def ready_note(tls: LocalTls | None) -> str:
+    """What serve's ready line says of TLS: the CA clients pass, or that the graph runs without."""
+    if tls is None:
+        return "without TLS (loopback only; --tls for certificates on every hop)"
+    return f"TLS on every hop; clients pass its CA: curl --cacert {tls.ca_file}"
+
+
+class LocalTls:
+    def __init__(self, run_dir: Path, ca_dir: str | None = None):
+        self.dir = run_dir / "tls"
+        self.ca_dir = Path(ca_dir).resolve() if ca_dir else self.dir
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA certificate clients pass (`curl --cacert`, the `openai` client's `http_client`)."""
+        return self.ca_dir / CA_CERT
+
+    def files(self, replica: str) -> tuple[str, str, str]:
+        return str(self.dir / f"{replica}.pem"), str(self.dir / f"{replica}.key"), str(self.ca_file)
+
+    @property
+    def launcher(self) -> tuple[str, str]:
+        """The certificate and key `serve` and `mm-encoder status` present (role `client`): a frontend
+        with `client_auth` asks for one."""
+        return str(self.dir / "launcher" / f"{LAUNCHER}.pem"), str(self.dir / "launcher" / f"{LAUNCHER}.key")
+
+    def issue(self, plans: list[ComponentPlan]) -> None:
+        """Every replica's certificate, and the launcher's, new on each start (the CA kept)."""
+        try:
+            if (self.ca_dir / CA_CERT).is_file() and (self.ca_dir / CA_KEY).is_file():
+                authority = Authority.load(self.ca_dir)
+            elif self.ca_dir != self.dir:
+                raise GraphError(f"tls.ca_dir {self.ca_dir} has no {CA_CERT} and {CA_KEY}: the operator's CA")
+            else:
+                authority = Authority.create(self.dir, name="mm-encoder serve")
+            for cp in plans:
+                for r in cp.replicas:
+                    authority.issue(Identity(r.name, ROLES[cp.kind]), self.dir, replace=True)
+            authority.issue(Identity(LAUNCHER, "client"), self.dir / "launcher", replace=True)
+        except PkiError as e:
+            raise GraphError(f"TLS certificates: {e.message}") from None
+
+    def client_context(self) -> ssl.SSLContext:
+        """What the launcher checks the graph's HTTPS ports with (health, status)."""
+        return tls_client(self.ca_file, *self.launcher)
+
+    def state(self) -> dict[str, str]:
+        """state.json's `tls`: what `mm-encoder status` reaches the frontend with."""
+        cert, key = self.launcher
+        return {"ca": str(self.ca_file), "cert": cert, "key": key}

@@ -1,0 +1,89 @@
+"""`mm-encoder serve graphs/epd.yaml --tls` (issue 33): the whole EPD graph with a throwaway CA in
+the run directory and a certificate per replica. The README's request answers over HTTPS (the
+ready line names the CA to pass); every internal serving port in state.json (the encoder's and
+every tier's) refuses plaintext and a client without a certificate, the frontend's OpenAI port
+serves HTTPS only; each component's status is on its plaintext ops port; every private key is 0600
+in a 0700 directory and no log holds key material. Real processes throughout."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import stat
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+import pytest
+
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, Served, sample_content
+
+
+def _chat_https(port: int, ca: str) -> dict:
+    body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": sample_content()}]}
+    req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=ca)) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def _refuses_plaintext(url: str) -> None:
+    """Plain HTTP to an HTTPS port gets no answer (Python's servers) or nginx's typed 403."""
+    plain = url.replace("https://", "http://")
+    try:
+        urllib.request.urlopen(plain + "/v1/models", timeout=10)
+    except urllib.error.HTTPError as e:
+        assert e.code == 403 and e.headers["X-MM-Error-Code"] == "https_required", (url, e.code)
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError):
+        pass
+    else:
+        raise AssertionError(f"{plain} answered plaintext")
+
+
+def _refuses_no_certificate(url: str, ca: str) -> None:
+    """TLS without a client certificate: refused in the handshake or with nginx's typed 403."""
+    u = urlsplit(url)
+    conn = http.client.HTTPSConnection(u.hostname, u.port, context=ssl.create_default_context(cafile=ca), timeout=10)
+    try:
+        conn.request("POST", "/v1/encode", body=b"{}", headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 403 and r.getheader("X-MM-Error-Code") == "client_certificate_required", (url, r.status)
+    except (ssl.SSLError, ConnectionError, http.client.RemoteDisconnected):
+        pass
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
+def test_serve_tls_answers_over_https_and_every_internal_port_refuses_strangers(tmp_path):
+    require_nginx()
+    port = free_port()
+    run = tmp_path / "run"
+    with Served("graphs/epd.yaml", run, port, "--tls") as served:
+        out = served.wait_for("ready: OpenAI base URL", 240)
+        ca = str(run / "tls" / "ca.pem")
+        assert f"OpenAI base URL https://127.0.0.1:{port}/v1" in out and f"curl --cacert {ca}" in out
+        assert _chat_https(port, ca)["usage"]["prompt_tokens"] == 1223
+        state = served.state
+        assert state["base_url"].startswith("https://") and state["tls"]["ca"] == ca
+        internal = [c for c in state["components"] if c["url"] and c["kind"] != "frontend"]
+        assert {c["kind"] for c in internal} == {"encoder", "cache-shared", "cache-router", "cache-cluster"}
+        for c in internal:
+            assert c["url"].startswith("https://") and c["ops_url"].startswith("http://127.0.0.1:")
+            _refuses_plaintext(c["url"])
+            _refuses_no_certificate(c["url"], ca)
+            health = "/ready" if c["kind"] == "encoder" else "/_cache/health"
+            with urllib.request.urlopen(c["ops_url"] + health, timeout=10) as r:
+                assert r.status == 200
+        _refuses_plaintext(f"https://127.0.0.1:{port}")  # the frontend: HTTPS only
+        # keys: 0600 in a 0700 directory; no log holds key material
+        tls_dir = run / "tls"
+        assert stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
+        keys = sorted(tls_dir.rglob("*.key"))
+        assert len(keys) >= len(state["components"]) + 1  # every replica's, the CA's (and the launcher's)
+        assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys)
+        logs = [p for p in run.glob("*.log")]
+        assert logs and not any("PRIVATE KEY" in p.read_text(errors="replace") for p in logs)
