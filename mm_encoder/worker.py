@@ -75,6 +75,11 @@ class Worker:
                                           s.handle_chain, s.handle_route)
                 await self.stock.start()
 
+    def reload_tls(self) -> None:
+        """Rotation (SIGHUP): the HTTPS port's certificate read again; open connections keep theirs."""
+        if self.tls is not None:
+            self.settings.reload(self.tls)
+
     async def stop(self) -> None:
         """Graceful: refuse new work, let in-flight requests finish, then close the transports.
         Idempotent; concurrent callers all wait for the one shutdown."""
@@ -114,6 +119,7 @@ async def serve(settings: WorkerSettings) -> None:
     async with Lifecycle("mm-encoder worker") as life:
         worker = Worker(settings)
         life.on_stop(worker.stop)
+        life.on_reload(worker.reload_tls)
         await worker.start()
         assert worker.encoder is not None  # start() loaded it
         ops = {"ops_port": worker.ops_port} if worker.ops_port is not None else {}

@@ -149,6 +149,8 @@ class Graph(_Strict):
             raise ValueError("cache-router and cache-shared go together (the router shards over the shared tier)")
         if any(k in CACHE_KINDS for k in kinds) and "encoder" not in kinds:
             raise ValueError("cache tiers front encode workers: add an encoder component")
+        if self.tls.enabled and self.runtime.event_plane == "zmq":
+            raise ValueError("tls: Dynamo's ZMQ event plane has no TLS; set runtime.event_plane: nats")
         self._check_planner()
         return self
 

@@ -103,29 +103,47 @@ class Server:
         return self.log.read_text(errors="replace")[-1500:] if self.log and self.log.exists() else ""
 
 
-def etcd(data_dir: Path, client_port: int | None = None) -> Server:
-    """A one-member etcd cluster on loopback; the same data dir and port restart it as it was."""
-    client, peer = client_port or _port(), _port()
-    url = f"http://{LOOPBACK}:{client}"
+# A server's certificate, its key and the CA its clients' certificates must chain to (TLS with
+# client certificates: `serve --tls`, docs/security.md); None: plaintext.
+ServerTls = tuple[str, str, str]
+
+
+def etcd(data_dir: Path, client_port: int | None = None, tls: ServerTls | None = None) -> Server:
+    """A one-member etcd cluster on loopback; the same data dir and port restart it as it was. With
+    `tls`, clients reach it over HTTPS with a certificate from the CA; its health is probed on the
+    plaintext metrics listener (loopback), which serves nothing else."""
+    client, peer, metrics = client_port or _port(), _port(), _port()
+    url = f"{'https' if tls else 'http'}://{LOOPBACK}:{client}"
     cmd = [check_install("etcd"), "--name", "mm", "--data-dir", str(data_dir), "--listen-client-urls", url,
            "--advertise-client-urls", url, "--listen-peer-urls", f"http://{LOOPBACK}:{peer}",
            "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{peer}",
-           "--initial-cluster", f"mm=http://{LOOPBACK}:{peer}", "--listen-metrics-urls", f"http://{LOOPBACK}:{_port()}"]
-    return Server("etcd", cmd, {"ETCD_ENDPOINTS": url}, f"{url}/health", data=data_dir)
+           "--initial-cluster", f"mm=http://{LOOPBACK}:{peer}", "--listen-metrics-urls", f"http://{LOOPBACK}:{metrics}"]
+    if tls:
+        cert, key, ca = tls
+        cmd += ["--cert-file", cert, "--key-file", key, "--client-cert-auth", "--trusted-ca-file", ca]
+    return Server("etcd", cmd, {"ETCD_ENDPOINTS": url}, f"http://{LOOPBACK}:{metrics}/health", data=data_dir)
 
 
-def nats(data_dir: Path, port: int | None = None) -> Server:
-    """nats-server with JetStream (Dynamo's planes use it), on loopback."""
+def nats(data_dir: Path, port: int | None = None, tls: ServerTls | None = None) -> Server:
+    """nats-server with JetStream (Dynamo's planes use it), on loopback; with `tls`, clients need a
+    certificate from the CA (NATS still greets in plaintext, then upgrades: the probe is the same)."""
     port = port or _port()
     cmd = [check_install("nats-server"), "-a", LOOPBACK, "-p", str(port), "-js", "-sd", str(data_dir)]
-    return Server("nats", cmd, {"NATS_SERVER": f"nats://{LOOPBACK}:{port}"}, (LOOPBACK, port), data=data_dir)
+    if tls:
+        cert, key, ca = tls
+        cmd += ["--tlsverify", "--tlscert", cert, "--tlskey", key, "--tlscacert", ca]
+    scheme = "tls" if tls else "nats"
+    return Server("nats", cmd, {"NATS_SERVER": f"{scheme}://{LOOPBACK}:{port}"}, (LOOPBACK, port), data=data_dir)
 
 
-def servers_for(runtime: Runtime, run_dir: Path, environ: Mapping[str, str]) -> list[Server]:
-    """The servers a graph's runtime needs that the environment does not already name."""
+def servers_for(runtime: Runtime, run_dir: Path, environ: Mapping[str, str],
+                tls: Mapping[str, ServerTls] | None = None) -> list[Server]:
+    """The servers a graph's runtime needs that the environment does not already name (`tls`: each
+    one's certificate, by name)."""
     out = []
+    tls = tls or {}
     if runtime.needs_etcd and not environ.get("ETCD_ENDPOINTS"):
-        out.append(etcd(run_dir / "etcd"))
+        out.append(etcd(run_dir / "etcd", tls=tls.get("etcd")))
     if runtime.needs_nats and not environ.get("NATS_SERVER"):
-        out.append(nats(run_dir / "nats"))
+        out.append(nats(run_dir / "nats", tls=tls.get("nats")))
     return out

@@ -150,6 +150,7 @@ class GraphRunner:
         self.grace_s = grace_s
         self.start_timeout_s = start_timeout_s
         self.procs: list[Proc] = []
+        self.plans: list[ComponentPlan] = []
         self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
         self.runtime_env: dict[str, str] = {}  # how Dynamo's components reach those (ETCD_ENDPOINTS, ...)
         self.sessions: set[int] = set()  # process groups of every replica started, restarts included
@@ -163,16 +164,36 @@ class GraphRunner:
             generated.write(self.site.checkpoint_dir)
         elif not (Path(self.site.checkpoint_dir) / "config.json").is_file():
             raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
-        plans = plan(self.graph, self.site)
+        self.plans = plans = plan(self.graph, self.site)
         if self.site.tls is not None:
             self.site.tls.issue(plans)
         return [Proc(c, r) for c in plans for r in c.replicas]
+
+    def rotate(self) -> str:
+        """New certificates for every replica (the CA kept), each process told to read its own again
+        (SIGHUP: nginx reloads gracefully, our processes reload their SSL contexts; nats-server
+        reloads; etcd reads its files at each handshake), with no request dropped (docs/security.md)."""
+        if self.site.tls is None:
+            return "rotation: this graph runs without TLS"
+        self.site.tls.issue(self.plans)
+        told = [p.popen.pid for p in self.procs if p.popen is not None and p.popen.poll() is None]
+        for pid in told:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP)
+        for server in self.servers:
+            if server.name == "nats" and server.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGHUP)
+        return f"rotation: new certificates for {len(told)} processes, each told to read them again"
 
     # --- running -----------------------------------------------------------------------------
 
     def spawn(self, p: Proc) -> subprocess.Popen[bytes]:
         p.log = self.run_dir / f"{p.name}.log"
         env = {**os.environ, **(self.runtime_env if p.kind in DYNAMO_KINDS else {}), **p.component.env}
+        if self.site.tls and p.kind in DYNAMO_KINDS:  # Dynamo's planes with this replica's certificate
+            env |= self.site.tls.dynamo_env(self.site.tls.files(p.name), self.runtime_env,
+                                            self.graph.runtime.request_plane)
         # tracing on: one service each, Dynamo's spans beside ours, one protocol (observability.md)
         env.update(tracing.component_env(env, p.component.env.get("OTEL_SERVICE_NAME",
                                                                   f"{self.graph.name}/{p.component.name}"), p.name))
@@ -226,7 +247,8 @@ class GraphRunner:
 
     def start_servers(self) -> None:
         """etcd / NATS first, unless the environment already names them."""
-        self.servers = infra.servers_for(self.graph.runtime, self.run_dir, os.environ)
+        self.servers = infra.servers_for(self.graph.runtime, self.run_dir, os.environ,
+                                         self.site.tls.servers() if self.site.tls else None)
         self.runtime_env = {k: os.environ[k] for k in ("ETCD_ENDPOINTS", "NATS_SERVER") if os.environ.get(k)}
         for server in self.servers:
             server.start(self.run_dir / f"{server.name}.log")
@@ -259,7 +281,9 @@ class GraphRunner:
         if planner is None:
             return None
         running = sum(1 for p in self.procs if p.kind == "encoder" and p.state == "up")
-        scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.component.env}, running)
+        tls = self.site.tls.dynamo_env((*self.site.tls.launcher, str(self.site.tls.ca_file)), self.runtime_env,
+                                       self.graph.runtime.request_plane) if self.site.tls else {}
+        scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.component.env, **tls}, running)
         scaler.start()
         return scaler
 
@@ -372,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # also when started in the background, where SIGINT is ignored
+    rotate = []  # SIGHUP: new certificates, taken up in the loop below
+    signal.signal(signal.SIGHUP, lambda signum, frame: rotate.append(True))
     print(f"mm-encoder serve {graph_file} (graph {graph.name}, namespace {graph.namespace}); logs in {run_dir}",
           flush=True)
     rc = 0
@@ -383,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         scaled = graph.of_kind("encoder")[0][0] if scaler is not None else ""  # the planner's encoders
         last = time.monotonic()
         while True:
+            if rotate:
+                rotate.clear()
+                say(runner.rotate())
             for event in runner.check():
                 say(event)
             if scaler is not None and (decision := scaler.pending()) is not None:

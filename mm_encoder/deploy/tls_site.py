@@ -4,19 +4,24 @@ per replica, issued into the run directory before anything starts (docs/security
 The CA is a throwaway one made in `<run_dir>/tls` on the first start (a later start in the same run
 directory keeps it, so clients that trust it keep working), or the operator's own (`ca_dir`: its
 `ca.pem` and `ca.key`, read, never written). Each replica's certificate names it (CN) and its
-kind's role (OU), for loopback (`localhost`, 127.0.0.1); keys are 0600 in a 0700 directory."""
+kind's role (OU), for loopback (`localhost`, 127.0.0.1); keys are 0600 in a 0700 directory. The
+same CA signs etcd's and NATS' certificates when serve runs them, and each Dynamo process presents
+its own certificate to them and on the TCP request plane (`dynamo_env`)."""
 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.errors import GraphError
 from ..security.pki import CA_CERT, CA_KEY, Authority, Identity, PkiError
 from ..security.tls import tls_client
 from .graph import Kind
+from .infra import ServerTls
 from .plan import ComponentPlan
 
+SERVERS = ("etcd", "nats")
 LAUNCHER = "mm-encoder-serve"  # the launcher's own certificate, in a folder of its own (no clash with a replica)
 ROLES: dict[Kind, str] = {"encoder": "encoder", "cache-shared": "cache-shared", "cache-router": "cache-router",
                           "cache-cluster": "cache-cluster", "engine": "engine", "frontend": "frontend",
@@ -62,8 +67,33 @@ class LocalTls:
                 for r in cp.replicas:
                     authority.issue(Identity(r.name, ROLES[cp.kind]), self.dir, replace=True)
             authority.issue(Identity(LAUNCHER, "client"), self.dir / "launcher", replace=True)
+            for server in SERVERS:  # Dynamo's etcd and NATS, when the graph's runtime runs them
+                authority.issue(Identity(server, server), self.dir / "servers", replace=True)
         except PkiError as e:
             raise GraphError(f"TLS certificates: {e.message}") from None
+
+    def servers(self) -> dict[str, ServerTls]:
+        """etcd's and NATS' certificates (`infra.servers_for`)."""
+        d = self.dir / "servers"
+        return {s: (str(d / f"{s}.pem"), str(d / f"{s}.key"), str(self.ca_file)) for s in SERVERS}
+
+    def dynamo_env(self, files: tuple[str, str, str], runtime: Mapping[str, str], request_plane: str) -> dict[str, str]:
+        """Dynamo's own TLS settings for a process presenting `files` (cert, key, CA): its etcd and NATS
+        clients where serve runs those over TLS (`runtime`: their addresses), and the TCP request
+        plane both ways (client certificates required). etcd's three take the PEM text itself,
+        not paths (Dynamo 1.6.1): they live in the process's environment only, never in state.json."""
+        cert, key, ca = files
+        env: dict[str, str] = {}
+        if runtime.get("NATS_SERVER", "").startswith("tls://"):
+            env |= {"NATS_TLS_CA_CERT_PATH": ca, "NATS_TLS_CLIENT_CERT_PATH": cert, "NATS_TLS_CLIENT_KEY_PATH": key}
+        if runtime.get("ETCD_ENDPOINTS", "").startswith("https://"):
+            env |= {"ETCD_AUTH_CA": Path(ca).read_text(), "ETCD_AUTH_CLIENT_CERT": Path(cert).read_text(),
+                    "ETCD_AUTH_CLIENT_KEY": Path(key).read_text()}
+        if request_plane == "tcp":
+            env |= {"DYN_TCP_TLS_CERT_PATH": cert, "DYN_TCP_TLS_KEY_PATH": key, "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": ca,
+                    "DYN_TCP_TLS_CA_CERT_PATH": ca, "DYN_TCP_TLS_CLIENT_CERT_PATH": cert,
+                    "DYN_TCP_TLS_CLIENT_KEY_PATH": key}
+        return env
 
     def client_context(self) -> ssl.SSLContext:
         """What the launcher checks the graph's HTTPS ports with (health, status)."""

@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
                 life.on_stop(asyncio.ensure_future(relay_events(events.endpoint.replace("*", "127.0.0.1"),
                                                                 relay)).cancel)
             resolver = HandleResolver(args.encoder_chain, rpc, tls=args.client_tls())
+            if (tls := resolver.tls) is not None:  # rotation: its client certificate read again
+                life.on_reload(lambda: args.reload(tls))
             handler = VllmEngine(llm, resolver, family, block_size=args.block_size,
                                  max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
                                  tokenizer=lambda: ChatTokenizer(args.model),

@@ -22,6 +22,7 @@ async def serve(s: FrontendSettings) -> None:
     async with Lifecycle("mm-encoder frontend") as life:
         factory = ProcessorFactory(s, life.runtime)
         life.on_exit(factory.close)  # once the runtime is down and the HTTP server has stopped
+        life.on_reload(factory.reload_tls)  # its client certificate; the HTTPS port's needs a restart (Dynamo's)
         await factory.parts()  # fail fast (a bad model dir) before serving
 
         def stats(_ctx: object) -> dict[str, list[dict[str, Any]]]:  # _ctx: Dynamo's request context, unused

@@ -60,6 +60,7 @@ class ProcessorFactory:
         self.runtime = runtime  # None: the process's own (Dynamo's frontend made it)
         self.processors: dict[str, MultimodalProcessor] = {}
         self.encoder: EncoderClient | None = None
+        self.tls = settings.client_tls()  # its calls to https:// chains (`reload_tls` on SIGHUP)
         self._parts: SharedParts | None = None
         self._lock = asyncio.Lock()
 
@@ -83,7 +84,7 @@ class ProcessorFactory:
             self.encoder = EncoderClient(spec.name, http_url=s.encoder_http, route=s.encoder_route, rpc_client=rpc,
                                          timeout_s=s.encoder_timeout_s, namespace=s.namespace if use_rpc else None,
                                          send_bodies=s.media_transport == "body", revision=card.revision,
-                                         dtype=s.wire_dtype, tls=s.client_tls())
+                                         dtype=s.wire_dtype, tls=self.tls)
         return SharedParts(
             card=card, spec=spec, tokenizer=ChatTokenizer(s.model_dir, s.allow_remote_code),
             engine_client=await runtime.endpoint(engine_path).client(),
@@ -106,6 +107,11 @@ class ProcessorFactory:
                        routed_engine: RoutedEngine) -> PythonAsyncEngine:
         proc = await self.processor(getattr(instance_id, "name", None))
         return chat_engine(proc.generate, asyncio.get_running_loop())
+
+    def reload_tls(self) -> None:
+        """Rotation: this frontend's client certificate read again (new connections present it)."""
+        if self.tls is not None:
+            self.s.reload(self.tls)
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests (503 draining) and wait, up to `timeout_s`, for those in flight."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -21,6 +22,7 @@ from . import logs, tracing
 if TYPE_CHECKING:
     from .dynamo import DistributedRuntime
 
+log = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -131,10 +133,13 @@ class Lifecycle:
         self._served: list[asyncio.Future[Any]] = []
         self._on_stop: list[Callable[[], Any]] = []
         self._on_exit: list[Callable[[], Any]] = []
+        self._on_reload: list[Callable[[], Any]] = []
         self.stop = asyncio.Event()
 
     async def __aenter__(self) -> Lifecycle:
         self.stop = stop_on_signals()
+        # SIGHUP: the process's reload steps (its TLS files read again: rotation), never a stop
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
         provider = tracing.setup(self.name.replace(" ", "-"))  # None unless the environment asks (tracing.py)
         if provider is not None:  # last of all: what is still batched goes out once the process is done
             self._on_exit.insert(0, provider.shutdown)
@@ -159,6 +164,19 @@ class Lifecycle:
     def on_stop(self, step: Callable[[], Any]) -> None:
         """A shutdown step (sync or async), run before the runtime shuts down."""
         self._on_stop.append(step)
+
+    def on_reload(self, step: Callable[[], Any]) -> None:
+        """A step run on SIGHUP (sync: e.g. `TlsOptions.reload` of a live SSL context)."""
+        self._on_reload.append(step)
+
+    def _reload(self) -> None:
+        for step in self._on_reload:
+            try:
+                step()
+            except Exception:  # a failed reload keeps what the process had: it stays up, and says so
+                log.exception("%s: reload failed; serving with what it had", self.name)
+                return
+        log.info("%s: reloaded (%d steps)", self.name, len(self._on_reload))
 
     def on_exit(self, step: Callable[[], Any]) -> None:
         """A shutdown step run last, once the runtime is down and the served tasks have ended."""

@@ -36,7 +36,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from ..core.errors import MMEncoderError
 
 ROLES: tuple[str, ...] = ("frontend", "cache-cluster", "cache-router", "cache-shared", "encoder", "engine",
-                          "planner", "client")
+                          "planner", "client", "etcd", "nats")  # the last two: Dynamo's servers, on one machine
 ORGANIZATION = "mm-encoder"  # every certificate's O
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 DEFAULT_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1")

@@ -10,6 +10,7 @@ the hop's list before any work (a 403 `forbidden_peer`). A client verifies the s
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,18 @@ class TlsOptions(BaseSettings):
 
     def reload(self, ctx: ssl.SSLContext) -> None:
         """The certificate and key files read again into a live context (rotation): new handshakes
-        present the new certificate; connections already open keep theirs."""
+        present the new certificate; connections already open keep theirs. The two files are
+        replaced one after the other (`pki`): a pair read between the two renames does not match,
+        and is read again."""
         assert self.tls_cert is not None and self.tls_key is not None
-        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        for attempt in range(3):
+            try:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+                return
+            except ssl.SSLError:
+                if attempt == 2:
+                    raise
+                time.sleep(0.05)
 
 
 def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path | None = None) -> ssl.SSLContext:

@@ -1,0 +1,66 @@
+"""Dynamo's own planes over TLS (issue 33): `mm-encoder serve graphs/epd-etcd.yaml --tls` runs etcd
+(HTTPS client URLs, client certificates required) and nats-server (TLS, `verify`) with certificates
+from the graph's CA, and every Dynamo process (encoders, engines, frontend) presents its own
+certificate to both. The README's request answers over HTTPS; etcd and NATS refuse a client
+without a certificate; etcd's client key, which Dynamo takes as PEM text in the environment, is not
+written to state.json or any log. Real processes throughout (Debian's etcd and nats-server)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+import pytest
+
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.serve_fixtures import MODEL, Served, sample_content
+
+
+def _nats_refuses_without_certificate(address: str, ca: str) -> None:
+    """NATS greets in plaintext (INFO), then the client upgrades; without a certificate the server
+    refuses the handshake or drops the connection before answering CONNECT."""
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        info = raw.recv(4096)
+        assert info.startswith(b"INFO ") and json.loads(info[5:].split(b"\r\n")[0])["tls_verify"] is True
+        ctx = ssl.create_default_context(cafile=ca)
+        try:
+            with ctx.wrap_socket(raw, server_hostname=host) as tls:
+                tls.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+                assert b"PONG" not in tls.recv(4096)
+        except (ssl.SSLError, ConnectionError):
+            pass
+
+
+@pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
+def test_etcd_and_nats_run_with_client_certificates(tmp_path):
+    require_nginx()
+    port = free_port()
+    run = tmp_path / "run"
+    with Served("graphs/epd-etcd.yaml", run, port, "--tls") as served:
+        served.wait_for("ready: OpenAI base URL", 300)
+        ca = str(run / "tls" / "ca.pem")
+        body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": sample_content()}]}
+        req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=ca)) as r:
+            assert json.loads(r.read())["usage"]["prompt_tokens"] == 1223
+        runtime = served.state["runtime"]
+        etcd, nats = runtime["ETCD_ENDPOINTS"], runtime["NATS_SERVER"]
+        assert etcd.startswith("https://127.0.0.1:") and nats.startswith("tls://127.0.0.1:")
+        # etcd: no certificate, no answer; the graph's own certificate (any component's) is let in
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            urllib.request.urlopen(f"{etcd}/health", timeout=10, context=ssl.create_default_context(cafile=ca))
+        member = ssl.create_default_context(cafile=ca)
+        member.load_cert_chain(run / "tls" / "frontend.pem", run / "tls" / "frontend.key")
+        with urllib.request.urlopen(f"{etcd}/health", timeout=10, context=member) as r:
+            assert json.loads(r.read())["health"] == "true"
+        _nats_refuses_without_certificate(urlsplit(nats).netloc, ca)
+        # etcd's client key travels as PEM text in each Dynamo process's environment only
+        assert not any(k.startswith("ETCD_AUTH") for k in runtime)
+        written = [run / "state.json", *run.glob("*.log")]
+        assert not any("PRIVATE KEY" in p.read_text(errors="replace") for p in written)

@@ -1,0 +1,144 @@
+"""Certificate rotation under load (issue 33): an encode worker and a cluster tier with TLS, an
+engine fetching bodies through the tier on keep-alive connections without pause; mid-load every
+certificate is replaced (new keys, the CA kept) and each process gets SIGHUP (the worker reads its
+files again, nginx reloads gracefully). Every request answers 200; new handshakes at both servers
+present the new certificates. Then `mm-encoder serve graphs/epd.yaml --tls` does the same for the
+whole graph on SIGHUP, and the graph keeps answering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from harness.certs import Certs
+from harness.media_factory import image_bytes, natural_image
+from harness.nginx_fixtures import free_port, require_nginx
+from harness.processes import Process
+from harness.serve_fixtures import MODEL, Served, data_url, sample_content
+from mm_encoder.client.chain import EncoderChain
+from mm_encoder.core.requests import EncodeRequest
+from mm_encoder.deploy.status import collect
+from mm_encoder.security.tls import TlsOptions
+
+SOURCE = EncodeRequest(model="tiny", url=data_url(image_bytes(natural_image(64, 40, seed=9))))
+
+
+def _served_serial(port: int, ca, client) -> int:
+    """The serial number of the certificate a server presents to a new handshake."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(client.cert, client.key)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        der = tls.getpeercert(binary_form=True)
+    from cryptography import x509
+
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def _file_serial(path) -> int:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+
+
+class Load(threading.Thread):
+    """An engine fetching the same body through the chain until stopped (at most 30 s, 2000 requests)."""
+
+    def __init__(self, url: str, tls: ssl.SSLContext):
+        super().__init__(daemon=True)
+        self.url, self.tls = url, tls
+        self.ok, self.failed = 0, []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        async def go() -> None:
+            chain = EncoderChain(http_url=self.url, tls=self.tls)
+            deadline = time.monotonic() + 30
+            try:
+                while not self.done.is_set() and time.monotonic() < deadline and self.ok + len(self.failed) < 2000:
+                    try:
+                        await chain.fetch(SOURCE)
+                        self.ok += 1
+                    except Exception as e:  # counted: the test asserts there are none
+                        self.failed.append(repr(e))
+            finally:
+                await chain.close()
+
+        asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
+    require_nginx()
+    certs = Certs(tmp_path / "pki")
+    ca = str(certs.ca_file)
+    procs: list[Process] = []
+    try:
+        enc = certs.issue("encoder", "encoder")
+        worker = Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--tls-cert", str(enc.cert),
+                          "--tls-key", str(enc.key), "--tls-ca", ca, "--tls-allow", "cache-cluster"],
+                         name="tls worker", env={**os.environ, "MM_ENCODER_HTTP_PORT": "0"}, log=tmp_path / "w.log")
+        procs.append(worker)
+        wport = int(worker.wait_for("mm-encoder worker ready", 120).split("http_port=")[1].split()[0])
+        cl = certs.issue("cluster", "cache-cluster")
+        port, ops = free_port(), free_port()
+        tier = Process([sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", "cluster", "--listen",
+                        f"127.0.0.1:{port}", "--next", f"127.0.0.1:{wport}", "--ops-listen", f"127.0.0.1:{ops}",
+                        "--run-dir", str(tmp_path / "nginx"), "--cache-dir", str(tmp_path / "cache"), "--workers", "1",
+                        "--tls-cert", str(cl.cert), "--tls-key", str(cl.key), "--tls-ca", ca],
+                       name="nginx cluster", log=tmp_path / "cluster.log")
+        procs.append(tier)
+        tier.wait_url(f"http://127.0.0.1:{ops}/_cache/health", 15)
+        engine = certs.issue("engine-0", "engine")
+        load = Load(f"https://127.0.0.1:{port}", TlsOptions(tls_cert=engine.cert, tls_key=engine.key,
+                                                            tls_ca=certs.ca_file).client_context())
+        load.start()
+        deadline = time.monotonic() + 20
+        while load.ok < 20 and time.monotonic() < deadline:  # under way
+            time.sleep(0.05)
+        old = (_served_serial(wport, ca, cl), _served_serial(port, ca, engine))
+        enc, cl = certs.issue("encoder", "encoder", replace=True), certs.issue("cluster", "cache-cluster", replace=True)
+        worker.send_signal(signal.SIGHUP)
+        tier.send_signal(signal.SIGHUP)  # nginx's master: a graceful reload
+        deadline, before = time.monotonic() + 20, load.ok
+        while load.ok < before + 50 and time.monotonic() < deadline:  # well past the reloads
+            time.sleep(0.05)
+        new = (_served_serial(wport, ca, cl), _served_serial(port, ca, engine))
+        load.done.set()
+        load.join(40)
+        assert load.failed == [] and load.ok >= before + 50, (load.ok, load.failed[:3])
+        assert new == (_file_serial(enc.cert), _file_serial(cl.cert)) and new[0] != old[0] and new[1] != old[1]
+        assert worker.poll() is None and tier.poll() is None
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+@pytest.mark.slow
+def test_serve_rotates_every_certificate_on_sighup(tmp_path):
+    require_nginx()
+    port = free_port()
+    run = tmp_path / "run"
+    with Served("graphs/epd.yaml", run, port, "--tls") as served:
+        served.wait_for("ready: OpenAI base URL", 240)
+        ca = ssl.create_default_context(cafile=str(run / "tls" / "ca.pem"))
+        before = _file_serial(run / "tls" / "encoder.pem")
+        os.kill(served.proc.pid, signal.SIGHUP)
+        served.wait_for("rotation: new certificates for", 30)
+        assert _file_serial(run / "tls" / "encoder.pem") != before
+        body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": sample_content()}]}
+        req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120, context=ca) as r:  # every hop, on the new certificates
+            assert json.loads(r.read())["usage"]["prompt_tokens"] == 1223
+        assert all(c["up"] for c in collect(run)["components"])
