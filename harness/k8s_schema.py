@@ -1,5 +1,6 @@
 """The part of the Dynamo operator's v1beta1 DynamoGraphDeployment schema that `render-k8s` emits,
-written by hand from the CRD's openAPIV3Schema, plus a small checker (jsonschema is not installed).
+written by hand from the CRD's openAPIV3Schema, plus a small checker (jsonschema is not installed); and,
+for a graph with `tls`, the NetworkPolicy and cert-manager Certificate fields it emits (below, with sources).
 
 Source: ai-dynamo/dynamo `deploy/operator/config/crd/bases/nvidia.com_dynamographdeployments.yaml`
 (stored version at commit 01cc1c3b677b20c5dd72d9eb76962dc04b55b8be, `versions[name=v1beta1]`), read with
@@ -44,15 +45,28 @@ VOLUME_MOUNT = obj({"name": STR, "mountPath": STR, "readOnly": {"type": "boolean
 CONTAINER_PORT = obj({"name": STR, "containerPort": {"type": "integer"},
                       "protocol": {"type": "string"}}, ("containerPort",))
 RESOURCES = obj({"limits": QUANTITY_MAP, "requests": QUANTITY_MAP})
+INT: dict[str, Any] = {"type": "integer"}
+INT_OR_STR: dict[str, Any] = {"type": "int-or-string"}
+# core/v1 Probe (the CRD's embedded copy): one handler, and its timing. `scheme` is HTTP or HTTPS.
+PROBE = obj({
+    "exec": obj({"command": STR_LIST}),
+    "httpGet": obj({"path": STR, "port": INT_OR_STR, "host": STR,
+                    "scheme": {"type": "string", "enum": ["HTTP", "HTTPS"]}}, ("port",)),
+    "tcpSocket": obj({"port": INT_OR_STR, "host": STR}, ("port",)),
+    **{k: INT for k in ("initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold",
+                        "successThreshold")},
+})
 CONTAINER = obj({
     "name": STR, "image": STR, "command": STR_LIST, "args": STR_LIST,
     "env": listmap(ENV_VAR), "ports": {"type": "array", "items": CONTAINER_PORT},
     "resources": RESOURCES, "volumeMounts": listmap(VOLUME_MOUNT, "mountPath"),
+    "livenessProbe": PROBE, "readinessProbe": PROBE, "startupProbe": PROBE,
 }, ("name",))
 VOLUME = obj({
     "name": STR,
     "emptyDir": obj({"medium": STR, "sizeLimit": QUANTITY_VALUE}),
     "persistentVolumeClaim": obj({"claimName": STR, "readOnly": {"type": "boolean"}}, ("claimName",)),
+    "secret": obj({"secretName": STR, "defaultMode": INT, "optional": {"type": "boolean"}}),  # SecretVolumeSource
 }, ("name",))
 POD_SECURITY_CONTEXT = obj({name: {"type": "integer"} for name in ("runAsUser", "runAsGroup", "fsGroup")}
                            | {"runAsNonRoot": {"type": "boolean"}})
@@ -80,6 +94,46 @@ DYNAMO_GRAPH_DEPLOYMENT = obj({
     "metadata": obj({"name": STR, "labels": STR_MAP, "annotations": STR_MAP}, ("name",)),
     "spec": obj({"components": listmap(COMPONENT, max_items=25), "env": listmap(ENV_VAR),
                  "labels": STR_MAP, "annotations": STR_MAP}),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+# Kubernetes' networking.k8s.io/v1 NetworkPolicy (the API reference, v1.25+: `endPort` is GA), cut to what we emit.
+_LABEL_SELECTOR = obj({"matchLabels": STR_MAP})
+_PEER = obj({"podSelector": _LABEL_SELECTOR, "namespaceSelector": _LABEL_SELECTOR})
+_POLICY_PORT = obj({"protocol": {"type": "string", "enum": ["TCP", "UDP", "SCTP"]}, "port": INT_OR_STR,
+                    "endPort": INT})
+NETWORK_POLICY = obj({
+    "apiVersion": {"const": "networking.k8s.io/v1"},
+    "kind": {"const": "NetworkPolicy"},
+    "metadata": obj({"name": STR, "labels": STR_MAP}, ("name",)),
+    "spec": obj({
+        "podSelector": _LABEL_SELECTOR,
+        "policyTypes": {"type": "array", "items": {"type": "string", "enum": ["Ingress", "Egress"]}},
+        "ingress": {"type": "array", "items": obj({"from": {"type": "array", "items": _PEER},
+                                                   "ports": {"type": "array", "items": _POLICY_PORT}})},
+    }, ("podSelector",)),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+# cert-manager's cert-manager.io/v1 Certificate (its API reference: CertificateSpec), cut to what we emit; no CRD
+# file here, so this is its structure: the required secretName and issuerRef, and the enums of what we set.
+CERTIFICATE = obj({
+    "apiVersion": {"const": "cert-manager.io/v1"},
+    "kind": {"const": "Certificate"},
+    "metadata": obj({"name": STR, "labels": STR_MAP}, ("name",)),
+    "spec": obj({
+        "secretName": STR,
+        "commonName": {"type": "string", "minLength": 1, "maxLength": 64},
+        "subject": obj({"organizations": STR_LIST, "organizationalUnits": STR_LIST}),
+        "dnsNames": STR_LIST,
+        "usages": {"type": "array", "items": {"type": "string", "enum": [
+            "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+            "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any", "server auth",
+            "client auth", "code signing", "email protection", "s/mime", "ipsec end system", "ipsec tunnel",
+            "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"]}},
+        "privateKey": obj({"algorithm": {"type": "string", "enum": ["RSA", "ECDSA", "Ed25519"]}, "size": INT,
+                           "encoding": {"type": "string", "enum": ["PKCS1", "PKCS8"]}}),
+        "issuerRef": obj({"name": STR, "kind": {"type": "string", "enum": ["Issuer", "ClusterIssuer"]},
+                          "group": STR}, ("name",)),
+    }, ("secretName", "issuerRef")),
 }, ("apiVersion", "kind", "metadata", "spec"))
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "int-or-string": (int, str)}

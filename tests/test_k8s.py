@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.k8s_schema import DYNAMO_GRAPH_DEPLOYMENT, errors
+from harness.k8s_schema import CERTIFICATE, DYNAMO_GRAPH_DEPLOYMENT, NETWORK_POLICY, errors
 from mm_encoder.core.errors import GraphError
 from mm_encoder.deploy import k8s
 from mm_encoder.deploy.grafana import FLEET, fleet_dashboard
@@ -550,8 +550,213 @@ def test_a_component_with_an_otlp_endpoint_is_traced_as_serve_traces_it():
     assert not any(k.startswith("OTEL_") for k in encoder)
 
 
-def test_a_graph_with_tls_is_refused_until_kubernetes_has_its_secrets():
-    """`tls` on Kubernetes (certificates from Secrets, NetworkPolicies) is not rendered yet: refused by
-    name rather than rendered without it."""
-    with pytest.raises(GraphError, match="`tls`"):
-        k8s.render(graph_of(tls={"enabled": True}))
+# --- a graph with `tls` ---------------------------------------------------------------------
+
+TLS_FILES = ["/etc/mm-encoder/tls/tls.crt", "/etc/mm-encoder/tls/tls.key", "/etc/mm-encoder/tls/ca.crt"]
+TIERS = ("StatefulSet", "Deployment")
+PROMETHEUS = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+@pytest.fixture(scope="module")
+def tls_docs() -> list[dict]:
+    return docs_of(graph_of(tls={"enabled": True}))
+
+
+def pods(docs: list[dict]) -> dict[str, tuple[dict, dict]]:
+    """Every component's (pod spec, its one container) by component name: the DGD's and the tiers'."""
+    out = {c["name"]: (c["podTemplate"]["spec"], main_of(c)) for c in one(docs, DGD)["spec"]["components"]}
+    for d in docs:
+        if d["kind"] in TIERS:
+            spec = d["spec"]["template"]["spec"]
+            out[d["spec"]["template"]["metadata"]["labels"]["mm-encoder/component"]] = (spec, spec["containers"][0])
+    return out
+
+
+def test_a_tls_graph_mounts_each_components_own_secret_read_only(tls_docs):
+    """Every component but the planner gets its certificate, key and the CA from one mount of its own Secret,
+    `<graph>-<component>-tls` (its replicas share it), read-only, 0400; the DGD still passes the CRD schema."""
+    assert errors(one(tls_docs, DGD), SCHEMA) == []
+    for name, (spec, container) in pods(tls_docs).items():
+        args = container["args"]
+        assert [opt(args, f)[0] for f in ("--tls-cert", "--tls-key", "--tls-ca")] == TLS_FILES, name
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        assert volume == {"name": "tls", "secret": {"secretName": f"epd-{name}-tls", "defaultMode": 0o400}}
+        assert {"name": "tls", "mountPath": "/etc/mm-encoder/tls", "readOnly": True} in container["volumeMounts"]
+    assert not any(d["kind"] == "Certificate" for d in tls_docs)  # without tls.issuer: the operator's Secrets
+    note = one(tls_docs, DGD)["metadata"]["annotations"][k8s.NOTE]
+    assert "epd-shared-tls (CN shared, OU cache-shared, DNS epd-shared, epd-shared-0.epd-shared" in note
+    assert "kubectl create secret generic" in note and "CNI" in note
+
+
+def test_probes_that_hold_no_certificate_stay_off_the_https_ports(tls_docs):
+    """Tiers are probed on their plaintext ops port; an encoder keeps the operator's probes (Dynamo's
+    plaintext system port) and names its ops port for Prometheus; the frontend's probes speak HTTPS."""
+    parts = pods(tls_docs)
+    for name in ("shared", "router", "cluster"):
+        container = parts[name][1]
+        assert opt(container["args"], "--ops-listen") == ["0.0.0.0:9091"]
+        assert {"name": "mm-ops", "containerPort": 9091, "protocol": "TCP"} in container["ports"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/_cache/health", "port": "mm-ops"}, (name, probe)
+    encoder = parts["encoder"][1]
+    assert opt(encoder["args"], "--ops-port") == ["9091"] and "readinessProbe" not in encoder
+    assert [p["containerPort"] for p in encoder["ports"]] == [k8s.ENCODER_PORT, 9091]
+    frontend = parts["frontend"][1]
+    assert "--https" in frontend["args"] and "--https-client-auth" not in frontend["args"]
+    assert {k: frontend[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")} == {
+        "startupProbe": {"path": "/live", "port": 8000, "scheme": "HTTPS"},
+        "livenessProbe": {"path": "/live", "port": 8000, "scheme": "HTTPS"},
+        "readinessProbe": {"path": "/health", "port": 8000, "scheme": "HTTPS"}}
+    assert not any("Probe" in k for name in ("engine",) for k in parts[name][1])
+
+
+def test_with_client_auth_the_frontends_probe_presents_the_pods_own_certificate(tmp_path):
+    """The kubelet has no client certificate: with `tls.client_auth` the frontend's probes run Python with the
+    pod's certificate; the command, run against a server that requires one, passes on 200 and fails otherwise."""
+    import http.server
+    import ssl
+    import subprocess
+    import sys
+    import threading
+
+    from mm_encoder.security.pki import Authority, Identity
+
+    docs = docs_of(graph_of(tls={"enabled": True, "client_auth": True}))
+    frontend = main_of(components(one(docs, DGD))["frontend"])
+    assert "--https-client-auth" in frontend["args"] and errors(one(docs, DGD), SCHEMA) == []
+    command = frontend["readinessProbe"]["exec"]["command"]
+    assert command[0] == "python" and command[3:6] == TLS_FILES and command[6] == "https://127.0.0.1:8000/health"
+
+    ca = Authority.create(tmp_path)
+    server, client = (ca.issue(Identity(n, "frontend"), tmp_path, hosts=["epd-frontend"]) for n in ("fe", "probe"))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(server.cert, server.key)
+    ctx.load_verify_locations(tmp_path / "ca.pem")
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"https://127.0.0.1:{httpd.server_address[1]}"
+        files = [str(client.cert), str(client.key), str(tmp_path / "ca.pem")]
+        run = [sys.executable, *command[1:3], *files]
+        assert subprocess.run([*run, f"{base}/health"], capture_output=True).returncode == 0
+        assert subprocess.run([*run, f"{base}/live"], capture_output=True).returncode != 0
+    finally:
+        httpd.shutdown()
+
+
+def test_the_chain_is_https_and_each_tier_checks_a_name_its_upstreams_carry():
+    """Frontend and engines dial the cluster tier over https; each tier's --tls-server-name is its next level's
+    Service name, and every component it reaches (--next, --direct, --shard) has that name in its Certificate,
+    which names the component (CN), its role (OU) and the Service names it is dialled by."""
+    from mm_encoder.deploy.cache_tiers import parse_args
+    from mm_encoder.encode_worker.settings import WorkerSettings
+    from mm_encoder.engines.process import EngineSettings
+    from mm_encoder.frontend.settings import FrontendSettings
+
+    docs = docs_of(graph_of(tls={"enabled": True, "issuer": "ClusterIssuer/ca-issuer"}))
+    certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+    assert sorted(certs) == sorted(f"epd-{n}-tls" for n in ("encoder", "shared", "router", "cluster", "engine",
+                                                              "frontend"))  # not the planner: it has no TLS
+    roles = {"encoder": "encoder", "shared": "cache-shared", "router": "cache-router", "cluster": "cache-cluster",
+             "engine": "engine", "frontend": "frontend"}
+    for name, role in roles.items():
+        cert = certs[f"epd-{name}-tls"]
+        assert errors(cert, CERTIFICATE) == [], name
+        spec = cert["spec"]
+        assert (spec["secretName"], spec["commonName"], spec["subject"]) == (
+            f"epd-{name}-tls", name, {"organizations": ["mm-encoder"], "organizationalUnits": [role]})
+        assert spec["usages"] == ["server auth", "client auth", "digital signature"]
+        assert spec["privateKey"]["algorithm"] == "ECDSA" and spec["privateKey"]["size"] == 256
+        assert spec["issuerRef"] == {"name": "ca-issuer", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    hosts = {name: certs[f"epd-{name}-tls"]["spec"].get("dnsNames", []) for name in roles}
+    assert hosts["engine"] == [] and hosts["frontend"] == ["epd-frontend"]
+
+    parts = pods(docs)
+    by_host = {"epd-encoder-http": "encoder", "epd-router": "router", "epd-cluster": "cluster",
+               **{f"epd-shared-{i}.epd-shared": "shared" for i in range(2)}}
+    for name in ("shared", "router", "cluster"):
+        args = parts[name][1]["args"]
+        _, cfg = parse_args(args)
+        assert cfg.tls and cfg.tls_server_name == {"shared": "epd-encoder-http", "router": "epd-shared",
+                                                   "cluster": "epd-router"}[name]
+        for address in (*cfg.next, *cfg.direct, *cfg.shards):
+            assert cfg.tls_server_name in hosts[by_host[address.rsplit(":", 1)[0]]], (name, address)
+    worker = WorkerSettings(_cli_parse_args=parts["encoder"][1]["args"])
+    assert worker.tls and worker.ops_port == 9091 and sorted(worker.tls_allow) == ["cache-cluster", "cache-shared",
+                                                                                  "engine"]
+    frontend = FrontendSettings(_cli_parse_args=parts["frontend"][1]["args"])
+    engine = EngineSettings(_cli_parse_args=parts["engine"][1]["args"])
+    assert frontend.https and frontend.tls and frontend.encoder_http == "https://epd-cluster:8080"
+    assert engine.tls and engine.encoder_chain == ("https://epd-cluster:8080",)
+    assert "epd-cluster" in hosts["cluster"]  # the host both dial, which their clients check
+
+
+def test_network_policies_let_only_each_hops_callers_in(tls_docs):
+    """One NetworkPolicy per encoder and tier (Ingress only): its HTTPS port from the pods of the roles it
+    admits, its ops port from Prometheus only; an encoder's other ports (Dynamo's system port, its request
+    plane) stay open to the namespace. Each rule names its sources (an empty `from` would admit anyone)."""
+    policies = {d["metadata"]["name"]: d for d in tls_docs if d["kind"] == "NetworkPolicy"}
+    assert sorted(policies) == sorted(f"epd-{n}-ingress" for n in ("encoder", "shared", "router", "cluster"))
+    callers = {"cluster": {"frontend", "engine"}, "router": {"cluster"}, "shared": {"router", "cluster"},
+               "encoder": {"shared", "cluster", "engine"}}
+    for name, admitted in callers.items():
+        policy = policies[f"epd-{name}-ingress"]
+        assert errors(policy, NETWORK_POLICY) == [], name
+        spec = policy["spec"]
+        assert spec["podSelector"] == {"matchLabels": {"mm-encoder/graph": "epd", "mm-encoder/component": name}}
+        assert spec["policyTypes"] == ["Ingress"]
+        port = k8s.ENCODER_PORT if name == "encoder" else k8s.TIER_PORT
+        https, ops, *rest = spec["ingress"]
+        assert https["ports"] == [{"protocol": "TCP", "port": port}]
+        assert {p["podSelector"]["matchLabels"]["mm-encoder/component"] for p in https["from"]} == admitted
+        assert all(p["podSelector"]["matchLabels"]["mm-encoder/graph"] == "epd" for p in https["from"])
+        assert ops == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": 9091}]}
+        assert all(rule.get("from") for rule in spec["ingress"])
+        if name != "encoder":
+            assert rest == []
+            continue
+        (other,) = rest
+        assert other["from"] == [{"podSelector": {}}, PROMETHEUS]
+        tcp = {p for r in other["ports"] if r["protocol"] == "TCP"
+               for p in range(r["port"], r.get("endPort", r["port"]) + 1)}
+        assert tcp == set(range(1, 65536)) - {port, 9091}  # the system port 9090 among them
+        assert {"protocol": "UDP", "port": 1, "endPort": 65535} in other["ports"]
+    selected = {(d["spec"]["template"]["metadata"]["labels"]["mm-encoder/component"]) for d in tls_docs
+                if d["kind"] in TIERS}
+    pod_labels = {c["name"]: c["podTemplate"]["metadata"]["labels"]
+                  for c in one(tls_docs, DGD)["spec"]["components"]}
+    assert selected == {"shared", "router", "cluster"}
+    assert all(labels["mm-encoder/component"] == name for name, labels in pod_labels.items())  # what the rules select
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in GRAPHS.glob("*.yaml")))
+def test_graphs_without_tls_render_no_tls_objects(name):
+    """A graph without `tls` gets no Secret volume, ops port, NetworkPolicy or Certificate."""
+    docs = docs_of(load_graph(GRAPHS / f"{name}.yaml"))
+    assert not any(d["kind"] in ("NetworkPolicy", "Certificate") for d in docs)
+    text = json.dumps(docs)
+    assert "/etc/mm-encoder/tls" not in text and "--tls-" not in text and "mm-ops" not in text
+
+
+def test_tls_graphs_the_render_cannot_serve_are_refused():
+    """`tls.issuer` without TLS, a malformed issuer, and Dynamo's stock frontend (it takes none of the TLS
+    options) are refused by name; an Issuer by bare name is a namespaced Issuer."""
+    with pytest.raises(ValueError, match=r"tls\.issuer"):
+        graph_of(tls={"issuer": "ca-issuer"})
+    with pytest.raises(ValueError, match="issuer"):
+        graph_of(tls={"enabled": True, "issuer": "Vault/x"})
+    with pytest.raises(ValueError, match="stock frontend"):  # the graph itself: serve and render-k8s alike
+        graph_of(tls={"enabled": True}, components__frontend={"kind": "frontend", "stock": True})
+    docs = k8s.render(graph_of(tls={"enabled": True, "issuer": "ca-issuer"}))
+    assert {d["spec"]["issuerRef"]["kind"] for d in docs if d["kind"] == "Certificate"} == {"Issuer"}

@@ -350,3 +350,19 @@ def test_serve_refuses_a_component_python_that_is_not_there(tmp_path, capsys):
     assert f"component engine: python {tmp_path}/no-venv/bin/python is not an executable here" in err
     assert "make vllm-venv" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_with_tls_a_tier_checks_its_next_levels_name_as_the_site_gives_it(tmp_path):
+    """With `tls`, both sites plan the same TLS options but one: a tier's --tls-server-name. On one machine
+    every certificate names localhost (the tier's default, so none is passed); on Kubernetes it is the
+    next level's Service name (a router's: the shards' headless Service)."""
+    g = load_graph(GRAPHS / "epd.yaml")
+    g = g.model_copy(update={"tls": g.tls.model_copy(update={"enabled": True})})
+    local = {c.name: c.replicas[0].argv for c in plan(g, LocalSite(g, tmp_path))}
+    k8s = {c.name: c.replicas[0].argv for c in plan(g, K8sSite(K8sNames(g)))}
+    assert all(opt(argv, "--tls-server-name") == [] for argv in local.values())
+    assert {n: opt(argv, "--tls-server-name") for n, argv in k8s.items() if n in ("shared", "router", "cluster")} == \
+        {"shared": ["epd-encoder-http"], "router": ["epd-shared"], "cluster": ["epd-router"]}
+    for name, argv in local.items():
+        stripped = [a for i, a in enumerate(k8s[name]) if "--tls-server-name" not in (a, k8s[name][i - 1])]
+        assert [a for a in argv if a.startswith("--")] == [a for a in stripped if a.startswith("--")], name

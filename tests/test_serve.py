@@ -47,6 +47,7 @@ def test_serve_graph_answers_and_stops_clean(graph, tmp_path):
     try:
         out = served.wait_for("ready: OpenAI base URL", 240)
         assert f"(model {MODEL})" in out and served.state["model"] == MODEL
+        assert "without TLS (loopback only" in out  # and says so (docs/security.md: --tls)
         checkpoint = run / "checkpoint" / MODEL  # generated: the graph names no checkpoint
         first = chat(port)
         assert first["model"] == MODEL

@@ -89,6 +89,15 @@ class Tls(_Strict):
     enabled: bool = False
     ca_dir: str | None = None
     client_auth: bool = False
+    # render-k8s: the cert-manager Issuer (`name`, or `ClusterIssuer/name`) that issues each component's
+    # Secret through a Certificate; without it the Secrets are the operator's to create (docs/kubernetes.md)
+    issuer: str | None = Field(None, pattern=r"^((Issuer|ClusterIssuer)/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+    @model_validator(mode="after")
+    def _check(self) -> Tls:
+        if self.issuer and not self.enabled:
+            raise ValueError("tls.issuer issues the certificates of a graph with tls.enabled: true")
+        return self
 
 
 class Runtime(_Strict):
@@ -151,6 +160,9 @@ class Graph(_Strict):
             raise ValueError("cache tiers front encode workers: add an encoder component")
         if self.tls.enabled and self.runtime.event_plane == "zmq":
             raise ValueError("tls: Dynamo's ZMQ event plane has no TLS; set runtime.event_plane: nats")
+        if self.tls.enabled and self.stock_frontend:
+            raise ValueError("tls: Dynamo's stock frontend takes none of this project's TLS options (--tls-ca, "
+                             "--https); use this project's frontend")
         self._check_planner()
         return self
 

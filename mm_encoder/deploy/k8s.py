@@ -6,8 +6,9 @@ One `DynamoGraphDeployment` (nvidia.com/v1beta1: `spec.components[]`, each with 
 for the frontend, encoders, engines and encode planner; a `Service` per encoder for the tiers to reach
 its HTTP API; with a planner, the Role and RoleBinding its connector needs; the nginx tiers as
 StatefulSet (shared) and Deployments (router, cluster); the encoders' Grafana dashboard as a ConfigMap
-(grafana.py). Every component's command line comes from the plan, on a `K8sSite` (fixed ports,
-Service DNS names, volumes under /models and /cache). What each object is for and why: docs/kubernetes.md.
+(grafana.py); with the graph's `tls`, each component's Secret mounted, cert-manager Certificates and
+NetworkPolicies (k8s_tls.py). Every component's command line comes from the plan, on a `K8sSite` (fixed
+ports, Service DNS names, volumes under /models and /cache). What each object is for and why: docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic_settings import SettingsError
 
 from ..core.errors import GraphError
 from ..runtime import tracing
-from . import grafana
+from . import grafana, k8s_tls
 from .cache_tiers import parse_args as parse_tier_args
 from .graph import Component, Graph, Kind, find_graph, load_graph
 from .k8s_site import (
@@ -34,13 +35,17 @@ from .k8s_site import (
     ENCODER_PORT,
     FRONTEND_PORT,
     MODEL_DIR,
+    PART_OF,
     PLANNER_PORT,
     PLANNER_SERVICE_ACCOUNT,
     RUN_DIR,
     TIER_PORT,
     K8sNames,
     K8sSite,
+    check_planner_types,
     connector_rules,
+    labels,
+    selector,
 )
 from .plan import ComponentPlan, GeneratedCheckpoint, plan
 
@@ -50,7 +55,6 @@ DYNAMO_VERSION = "1.6.1"  # the ai-dynamo runtime in the image (pyproject, Makef
 MAIN_CONTAINER = "main"  # the container the operator injects its defaults into
 UID = 101  # the image's user (docker/Dockerfile)
 NOTE = "mm-encoder/note"
-PART_OF = "mm-encoder"
 # v1beta1 `type` (frontend, worker, prefill, decode, planner, epp; no encode type): the frontend gets a
 # Service and probes on 8000; workers are found through discovery, probed on their system port.
 COMPONENT_TYPES: dict[Kind, str] = {"frontend": "frontend", "encoder": "worker", "engine": "worker",
@@ -97,19 +101,9 @@ def _argv(cp: ComponentPlan) -> list[str]:
     return list(argvs.pop())
 
 
-def _labels(g: Graph, component: str, kind: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": f"{g.name}-{component}", "app.kubernetes.io/instance": g.name,
-            "app.kubernetes.io/component": kind, "app.kubernetes.io/part-of": PART_OF,
-            "mm-encoder/graph": g.name, "mm-encoder/component": component}
-
-
 def _pod_labels(g: Graph, component: str) -> dict[str, str]:
     """Labels for the operator's pods: ours only (the app.kubernetes.io/* ones may be the operator's to set)."""
     return {"mm-encoder/graph": g.name, "mm-encoder/component": component, "app.kubernetes.io/part-of": PART_OF}
-
-
-def _selector(g: Graph, component: str) -> dict[str, str]:
-    return {"mm-encoder/graph": g.name, "mm-encoder/component": component}
 
 
 def _security_context() -> dict[str, Any]:
@@ -170,6 +164,7 @@ def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
     pod["containers"] = [main]
     if storage.volumes:
         pod["volumes"] = storage.volumes
+    k8s_tls.add_to_pod(names, cp, main, pod)  # with TLS: its Secret, ops port, the frontend's HTTPS probes
     out: dict[str, Any] = {
         "name": names.components[cp.name],
         "type": (PLANNED_TYPES if names.g.planner else COMPONENT_TYPES)[cp.kind],
@@ -208,6 +203,7 @@ def _graph_deployment(names: K8sNames, components: list[ComponentPlan]) -> dict[
     if names.encoder_svc:
         note += (" Encoder pods carry the labels mm-encoder/graph and mm-encoder/component (podTemplate.metadata) "
                  f"that their Services {', '.join(names.encoder_svc.values())} select.")
+    note += k8s_tls.note(names)
     if g.planner:
         note += (f" The encode planner (component {g.planner[0]}) scales the encoders through the scaling adapter "
                  f"{names.scaling_adapter}, as ServiceAccount {PLANNER_SERVICE_ACCOUNT} (the operator's for every "
@@ -231,7 +227,7 @@ def _encoder_services(names: K8sNames) -> list[dict[str, Any]]:
             "kind": "Service",
             "metadata": {
                 "name": svc,
-                "labels": {**_labels(g, cname, "encoder"), "app.kubernetes.io/name": svc},
+                "labels": {**labels(g, cname, "encoder"), "app.kubernetes.io/name": svc},
                 "annotations": {NOTE: (
                     f"Selects the pods of DynamoGraphDeployment {g.name} component {names.components[cname]} by the "
                     "labels its podTemplate.metadata sets. Should an operator not keep them, select "
@@ -239,7 +235,7 @@ def _encoder_services(names: K8sNames) -> list[dict[str, Any]]:
                     f"{names.components[cname]} instead.")},
             },
             "spec": {
-                "selector": _selector(g, cname),
+                "selector": selector(g, cname),
                 "ports": [{"name": "http", "port": ENCODER_PORT, "targetPort": ENCODER_PORT, "protocol": "TCP"}],
             },
         })
@@ -251,36 +247,16 @@ def _connector_rbac(names: K8sNames) -> list[dict[str, Any]]:
     g, name = names.g, names.planner_rbac
     if g.planner is None or name is None:
         return []
-    labels = _labels(g, g.planner[0], "planner") | {"app.kubernetes.io/name": name}
+    rbac_labels = labels(g, g.planner[0], "planner") | {"app.kubernetes.io/name": name}
     rbac = "rbac.authorization.k8s.io"
     return [
-        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": {"name": name, "labels": labels},
+        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": {"name": name, "labels": rbac_labels},
          "rules": connector_rules(names)},
-        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": {"name": name, "labels": labels},
+        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": {"name": name, "labels": rbac_labels},
          # no namespace: a RoleBinding's ServiceAccount subject is its own namespace's, the graph's
          "subjects": [{"kind": "ServiceAccount", "name": PLANNER_SERVICE_ACCOUNT}],
          "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name}},
     ]
-
-
-def _check_planner_types(g: Graph, components: list[dict[str, Any]]) -> None:
-    """Dynamo's lookups on the rendered components (planner/monitoring/dgd_services.py): the encoder's count,
-    sent for the prefill slot with the encoder's name, reaches the encoder only while no component is typed
-    prefill; Dynamo's own planner finds the decode slot only if exactly one component is typed decode."""
-    if g.planner is None:
-        return
-    types = {c["name"]: c["type"] for c in components}
-    encoder = g.of_kind("encoder")[0][0]
-    prefill = [n for n, t in types.items() if t == "prefill"]
-    if prefill or types[encoder] != "worker":
-        raise GraphError(f"components.{g.planner[0]}: the encoder count would reach {prefill or types[encoder]}, "
-                         f"not the worker component {encoder}")
-    decode = [n for n, t in types.items() if t == "decode"]
-    if len(decode) != 1:
-        raise GraphError(
-            f"components.{g.planner[0]}: with an encode planner the engines are typed decode, and Dynamo's planner "
-            f"resolves the decode slot to exactly one component: {', '.join(decode)} would make it ambiguous "
-            "(DuplicateSubComponentError); use one engine component with more replicas")
 
 
 # --- the nginx tiers -------------------------------------------------------------------------
@@ -320,10 +296,9 @@ def _tier_pod(names: K8sNames, cp: ComponentPlan, resources: dict[str, Any],
     }
     if c.env:
         container["env"] = _env(c.env)
-    return {
-        "metadata": {"labels": _labels(names.g, cp.name, c.kind)},
-        "spec": {"securityContext": _security_context(), "containers": [container], "volumes": volumes},
-    }
+    spec = {"securityContext": _security_context(), "containers": [container], "volumes": volumes}
+    k8s_tls.add_to_pod(names, cp, container, spec)  # with TLS: its Secret, and its probes on the ops port
+    return {"metadata": {"labels": labels(names.g, cp.name, c.kind)}, "spec": spec}
 
 
 def _service(g: Graph, cname: str, kind: str, name: str, headless: bool = False) -> dict[str, Any]:
@@ -331,10 +306,10 @@ def _service(g: Graph, cname: str, kind: str, name: str, headless: bool = False)
     if headless:
         spec["clusterIP"] = "None"  # per-pod DNS names <pod>.<service>
         spec["publishNotReadyAddresses"] = True  # nginx resolves its upstreams once, when it starts
-    spec["selector"] = _selector(g, cname)
+    spec["selector"] = selector(g, cname)
     spec["ports"] = [{"name": "http", "port": TIER_PORT, "targetPort": "http", "protocol": "TCP"}]
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "labels": _labels(g, cname, kind)}, "spec": spec}
+            "metadata": {"name": name, "labels": labels(g, cname, kind)}, "spec": spec}
 
 
 def _tiers(names: K8sNames, components: list[ComponentPlan]) -> list[dict[str, Any]]:
@@ -364,12 +339,12 @@ def _tiers(names: K8sNames, components: list[ComponentPlan]) -> list[dict[str, A
         out.append({
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": {"name": name, "labels": _labels(g, cp.name, c.kind)},
+            "metadata": {"name": name, "labels": labels(g, cp.name, c.kind)},
             "spec": {
                 "serviceName": name,
                 "replicas": c.replicas,
                 "podManagementPolicy": "Parallel",
-                "selector": {"matchLabels": _selector(g, cp.name)},
+                "selector": {"matchLabels": selector(g, cp.name)},
                 "template": template,
             },
         })
@@ -380,8 +355,8 @@ def _deployment(g: Graph, cname: str, c: Component, name: str, template: dict[st
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "labels": _labels(g, cname, c.kind)},
-        "spec": {"replicas": c.replicas, "selector": {"matchLabels": _selector(g, cname)}, "template": template},
+        "metadata": {"name": name, "labels": labels(g, cname, c.kind)},
+        "spec": {"replicas": c.replicas, "selector": {"matchLabels": selector(g, cname)}, "template": template},
     }
 
 
@@ -405,10 +380,12 @@ def render(graph: Graph) -> list[dict[str, Any]]:
     _check_components(graph)
     components = plan(graph, K8sSite(names))
     dgd = _graph_deployment(names, components)
-    _check_planner_types(graph, dgd["spec"]["components"])
-    objects = [dgd, *_encoder_services(names), *_connector_rbac(names), *_tiers(names, components)]
+    check_planner_types(graph, dgd["spec"]["components"])
+    objects = [*k8s_tls.certificates(names), dgd, *_encoder_services(names), *_connector_rbac(names),
+               *_tiers(names, components)]
     if names.dashboard is not None:  # the encoder fleet's Grafana dashboard, for Grafana's sidecar
-        objects.append(grafana.config_map(names.dashboard, _labels(graph, "grafana-dashboard", "dashboard")))
+        objects.append(grafana.config_map(names.dashboard, labels(graph, "grafana-dashboard", "dashboard")))
+    objects += k8s_tls.network_policies(names, components)  # with TLS
     plain: list[dict[str, Any]] = json.loads(json.dumps(objects))  # unshared data: no YAML anchors, safe to mutate
     return plain
 

@@ -1,6 +1,7 @@
 """How a graph is named, addressed and stored on Kubernetes: the `Site` that `render-k8s` plans
-on (plan.py), every object name it will create, checked once (DNS-1123 labels, no two alike), and
-what an encode planner's connector (Dynamo's KubernetesConnector) may do to the graph's objects."""
+on (plan.py), every object name it will create, checked once (DNS-1123 labels, no two alike), the
+labels that select its pods, and what an encode planner's connector (Dynamo's KubernetesConnector)
+may do to the graph's objects."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from ..core.errors import GraphError
 from .graph import Graph, Kind
-from .plan import Site
+from .plan import CACHE_TIERS, OPS_KINDS, TLS_KINDS, Site
 
 PORTS: dict[Kind, int] = {  # the frontend's is the operator's: its Service and probes use 8000
     "frontend": 8000, "encoder": 8090, "cache-shared": 8080, "cache-router": 8080, "cache-cluster": 8080,
@@ -25,6 +26,12 @@ PLANNER_SERVICE_ACCOUNT = "planner-serviceaccount"
 MODEL_DIR = "/models/model"  # the checkpoint directory every model-reading component mounts
 RUN_DIR = "/run/mm-cache"
 CACHE_DIR = "/cache"
+PART_OF = "mm-encoder"
+# With TLS: each component's Secret (kubernetes.io/tls keys plus ca.crt, as cert-manager writes them), mounted
+# here; encoders and tiers serve health, status and metrics in plaintext on OPS_PORT (the pod network only).
+TLS_DIR = "/etc/mm-encoder/tls"
+TLS_FILES = (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
+OPS_PORT = 9091  # beside the operator's system port (9090) on a worker
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -35,6 +42,18 @@ def check_name(name: str, what: str, max_len: int = 63) -> str:
                          f"digits and '-', starting and ending with a letter or digit, at most {max_len} characters); "
                          "shorten or rename the graph or component")
     return name
+
+
+def labels(g: Graph, component: str, kind: str) -> dict[str, str]:
+    """The labels of our own objects (tiers, Services, RBAC, NetworkPolicies, Certificates)."""
+    return {"app.kubernetes.io/name": f"{g.name}-{component}", "app.kubernetes.io/instance": g.name,
+            "app.kubernetes.io/component": kind, "app.kubernetes.io/part-of": PART_OF,
+            "mm-encoder/graph": g.name, "mm-encoder/component": component}
+
+
+def selector(g: Graph, component: str) -> dict[str, str]:
+    """What selects a component's pods: the tiers' own, and the operator's through their podTemplate labels."""
+    return {"mm-encoder/graph": g.name, "mm-encoder/component": component}
 
 
 class K8sNames:
@@ -77,6 +96,12 @@ class K8sNames:
         # The operator names a component's DynamoGraphDeploymentScalingAdapter <graph>-<component, lowercase>,
         # which is also what the connector asks for: the operator's objects' name, claimed above.
         self.scaling_adapter = f"{g.name}-{g.of_kind('encoder')[0][0]}" if planner else None
+        # With TLS: each component's Secret (and cert-manager Certificate), shared by its replicas, and the
+        # NetworkPolicy that lets only its callers reach an encoder's or tier's ports.
+        tls = [(n, c) for n, c in g.components.items() if g.tls.enabled and c.kind in TLS_KINDS]
+        self.tls_secrets = {n: claim(f"{g.name}-{n}-tls", f"the TLS Secret of component {n!r}") for n, _ in tls}
+        self.policies = {n: claim(f"{g.name}-{n}-ingress", f"the NetworkPolicy of component {n!r}")
+                         for n, c in tls if c.kind in OPS_KINDS}
 
 
 class K8sSite(Site):
@@ -106,6 +131,20 @@ class K8sSite(Site):
     def tier_dirs(self, replica: str) -> tuple[str, str]:
         return RUN_DIR, CACHE_DIR
 
+    def tls_files(self, replica: str) -> tuple[str, str, str]:
+        return TLS_FILES  # the component's Secret: its replicas share one identity
+
+    def ops_listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
+        return "0.0.0.0", OPS_PORT  # in no Service: probes and Prometheus reach the pod
+
+    def server_name(self, name: str, kind: Kind) -> str | None:
+        """The Service name others dial (a shard's pods: `<pod>.<service>`), its certificate's first DNS name."""
+        if kind == "encoder":
+            return self.names.encoder_svc[name]
+        if kind in CACHE_TIERS:
+            return self.names.tiers[name]
+        return f"{self.names.g.name}-{name}" if kind == "frontend" else None  # the operator's frontend Service
+
     def dynamo_env(self, kind: Kind) -> dict[str, str]:
         # Our components take --namespace from the graph; DYN_NAMESPACE (the operator would set
         # <k8s namespace>-<graph>) and the frontend's prefix are set to match it.
@@ -117,6 +156,26 @@ class K8sSite(Site):
         if kind == "planner":  # the KubernetesConnector's DGD (the operator injects the same into every container)
             env["DYN_PARENT_DGD_K8S_NAME"] = self.names.g.name
         return env
+
+
+def check_planner_types(g: Graph, components: list[dict[str, Any]]) -> None:
+    """Dynamo's lookups on the rendered components (planner/monitoring/dgd_services.py): the encoder's count,
+    sent for the prefill slot with the encoder's name, reaches the encoder only while no component is typed
+    prefill; Dynamo's own planner finds the decode slot only if exactly one component is typed decode."""
+    if g.planner is None:
+        return
+    types = {c["name"]: c["type"] for c in components}
+    encoder = g.of_kind("encoder")[0][0]
+    prefill = [n for n, t in types.items() if t == "prefill"]
+    if prefill or types[encoder] != "worker":
+        raise GraphError(f"components.{g.planner[0]}: the encoder count would reach {prefill or types[encoder]}, "
+                         f"not the worker component {encoder}")
+    decode = [n for n, t in types.items() if t == "decode"]
+    if len(decode) != 1:
+        raise GraphError(
+            f"components.{g.planner[0]}: with an encode planner the engines are typed decode, and Dynamo's planner "
+            f"resolves the decode slot to exactly one component: {', '.join(decode)} would make it ambiguous "
+            "(DuplicateSubComponentError); use one engine component with more replicas")
 
 
 def connector_rules(names: K8sNames) -> list[dict[str, Any]]:

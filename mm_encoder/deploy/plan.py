@@ -42,6 +42,7 @@ BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embeddin
 READY_LINE = "engine ready"  # what an engine prints once registered (it serves no HTTP)
 CACHE_TIERS: tuple[Kind, ...] = ("cache-shared", "cache-router", "cache-cluster")
 OPS_KINDS: tuple[Kind, ...] = ("encoder", *CACHE_TIERS)  # with TLS: status and health on a plaintext ops port
+TLS_KINDS: tuple[Kind, ...] = tuple(k for k in ORDER if k != "planner")  # with TLS: a certificate each
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,22 @@ class Site(ABC):
     def ops_listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
         """With TLS: where replica `replica` of an encoder or tier serves its status in plaintext."""
         raise GraphError("`tls` is not supported on this site yet")
+
+    def server_name(self, name: str, kind: Kind) -> str | None:
+        """With TLS: the name component `name`'s certificate carries for those that call it, which a tier
+        checks its next level's certificate for (None: the tier's default, the site's certificates' host)."""
+        return None
+
+
+def tier_upstreams(graph: Graph, kind: Kind) -> list[str]:
+    """The components a tier of `kind` sends requests to: its `--next` level first (a router's shards),
+    then the encoders of a cluster tier's direct route."""
+    def names(k: Kind) -> list[str]:
+        return [n for n, _ in graph.of_kind(k)]
+
+    upstreams = {"cache-router": names("cache-shared"), "cache-shared": names("encoder"),
+                 "cache-cluster": [*(names("cache-router") or names("encoder")), *names("encoder")]}.get(kind, [])
+    return list(dict.fromkeys(upstreams))
 
 
 def replica_name(name: str, i: int, n: int) -> str:
@@ -169,7 +186,7 @@ class _Planner:
 
     def _tls(self, replica: str, kind: Kind, name: str, i: int) -> list[str]:
         """With TLS: a replica's certificate, the roles that may call it and its plaintext status address."""
-        if not self.tls or kind == "planner":
+        if not self.tls or kind not in TLS_KINDS:
             return []
         cert, key, ca = self.site.tls_files(replica)
         argv = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
@@ -177,8 +194,11 @@ class _Planner:
             callers = {"cache-shared", "engine", *(["cache-cluster"] if self.g.of_kind("cache-cluster") else [])}
             ops_port = self.site.ops_listen(name, kind, i)[1]
             argv += ["--tls-allow", ",".join(sorted(callers)), "--ops-port", str(ops_port)]
-        elif kind in CACHE_TIERS:
+        elif kind in CACHE_TIERS:  # and the name its next level's certificate carries, where the site has one
             argv += ["--ops-listen", ":".join(map(str, self.site.ops_listen(name, kind, i)))]
+            upstream = tier_upstreams(self.g, kind)[0]
+            if (server := self.site.server_name(upstream, self.g.components[upstream].kind)) is not None:
+                argv += ["--tls-server-name", server]
         elif kind == "frontend":
             argv += ["--https", *(["--https-client-auth"] if self.g.tls.client_auth else [])]
         return argv
