@@ -236,7 +236,7 @@ def test_the_extensions_of_the_ca_and_a_component(certs: Certs):
 
 def test_identities_are_validated():
     assert ROLES == ("frontend", "cache-cluster", "cache-router", "cache-shared", "encoder", "engine", "planner",
-                     "client")
+                     "client", "etcd", "nats")
     for name, role in [("encoder", "admin"), ("Encoder", "encoder"), ("shared_0", "cache-shared"),
                        ("-x", "engine"), ("x-", "engine"), ("", "engine"), ("a" * 64, "engine"), ("a.b", "engine")]:
         with pytest.raises(PkiError):

@@ -1,6 +1,6 @@
 """Red team at the cache tiers' hops with TLS (issue 33): real nginx tiers (`mm-encoder cache up
 --tls-cert ...`) in front of a real encode worker, all with certificates from one deployment CA.
-The frontend's way in (the cluster tier, then the shared tier, then the worker, each hop HTTPS with
+The frontend's way in (the cluster tier, the router, the shared tier, the worker, each hop HTTPS with
 client certificates) answers, the second time from the cluster tier's cache. At each tier,
 plaintext, no certificate, another CA's, an expired one and a role the tier does not admit are
 each refused with a 403 naming why (`https_required`, `client_certificate_required`,
@@ -72,7 +72,7 @@ def _head(port: int, ctx: ssl.SSLContext) -> tuple[int, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """worker <- shared tier <- cluster tier, every hop HTTPS with client certificates."""
+    """worker <- shared tier <- router <- cluster tier, every hop HTTPS with client certificates."""
     require_nginx()
     tmp = tmp_path_factory.mktemp("tls-tiers")
     certs = Certs(tmp / "pki")
@@ -90,13 +90,13 @@ def chain(tmp_path_factory):
         procs.append(worker)
         fields = dict(f.split("=", 1) for f in worker.wait_for("mm-encoder worker ready", 120).split() if "=" in f)
         ports = {"worker": int(fields["http_port"]), "worker_ops": int(fields["ops_port"])}
-        for name, tier, nxt in (("shared", "shared", ports["worker"]), ("cluster", "cluster", None)):
-            port, ops = free_port(), free_port()
-            nxt = nxt or ports["shared"]
+        for tier, upstream in (("shared", "worker"), ("router", "shared"), ("cluster", "router")):
+            name, port, ops = tier, free_port(), free_port()
+            nxt = ["--shard" if tier == "router" else "--next", f"127.0.0.1:{ports[upstream]}"]
+            cache = [] if tier == "router" else ["--cache-dir", str(tmp / f"cache-{name}")]
             proc = Process([sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", tier,
-                            "--listen", f"127.0.0.1:{port}", "--next", f"127.0.0.1:{nxt}", "--ops-listen",
-                            f"127.0.0.1:{ops}", "--run-dir", str(tmp / f"nginx-{name}"), "--cache-dir",
-                            str(tmp / f"cache-{name}"), "--workers", "1", *tls(name, f"cache-{tier}")],
+                            "--listen", f"127.0.0.1:{port}", *nxt, *cache, "--ops-listen", f"127.0.0.1:{ops}",
+                            "--run-dir", str(tmp / f"nginx-{name}"), "--workers", "1", *tls(name, f"cache-{tier}")],
                            name=f"nginx {name}", log=tmp / f"{name}.log")
             procs.append(proc)
             proc.wait_url(f"http://127.0.0.1:{ops}/_cache/health", 15)
@@ -129,7 +129,7 @@ def test_the_frontends_way_in_answers_then_hits(chain):
     assert _encodes(ports["worker_ops"]) == 1
 
 
-@pytest.mark.parametrize("tier", ["cluster", "shared"])
+@pytest.mark.parametrize("tier", ["cluster", "router", "shared"])
 def test_unauthenticated_or_unadmitted_callers_get_nothing_from_a_tier(chain, tier):
     """Each bad caller asks for the entry the test above cached (and would fill it otherwise)."""
     certs, ports, tmp = chain
@@ -149,7 +149,9 @@ def test_unauthenticated_or_unadmitted_callers_get_nothing_from_a_tier(chain, ti
         assert "X-Cache-Status" not in headers  # no cache result: the lookup never ran
     assert "expired" in _head(port, _client(certs.expired(engine), certs.ca_file))[1]["X-MM-Error"]
     # valid certificates of roles this tier does not admit: 403 before the cache is looked at
-    for name, role in (("encoder", "encoder"), *([("frontend", "frontend")] if tier == "shared" else [])):
+    others = {"cluster": [], "router": [("frontend", "frontend"), ("engine-0", "engine")],
+              "shared": [("frontend", "frontend"), ("engine-0", "engine")]}[tier]
+    for name, role in (("encoder", "encoder"), *others):
         status, headers = _head(port, _client(certs.wrong_role(name, role), certs.ca_file))
         assert status == 403 and headers["X-MM-Error-Code"] == "forbidden_peer", (status, headers)
         assert "X-Cache-Status" not in headers
