@@ -87,12 +87,19 @@ class EncoderChain:
         headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
         tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
-        try:
-            async with self._session.request(method, url, json=source.to_dict(), headers=headers) as r:
-                body = b"" if header_only else await r.read()
-                status, rh = r.status, r.headers
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise EncoderUnavailable(f"cache chain {chain} unreachable: {type(e).__name__}: {e}") from None
+        for attempt in (1, 2):
+            try:
+                async with self._session.request(method, url, json=source.to_dict(), headers=headers) as r:
+                    body = b"" if header_only else await r.read()
+                    status, rh = r.status, r.headers
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # a kept-alive connection the server closed as the request went out (an nginx reload:
+                # its old workers close their idle connections). Encode requests are idempotent: once more
+                if attempt == 2:
+                    raise EncoderUnavailable(f"cache chain {chain} unreachable: {type(e).__name__}: {e}") from None
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise EncoderUnavailable(f"cache chain {chain} unreachable: {type(e).__name__}: {e}") from None
         where = f"http:{rh.get('X-Cache-Status', '')}"
         if status == 200:
             if header_only:

@@ -109,15 +109,19 @@ def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
         old = (_served_serial(wport, ca, cl), _served_serial(port, ca, engine))
         enc, cl = certs.issue("encoder", "encoder", replace=True), certs.issue("cluster", "cache-cluster", replace=True)
         worker.send_signal(signal.SIGHUP)
-        tier.send_signal(signal.SIGHUP)  # nginx's master: a graceful reload
-        deadline, before = time.monotonic() + 20, load.ok
-        while load.ok < before + 50 and time.monotonic() < deadline:  # well past the reloads
+        tier.send_signal(signal.SIGHUP)  # nginx's master: a graceful reload (new workers, then the old ones go)
+        want = (_file_serial(enc.cert), _file_serial(cl.cert))
+        assert want[0] != old[0] and want[1] != old[1]
+        deadline = time.monotonic() + 20
+        while (new := (_served_serial(wport, ca, cl), _served_serial(port, ca, engine))) != want:  # reloads done
+            assert time.monotonic() < deadline, (new, want)
             time.sleep(0.05)
-        new = (_served_serial(wport, ca, cl), _served_serial(port, ca, engine))
+        deadline, before = time.monotonic() + 20, load.ok
+        while load.ok < before + 50 and time.monotonic() < deadline:  # and the load goes on past them
+            time.sleep(0.05)
         load.done.set()
         load.join(40)
         assert load.failed == [] and load.ok >= before + 50, (load.ok, load.failed[:3])
-        assert new == (_file_serial(enc.cert), _file_serial(cl.cert)) and new[0] != old[0] and new[1] != old[1]
         assert worker.poll() is None and tier.poll() is None
     finally:
         for proc in reversed(procs):
