@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import sys
 import urllib.request
 from pathlib import Path
@@ -41,13 +42,15 @@ def sample_content() -> list[dict]:
         SAMPLE.read_bytes(), "image/jpeg")}}]
 
 
-def chat(port: int, content=None, **fields) -> dict:
-    """The README's request (the sample photo and its question) or `content`; a 200 or HTTPError."""
+def chat(port: int, content=None, *, ca: str | None = None, **fields) -> dict:
+    """The README's request (the sample photo and its question) or `content`; a 200 or HTTPError.
+    With `ca` (a `serve --tls` graph's CA file), over HTTPS."""
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": content or sample_content()}],
             **fields}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
+    req = urllib.request.Request(f"{'https' if ca else 'http'}://127.0.0.1:{port}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    with urllib.request.urlopen(req, timeout=120, context=context) as r:
         assert r.status == 200
         return json.loads(r.read())
 

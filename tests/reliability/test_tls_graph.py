@@ -8,7 +8,6 @@ in a 0700 directory and no log holds key material. Real processes throughout."""
 from __future__ import annotations
 
 import http.client
-import json
 import ssl
 import stat
 import urllib.error
@@ -18,16 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from harness.nginx_fixtures import free_port, require_nginx
-from harness.serve_fixtures import MODEL, Served, sample_content
-
-
-def _chat_https(port: int, ca: str) -> dict:
-    body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": sample_content()}]}
-    req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=ca)) as r:
-        assert r.status == 200
-        return json.loads(r.read())
+from harness.serve_fixtures import Served, chat
 
 
 def _refuses_plaintext(url: str) -> None:
@@ -66,7 +56,7 @@ def test_serve_tls_answers_over_https_and_every_internal_port_refuses_strangers(
         out = served.wait_for("ready: OpenAI base URL", 240)
         ca = str(run / "tls" / "ca.pem")
         assert f"OpenAI base URL https://127.0.0.1:{port}/v1" in out and f"curl --cacert {ca}" in out
-        assert _chat_https(port, ca)["usage"]["prompt_tokens"] == 1223
+        assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
         state = served.state
         assert state["base_url"].startswith("https://") and state["tls"]["ca"] == ca
         internal = [c for c in state["components"] if c["url"] and c["kind"] != "frontend"]

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from harness.nginx_fixtures import free_port, require_nginx
-from harness.serve_fixtures import MODEL, Served, sample_content
+from harness.serve_fixtures import Served, chat
 
 
 def _nats_refuses_without_certificate(address: str, ca: str) -> None:
@@ -44,11 +44,7 @@ def test_etcd_and_nats_run_with_client_certificates(tmp_path):
     with Served("graphs/epd-etcd.yaml", run, port, "--tls") as served:
         served.wait_for("ready: OpenAI base URL", 300)
         ca = str(run / "tls" / "ca.pem")
-        body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": sample_content()}]}
-        req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=ca)) as r:
-            assert json.loads(r.read())["usage"]["prompt_tokens"] == 1223
+        assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
         runtime = served.state["runtime"]
         etcd, nats = runtime["ETCD_ENDPOINTS"], runtime["NATS_SERVER"]
         assert etcd.startswith("https://127.0.0.1:") and nats.startswith("tls://127.0.0.1:")

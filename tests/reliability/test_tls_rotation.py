@@ -8,7 +8,6 @@ whole graph on SIGHUP, and the graph keeps answering."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -16,7 +15,6 @@ import ssl
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -24,7 +22,7 @@ from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import free_port, require_nginx
 from harness.processes import Process
-from harness.serve_fixtures import MODEL, Served, data_url, sample_content
+from harness.serve_fixtures import Served, chat, data_url
 from mm_encoder.client.chain import EncoderChain
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.deploy.status import collect
@@ -135,14 +133,9 @@ def test_serve_rotates_every_certificate_on_sighup(tmp_path):
     run = tmp_path / "run"
     with Served("graphs/epd.yaml", run, port, "--tls") as served:
         served.wait_for("ready: OpenAI base URL", 240)
-        ca = ssl.create_default_context(cafile=str(run / "tls" / "ca.pem"))
         before = _file_serial(run / "tls" / "encoder.pem")
         os.kill(served.proc.pid, signal.SIGHUP)
         served.wait_for("rotation: new certificates for", 30)
         assert _file_serial(run / "tls" / "encoder.pem") != before
-        body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": sample_content()}]}
-        req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120, context=ca) as r:  # every hop, on the new certificates
-            assert json.loads(r.read())["usage"]["prompt_tokens"] == 1223
+        assert chat(port, ca=str(run / "tls" / "ca.pem"))["usage"]["prompt_tokens"] == 1223  # on the new ones
         assert all(c["up"] for c in collect(run)["components"])
