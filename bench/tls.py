@@ -43,7 +43,7 @@ from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import free_port
 from harness.processes import Process
 from harness.serve_fixtures import MODEL, QUESTION, Served
-from mm_encoder.deploy.procfs import processes
+from mm_encoder.deploy.procfs import cpu_ns, processes
 from mm_encoder.security.tls import tls_client
 
 TARGET = 0.8  # the issue's: cluster-tier hits at >= 0.8x of plaintext throughput
@@ -68,13 +68,7 @@ def start_cluster(stack: contextlib.ExitStack, run: Path, name: str, worker: str
 
 def cpu_ms(session: int) -> float:
     """CPU time so far of every thread of every process in `session` (nginx's master and workers), ms."""
-    total = 0
-    for p in processes():
-        if p.pgid == session:
-            for task in Path(f"/proc/{p.pid}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e6
+    return sum(cpu_ns(p.pid) for p in processes() if p.pgid == session) / 1e6
 
 
 Stack = tuple[str, ssl.SSLContext | None, int]  # the cluster tier's URL, the client's context, nginx's session

@@ -20,7 +20,6 @@ and each request's latency. Figures are medians over blocks (min-max), ratios of
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -35,18 +34,10 @@ from bench import stats
 from harness.nginx_fixtures import free_port
 from harness.otlp import Receiver
 from harness.serve_fixtures import MODEL, ROOT, Served, sample_content
+from mm_encoder.deploy.procfs import cpu_ns
 
 VARIANTS = ("before", "off", "on")
 BASELINE = "70175a5^"  # main before issue 32's first step: no span anywhere
-
-
-def cpu_ns(pid: int) -> int:
-    """The process's CPU time so far, all its threads together (scheduler run time, ns)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that just exited
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
 
 
 def chat(port: int) -> float:

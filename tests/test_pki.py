@@ -336,3 +336,12 @@ def test_openssl_verifies_and_reads_the_role(certs: Certs):
     assert done.returncode != 0 and "certificate has expired" in done.stdout + done.stderr
     done = openssl("verify", "-CAfile", certs.ca_file, certs.other_ca(ENCODER).cert)
     assert done.returncode != 0
+
+
+def test_every_graph_kind_is_a_role():
+    """`serve --tls` and render-k8s name each component's role after its kind."""
+    from typing import get_args
+
+    from mm_encoder.deploy.graph import Kind
+
+    assert set(get_args(Kind)) <= set(ROLES)

@@ -16,7 +16,6 @@ from .cache_tiers import parse_args as parse_tier_args
 from .graph import Graph
 from .k8s_site import FRONTEND_PORT, OPS_PORT, PORTS, TLS_DIR, TLS_FILES, K8sNames, K8sSite, labels, selector
 from .plan import CACHE_TIERS, OPS_KINDS, ComponentPlan, _flag_value, tier_upstreams
-from .tls_site import ROLES
 
 VOLUME = "tls"
 SECRET_MODE = 0o400  # the kubelet adds group read for the pod's fsGroup: 0440, root and the image's group
@@ -96,7 +95,7 @@ def certificates(names: K8sNames) -> list[dict[str, Any]]:
         spec: dict[str, Any] = {
             "secretName": secret,
             "commonName": cname,
-            "subject": {"organizations": [ORGANIZATION], "organizationalUnits": [ROLES[ckind]]},
+            "subject": {"organizations": [ORGANIZATION], "organizationalUnits": [ckind]},
         }
         if hosts[cname]:
             spec["dnsNames"] = hosts[cname]
@@ -126,7 +125,7 @@ def network_policies(names: K8sNames, plans: list[ComponentPlan]) -> list[dict[s
             continue
         admitted = callers(cp)
         peers = [{"podSelector": {"matchLabels": selector(g, n)}} for n, c in g.components.items()
-                 if ROLES[c.kind] in admitted]
+                 if c.kind in admitted]
         port = PORTS[cp.kind]
         rules: list[dict[str, Any]] = [{"from": peers, "ports": [_tcp(port)]}] if peers else []  # no `from`: anyone
         rules.append({"from": [PROMETHEUS], "ports": [_tcp(OPS_PORT)]})
@@ -162,7 +161,7 @@ def note(names: K8sNames) -> str:
     made = f"cert-manager Certificates of the same names (issuer {g.tls.issuer})" if g.tls.issuer else \
         "you (kubectl create secret generic NAME --from-file=tls.crt=... --from-file=tls.key=... " \
         "--from-file=ca.crt=...)"
-    each = "; ".join(f"{secret} (CN {n}, OU {ROLES[g.components[n].kind]}"
+    each = "; ".join(f"{secret} (CN {n}, OU {g.components[n].kind}"
                      + (f", DNS {', '.join(hosts[n])})" if hosts[n] else ")")
                      for n, secret in names.tls_secrets.items())
     return (f" TLS: each component mounts its Secret at {TLS_DIR} (tls.crt, tls.key, ca.crt), made by {made}: {each}."

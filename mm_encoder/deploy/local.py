@@ -207,7 +207,7 @@ class GraphRunner:
     def healthy(self, p: Proc) -> bool:
         if p.component.health_path is None:
             return p.log is not None and READY_LINE in p.log.read_text(errors="replace")
-        tls = self.site.tls.client_context() if self.site.tls and p.ops_url is None else None
+        tls = self.site.tls.client_context if self.site.tls and p.ops_url is None else None
         try:
             with urllib.request.urlopen(f"{p.ops_url or p.url}{p.component.health_path}", timeout=2,
                                         context=tls) as r:

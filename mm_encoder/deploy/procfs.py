@@ -63,3 +63,13 @@ def _address(hex_host: str) -> str:
     """/proc/net's hex address -> text: IPv4, or IPv6, both as 4-byte words in host (little-endian) order."""
     raw = bytes.fromhex(hex_host)
     return str(ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
+
+
+def cpu_ns(pid: int) -> int:
+    """A process's CPU time so far, all its threads together (the scheduler's run time, ns); 0 once gone."""
+    total = 0
+    with contextlib.suppress(OSError):  # the process, or a thread, that just exited
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total

@@ -10,6 +10,7 @@ its own certificate to them and on the TCP request plane (`dynamo_env`)."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,15 +18,11 @@ from pathlib import Path
 from ..core.errors import GraphError
 from ..security.pki import CA_CERT, CA_KEY, Authority, Identity, PkiError
 from ..security.tls import tls_client
-from .graph import Kind
 from .infra import ServerTls
 from .plan import ComponentPlan
 
 SERVERS = ("etcd", "nats")
 LAUNCHER = "mm-encoder-serve"  # the launcher's own certificate, in a folder of its own (no clash with a replica)
-ROLES: dict[Kind, str] = {"encoder": "encoder", "cache-shared": "cache-shared", "cache-router": "cache-router",
-                          "cache-cluster": "cache-cluster", "engine": "engine", "frontend": "frontend",
-                          "planner": "planner"}
 
 
 def ready_note(tls: LocalTls | None) -> str:
@@ -65,7 +62,7 @@ class LocalTls:
                 authority = Authority.create(self.dir, name="mm-encoder serve")
             for cp in plans:
                 for r in cp.replicas:
-                    authority.issue(Identity(r.name, ROLES[cp.kind]), self.dir, replace=True)
+                    authority.issue(Identity(r.name, cp.kind), self.dir, replace=True)  # a kind is its role
             authority.issue(Identity(LAUNCHER, "client"), self.dir / "launcher", replace=True)
             for server in SERVERS:  # Dynamo's etcd and NATS, when the graph's runtime runs them
                 authority.issue(Identity(server, server), self.dir / "servers", replace=True)
@@ -95,8 +92,10 @@ class LocalTls:
                     "DYN_TCP_TLS_CLIENT_KEY_PATH": key}
         return env
 
+    @functools.cached_property
     def client_context(self) -> ssl.SSLContext:
-        """What the launcher checks the graph's HTTPS ports with (health, status)."""
+        """What the launcher checks the graph's HTTPS ports with (health, status); made once (the CA is
+        kept across rotations, and the launcher's old certificate stays valid until it expires)."""
         return tls_client(self.ca_file, *self.launcher)
 
     def state(self) -> dict[str, str]:

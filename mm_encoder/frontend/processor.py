@@ -161,8 +161,9 @@ class MultimodalProcessor:
         self.last_request = time.monotonic()
         rid = uuid.uuid4().hex
         root = tracing.start("mm_frontend.request", tracing.from_dynamo(context), kind="server",
-                             attributes={"mm_frontend.model": self.served_name, "mm_frontend.request_id": rid,
-                                         "dynamo.request_id": context.id() if context is not None else ""})
+                             attributes={"mm_frontend.model": self.served_name, "mm_frontend.request_id": rid})
+        if root.is_recording() and context is not None:  # tracing off: no call into Dynamo's runtime for it
+            root.set_attribute("dynamo.request_id", context.id())
         error: BaseException | None = None
         try:
             with tracing.within(root):

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from opentelemetry import trace
+from . import tracing
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -27,9 +27,7 @@ class _TraceIds(logging.Filter):
     """The current span's ids on every record (empty outside a recorded trace)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        ctx = trace.get_current_span().get_span_context()
-        record.trace_id, record.span_id = ((format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"))
-                                           if ctx.is_valid else ("", ""))
+        record.trace_id, record.span_id = tracing.ids() or ("", "")
         return True
 
 

@@ -152,7 +152,13 @@ def context_of(s: trace.Span) -> Context:
     return trace.set_span_in_context(s)
 
 
-def trace_id() -> str | None:
-    """The current trace's id as 32 hex digits (for log lines), or None outside a recorded trace."""
+def ids() -> tuple[str, str] | None:
+    """The current span's trace and span ids as hex (32 and 16 digits), or None outside a recorded trace."""
     ctx = trace.get_current_span().get_span_context()
-    return format(ctx.trace_id, "032x") if ctx.is_valid else None
+    return (format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")) if ctx.is_valid else None
+
+
+def trace_id() -> str | None:
+    """The current trace's id (32 hex digits), or None outside a recorded trace."""
+    current = ids()
+    return current[0] if current else None

@@ -54,26 +54,21 @@ class TlsOptions(BaseSettings):
         """A server's context: its certificate, and a client certificate required, chaining to the CA."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        self._load(ctx)
+        assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        ctx.load_verify_locations(cafile=self.tls_ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
     def client_context(self) -> ssl.SSLContext:
         """A client's context: the server's certificate checked against the CA and the host dialled;
         this component's own certificate presented."""
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED by default
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        self._load(ctx)
-        return ctx
+        assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
+        return tls_client(self.tls_ca, self.tls_cert, self.tls_key)
 
     def client_tls(self) -> ssl.SSLContext | None:
         """The client context with TLS configured, else None (plaintext)."""
         return self.client_context() if self.tls else None
-
-    def _load(self, ctx: ssl.SSLContext) -> None:
-        assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
-        ctx.load_cert_chain(self.tls_cert, self.tls_key)
-        ctx.load_verify_locations(cafile=self.tls_ca)
 
     def reload(self, ctx: ssl.SSLContext) -> None:
         """The certificate and key files read again into a live context (rotation): new handshakes
@@ -94,7 +89,8 @@ class TlsOptions(BaseSettings):
 def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path | None = None) -> ssl.SSLContext:
     """A client of the deployment's HTTPS ports from outside it (the launcher, `mm-encoder status`):
     its CA trusted, and a certificate presented where one is given."""
-    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx = ssl.create_default_context(cafile=str(ca))  # the server checked, for the host dialled; TLS 1.2+
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if cert is not None and key is not None:
         ctx.load_cert_chain(cert, key)
     return ctx
