@@ -10,7 +10,7 @@ AI_DYNAMO_PIN := ai-dynamo==1.6.1
 # The nginx cache tiers (mm-encoder cache up) and Dynamo's production runtime (etcd + NATS, for
 # graphs with `runtime: {discovery: etcd, ...}` and their tests) need these Debian packages.
 SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-server
-CHECK_SYSTEM := from mm_encoder.deploy.cache_tiers import check_install; from mm_encoder.deploy import infra; \
+CHECK_SYSTEM := from mm_encoder.cache_tiers.nginx import check_install; from mm_encoder.serve import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
 .PHONY: venv vllm-venv test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-deps clean

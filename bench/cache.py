@@ -49,7 +49,7 @@ from bench import stats
 from bench import worker as worker_bench  # bench/worker.py: the worker process and tiny-wide
 from harness.media_factory import image_bytes, natural_image
 from harness.processes import Process
-from mm_encoder.deploy.local import free_port
+from mm_encoder.serve.site import free_port
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -72,7 +72,7 @@ COALESCE_N = 16
 def start_tier(run: Path, name: str, *args: str) -> tuple[Process, str]:
     """`mm-encoder cache up` (a harness Process) on a free loopback port; returns it and its URL once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--listen", f"127.0.0.1:{port}",
            "--run-dir", str(run / name), *args]
     if "router" not in args:  # on tmpfs, as deployed (the tier's default is under /dev/shm too)
         shm = Path("/dev/shm")

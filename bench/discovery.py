@@ -27,7 +27,7 @@ from bench import stats
 from harness.dynamo_probe import Probe
 from harness.nginx_fixtures import free_port
 from harness.serve_fixtures import Served
-from mm_encoder.deploy import infra
+from mm_encoder.serve import infra
 
 ROOT = Path(__file__).resolve().parents[1]
 

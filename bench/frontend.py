@@ -37,7 +37,7 @@ from bench import stats
 from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import dynamo_system_port  # Dynamo reads DYN_SYSTEM_PORT as an i16
 from harness.processes import Process
-from mm_encoder.deploy.local import free_port
+from mm_encoder.serve.site import free_port
 
 BIG = str(256 << 20)
 MODES = ("handle", "body")
@@ -140,7 +140,7 @@ class Stack:
             self.procs.append(start("worker", self.run, {**bodies, "MM_ENCODER_FETCH_ALLOW_HOSTS": allow},
                                     "-m", "mm_encoder.worker", "--model", str(model_dir), "--dtype", "fp32",
                                     "--dynamo", "--http-port", str(worker_port), ready="worker ready"))
-            self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier",
+            self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.cache_tiers", "up", "--tier",
                                     "cluster", "--listen", f"127.0.0.1:{tier_port}", "--next",
                                     f"127.0.0.1:{worker_port}", "--run-dir", str(self.run / "tier"), "--cache-dir",
                                     str(self.run / "tier-cache"), url=f"http://127.0.0.1:{tier_port}/_cache/health"))

@@ -55,7 +55,7 @@ import yaml
 
 from bench import stats
 from harness.serve_fixtures import Served
-from mm_encoder.deploy.local import free_port
+from mm_encoder.serve.site import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ import numpy as np
 from bench import stats
 from harness.media_factory import image_bytes, natural_image
 from harness.serve_fixtures import Served
-from mm_encoder.deploy.local import free_port
+from mm_encoder.serve.site import free_port
 
 ZIPF_S = 1.1
 SEED = 20261201
@@ -112,7 +112,7 @@ def _get_json(url: str) -> dict:
 
 def counters(port: int, run: Path) -> dict:
     """Encodes so far: the encode worker's forwarded items (EPD) and the frontend's media items."""
-    from mm_encoder.deploy.status import collect
+    from mm_encoder.serve.status import collect
 
     out = {"forwards": 0.0, "media_items": 0.0}
     for c in collect(run)["components"]:

@@ -42,8 +42,9 @@ from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import free_port
 from harness.processes import Process
+from harness.procfs import cpu_ns
 from harness.serve_fixtures import MODEL, QUESTION, Served
-from mm_encoder.deploy.procfs import cpu_ns, processes
+from mm_encoder.runtime.procfs import processes
 from mm_encoder.security.tls import tls_client
 
 TARGET = 0.8  # the issue's: cluster-tier hits at >= 0.8x of plaintext throughput
@@ -57,7 +58,7 @@ def start_cluster(stack: contextlib.ExitStack, run: Path, name: str, worker: str
     """A cluster tier in front of `worker` (host:port); its URL once healthy, and its session (nginx's
     master and workers)."""
     port, ops = free_port(), free_port()
-    cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", "cluster", "--listen",
+    cmd = [sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", "cluster", "--listen",
            f"127.0.0.1:{port}", "--next", worker, "--run-dir", str(run / f"nginx-{name}"), "--cache-dir",
            str(run / f"cache-{name}"), *tls, *(["--ops-listen", f"127.0.0.1:{ops}"] if tls else [])]
     proc = Process(cmd, name=f"nginx {name}", log=run / f"{name}.log")

@@ -1,4 +1,4 @@
-"""Real nginx cache tiers for tests: started through `python -m mm_encoder.deploy.cache_tiers up` (which
+"""Real nginx cache tiers for tests: started through `python -m mm_encoder.cache_tiers up` (which
 execs nginx, so the child's PID is nginx's master) as a `harness.processes.Process`, ready when
 /_cache/health answers, stopped by PID with QUIT (then KILL), then by its session."""
 
@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 
 from harness.processes import Process
+from mm_encoder.cache_tiers.nginx import check_install
 from mm_encoder.core.errors import CacheTierError
-from mm_encoder.deploy.cache_tiers import check_install
-from mm_encoder.deploy.local import free_port
+from mm_encoder.serve.site import free_port
 
 
 def require_nginx() -> None:
@@ -77,7 +77,7 @@ class Tier:
 
 async def start_tier(tmp_path: Path, name: str, tier: str, *args: str, port: int | None = None) -> Tier:
     port = port or free_port()
-    cmd = [sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", tier, "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", tier, "--listen", f"127.0.0.1:{port}",
            "--run-dir", str(tmp_path / f"nginx-{name}"), "--workers", "1", *args]
     if tier != "router":
         cmd += ["--cache-dir", str(tmp_path / f"cache-{name}")]

@@ -1,6 +1,6 @@
 """The one way the tests and benchmarks start a process of their own.
 
-A whole graph goes through `mm-encoder serve` (deploy/local.py's GraphRunner): `serve_fixtures.Served`
+A whole graph goes through `mm-encoder serve` (`mm_encoder/serve/`'s GraphRunner): `serve_fixtures.Served`
 runs it as one `Process`. A test or benchmark that starts one component by hand, to test or measure
 that process, starts it as a `Process` too: in its own session, its output (stdout and stderr
 together) kept in memory and, with `log`, in a file; ready when it prints a line (`wait_for`) or when
@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mm_encoder.deploy.local import leftover_pids
+from mm_encoder.runtime.procfs import leftover_pids
 
 
 class Process:

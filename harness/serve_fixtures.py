@@ -23,7 +23,7 @@ from pathlib import Path
 from harness.media_factory import k25_image_tokens
 from harness.nginx_fixtures import dynamo_system_port, free_port
 from harness.processes import Process
-from mm_encoder.deploy.local import leftover_pids
+from mm_encoder.runtime.procfs import leftover_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "mm_encoder" / "samples" / "sample.jpg"

@@ -36,10 +36,10 @@ COMPONENTS = {
     "engine": ("mm_encoder.engines.process",
                "run an engine: the checkpoint's language model (mm-encoder engine --help)"),
     "make-checkpoint": ("mm_encoder.engines.tiny_checkpoint", "write a small random Kimi-K2.5 checkpoint directory"),
-    "cache": ("mm_encoder.deploy.cache_tiers", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
-    "serve": ("mm_encoder.deploy.local", "run a whole graph on this machine: mm-encoder serve epd (or a graph file)"),
-    "status": ("mm_encoder.deploy.status", "per-component status of a running graph"),
-    "render-k8s": ("mm_encoder.deploy.k8s",
+    "cache": ("mm_encoder.cache_tiers.cli", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
+    "serve": ("mm_encoder.serve.cli", "run a whole graph on this machine: mm-encoder serve epd (or a graph file)"),
+    "status": ("mm_encoder.serve.status", "per-component status of a running graph"),
+    "render-k8s": ("mm_encoder.k8s.render",
                    "Kubernetes resources for a graph: mm-encoder render-k8s epd (or a graph file)"),
     "capacity": ("mm_encoder.capacity.cli",
                  "the cache tiers and encoders a traffic needs, simulated (mm-encoder capacity --help)"),
@@ -155,7 +155,7 @@ def msgpack_request(model: str, data: bytes) -> bytes:
 
 def cmd_graphs() -> int:
     """The shipped graphs: name and the first line of each file's header, then where they are read."""
-    from .deploy.graph import graphs_dir, shipped_graphs
+    from .graph.shipped import graphs_dir, shipped_graphs
 
     graphs = shipped_graphs()
     width = max(map(len, graphs), default=0)

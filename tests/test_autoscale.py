@@ -20,7 +20,7 @@ import pytest
 from harness.autoscale import Load, deciding
 from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import Served
-from mm_encoder.deploy.status import collect, samples, total
+from mm_encoder.serve.status import collect, samples, total
 
 
 def _wait(what: str, check, timeout: float):

@@ -23,10 +23,11 @@ from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import require_nginx, tiers
 from harness.worker_fixtures import ForwardGate, run_worker, wait_for
 from mm_encoder import wire
+from mm_encoder.cache_tiers import nginx as cache_tiers
+from mm_encoder.cache_tiers.config import TierConfig
+from mm_encoder.cache_tiers.nginx import render
 from mm_encoder.core.errors import CacheTierError
 from mm_encoder.core.registry import config_dir
-from mm_encoder.deploy import cache_tiers
-from mm_encoder.deploy.cache_tiers import TierConfig, render
 
 
 @pytest.fixture(autouse=True)
@@ -305,8 +306,8 @@ async def test_graphs_of_two_dtypes_behind_one_tier_never_get_each_others_bodies
     from mm_encoder.client import EncoderChain
     from mm_encoder.core.errors import RemoteError
     from mm_encoder.core.requests import EncodeRequest
-    from mm_encoder.deploy.local import free_port
     from mm_encoder.model.encoder import Encoder
+    from mm_encoder.serve.site import free_port
 
     url = "data:image/png;base64," + base64.b64encode(image_bytes(natural_image(96, 64, seed=5))).decode()
     bf16, fp32 = (EncodeRequest(model="tiny", url=url, dtype=d) for d in ("bfloat16", "float32"))

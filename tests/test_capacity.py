@@ -24,8 +24,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from harness.nginx_fixtures import require_nginx, tiers
+from mm_encoder.cache_tiers.ring import HashRing, server_points
 from mm_encoder.capacity import cli as capacity_cli
-from mm_encoder.capacity.ring import HashRing, server_points
 from mm_encoder.capacity.simulate import simulate, tier_entry_bytes
 from mm_encoder.capacity.traffic import Traffic, image_patches, make_trace, size_classes, zipf_ranks
 from mm_encoder.core.registry import get_spec
@@ -364,8 +364,8 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
     from harness.serve_fixtures import QUESTION, Served, chat, data_url
     from mm_encoder.core.requests import EncodeRequest
     from mm_encoder.core.wire import CONTENT_TYPE
-    from mm_encoder.deploy.status import collect
     from mm_encoder.families.card import ModelCard
+    from mm_encoder.serve.status import collect
 
     traffic = Traffic(requests=48, requests_per_second=10, popularity={"exponent": 1.0, "catalogue": 16},
                       image_mix="64x48,96x64", clusters=2, cluster_tier_bytes="1g", shard_bytes="2g", encoders=1,

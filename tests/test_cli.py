@@ -14,8 +14,9 @@ import pytest
 
 from harness.media_factory import image_bytes, natural_image
 from mm_encoder.cli import COMPONENTS, main
-from mm_encoder.deploy.plan import MODULES, GeneratedCheckpoint
 from mm_encoder.families.card import ModelCard
+from mm_encoder.graph.checkpoint import GeneratedCheckpoint
+from mm_encoder.graph.plan import MODULES
 
 CLI = [sys.executable, "-m", "mm_encoder.cli"]
 
@@ -83,7 +84,7 @@ def test_worker_subcommand_reports_bad_options(capsys):
 
 
 def test_component_subcommands_hand_every_word_to_the_component(capsys):
-    """`mm-encoder cache ...` is `python -m mm_encoder.deploy.cache_tiers ...`: options and --help are
+    """`mm-encoder cache ...` is `python -m mm_encoder.cache_tiers ...`: options and --help are
     the component's own, with nothing of the top-level parser in between."""
     assert main(["cache", "render", "--tier", "router", "--shard", "127.0.0.1:9001", "--listen",
                  "127.0.0.1:9000"]) == 0

@@ -1,4 +1,4 @@
-"""The encoder fleet's Grafana dashboard (mm_encoder/deploy/dashboards/encoder-fleet.json): what
+"""The encoder fleet's Grafana dashboard (mm_encoder/dashboards/encoder-fleet.json): what
 tools/dashboard.py builds with grafana-foundation-sdk, a well-formed Grafana dashboard, and every
 query names a metric the package really exports (harness/metric_exports.py)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.metric_exports import exported
-from mm_encoder.deploy.grafana import FLEET, fleet_dashboard
+from mm_encoder.dashboards.grafana import FLEET, fleet_dashboard
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMQL_WORDS = {"sum", "rate", "histogram_quantile", "label_values", "clamp_min", "max", "min", "avg", "count",

@@ -78,7 +78,7 @@ def test_the_artifacts_pass_the_metadata_checker_and_the_manifest(dist):
     with zipfile.ZipFile(dist / names[0]) as z:
         files = z.namelist()
     assert {f"mm_encoder/_graphs/{p.name}" for p in (ROOT / "graphs").glob("*.yaml")} <= set(files)
-    assert "mm_encoder/deploy/dashboards/encoder-fleet.json" in files  # render-k8s's Grafana dashboard
+    assert "mm_encoder/dashboards/encoder-fleet.json" in files  # render-k8s's Grafana dashboard
     assert not [f for f in files if f.startswith(("tests/", "bench/", "docs/")) or "__pycache__" in f]
     # the docker images COPY exactly this file (tests/test_docker.py checks the Dockerfiles' side)
     assert names[0] == f"mm_encoder-{VERSION}-py3-none-any.whl"

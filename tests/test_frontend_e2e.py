@@ -38,7 +38,7 @@ def graph(tmp_path_factory, checkpoint):
     try:
         g.start("worker", "-m", "mm_encoder.worker", "--model", ckpt, "--dtype", "fp32", "--dynamo", "--http-port",
                 str(g.worker_port), ready="worker ready")
-        g.start("tier", "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", "cluster", "--listen",
+        g.start("tier", "-m", "mm_encoder.cache_tiers", "up", "--tier", "cluster", "--listen",
                 f"127.0.0.1:{g.tier_port}", "--next", f"127.0.0.1:{g.worker_port}", "--run-dir",
                 str(g.root / "tier"), "--cache-dir", str(g.root / "tier-cache"), "--workers", "1")
         for i in (1, 2):

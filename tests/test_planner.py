@@ -11,7 +11,7 @@ import pytest
 
 from mm_encoder.core.errors import GraphError
 from mm_encoder.core.quantiles import from_buckets as quantile
-from mm_encoder.deploy.graph import Graph
+from mm_encoder.graph.schema import Graph
 from mm_encoder.planner.policy import Policy
 from mm_encoder.planner.settings import PlannerSettings, check_args
 from mm_encoder.planner.signals import Fleet, FleetSignals, Snapshot
@@ -61,7 +61,7 @@ def test_a_graph_with_a_bad_planner_is_refused_before_anything_starts():
 
 
 def test_serve_refuses_a_planner_without_etcd():
-    from mm_encoder.deploy.scaling import check_local
+    from mm_encoder.serve.cli import check_local
 
     g = Graph.model_validate({"name": "g", "components": {
         "encoder": {"kind": "encoder"}, "engine": {"kind": "engine"}, "frontend": {"kind": "frontend"},

@@ -23,9 +23,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from mm_encoder.deploy import k8s
-from mm_encoder.deploy.graph import load_graph
-from mm_encoder.deploy.k8s_site import PLANNER_SERVICE_ACCOUNT
+from mm_encoder.graph.schema import load_graph
+from mm_encoder.k8s import render as k8s
+from mm_encoder.k8s.names import PLANNER_SERVICE_ACCOUNT
 from mm_encoder.runtime.dynamo import encoder_target, planner_connector
 
 pytest.importorskip("kubernetes")

@@ -24,7 +24,7 @@ from harness.media_factory import image_bytes, natural_image
 from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, Served, chat, sample_tokens
 from mm_encoder.core.errors import GraphError
-from mm_encoder.deploy import infra
+from mm_encoder.serve import infra
 
 pytest.importorskip("dynamo.runtime")
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

@@ -16,11 +16,11 @@ import pytest
 
 from harness.media_factory import k25_image_tokens
 from harness.nginx_fixtures import free_port, require_nginx
+from harness.procfs import listeners
 from harness.serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, frontend_stats, sample_tokens
 from mm_encoder.core.errors import GraphError
-from mm_encoder.deploy.graph import load_graph
-from mm_encoder.deploy.procfs import listeners
-from mm_encoder.deploy.status import collect
+from mm_encoder.graph.schema import load_graph
+from mm_encoder.serve.status import collect
 
 
 def _tier_counts(run, name: str) -> tuple[int, int]:

@@ -12,9 +12,11 @@ import pytest
 
 from mm_encoder.cli import main as cli_main
 from mm_encoder.core.errors import GraphError
-from mm_encoder.deploy import graph as graph_mod
-from mm_encoder.deploy import k8s, local
-from mm_encoder.deploy.graph import find_graph, graphs_dir, load_graph, shipped_graphs
+from mm_encoder.graph import shipped as graph_mod
+from mm_encoder.graph.schema import load_graph
+from mm_encoder.graph.shipped import find_graph, graphs_dir, shipped_graphs
+from mm_encoder.k8s import render as k8s
+from mm_encoder.serve import cli as local
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = ROOT / "graphs"

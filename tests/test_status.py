@@ -9,7 +9,7 @@ import os
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from mm_encoder.core.quantiles import nearest_rank as quantile
-from mm_encoder.deploy.status import _recent, histogram_quantile, main, samples
+from mm_encoder.serve.status import _recent, histogram_quantile, main, samples
 
 
 def test_histogram_quantiles_are_the_upper_bounds_of_their_buckets():

@@ -151,7 +151,7 @@ def test_logprobs_come_back_in_openais_shape(stock):
 def test_no_process_of_the_graph_listens_on_a_wildcard_address(stock):
     """Every socket any process of the graph listens on (nats-server, run by serve, included) binds
     127.0.0.1."""
-    from mm_encoder.deploy.procfs import listeners
+    from harness.procfs import listeners
 
     state = json.loads((stock.run_dir / "state.json").read_text())
     groups = {c["pid"] for c in state["components"]} | {s["pid"] for s in state["runtime"]["servers"]}

@@ -22,7 +22,7 @@ import pytest
 from harness.nginx_fixtures import free_port, require_nginx
 from harness.otlp import Receiver, Span
 from harness.serve_fixtures import MODEL, Served, sample_content
-from mm_encoder.deploy.status import collect
+from mm_encoder.serve.status import collect
 
 FRONTEND = ["template", "admission", "encode", "splice+tokenize", "route", "engine"]
 WORKER = ["plan", "decode+preprocess", "device"]

@@ -1,10 +1,10 @@
 """The encoder fleet's Grafana dashboard, built with grafana-foundation-sdk (the `dev` extra):
 
-    python tools/dashboard.py            # writes mm_encoder/deploy/dashboards/encoder-fleet.json
+    python tools/dashboard.py            # writes mm_encoder/dashboards/encoder-fleet.json
     python tools/dashboard.py --check    # exit 1 when the committed JSON is not what this builds
 
 The JSON ships in the wheel; `mm-encoder render-k8s` wraps it in a ConfigMap for Grafana's sidecar
-(deploy/grafana.py). Every query names metrics the package exports (tests/test_dashboard.py);
+(dashboards/grafana.py). Every query names metrics the package exports (tests/test_dashboard.py);
 what each metric means: docs/observability.md "Metrics".
 """
 
@@ -27,7 +27,7 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
-OUT = Path(__file__).resolve().parents[1] / "mm_encoder" / "deploy" / "dashboards" / "encoder-fleet.json"
+OUT = Path(__file__).resolve().parents[1] / "mm_encoder" / "dashboards" / "encoder-fleet.json"
 UID = "mm-encoder-fleet"
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 W = 'dynamo_namespace=~"$namespace",dynamo_component="mm_encoder"'  # the encode workers of the chosen namespaces

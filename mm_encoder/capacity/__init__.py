@@ -5,7 +5,7 @@ the encoders they need, each tier's memory and the busiest shard's share. Torch-
 
 from __future__ import annotations
 
-from .ring import HashRing
+from ..cache_tiers.ring import HashRing
 from .simulate import Result, simulate
 from .traffic import Traffic
 

@@ -29,7 +29,7 @@ import cachetools
 import numpy as np
 import numpy.typing as npt
 
-from .ring import HashRing
+from ..cache_tiers.ring import HashRing
 from .traffic import SizeClass, Trace, Traffic, make_trace, size_classes
 
 TIER_ENTRY_OVERHEAD = 1024  # the stored response headers (X-MM-Meta, ...) and nginx's entry header

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from ..core import dtypes
 from ..core.registry import get_spec
 from ..core.spec import ModelSpec, PreprocessConfig
 from ..families import preprocess_rule
@@ -30,7 +31,6 @@ from ..families import preprocess_rule
 MAX_REQUESTS = 50_000_000
 MAX_CATALOGUE = 1_000_000_000
 WIRE_HEADER_BYTES = 256  # the wire-v1 header: msgpack fields around the rows (grids, mm_hash, model, dtype)
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -121,7 +121,7 @@ class Traffic(_Frozen):
     capacity_pps: float | None = Field(None, gt=0, le=1e9, description="one worker's patches per second")
     target_utilization: float = Field(0.7, gt=0, le=1)
     model: str = Field("kimi-k2.5-vision", min_length=1, max_length=200, description="a registry model")
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: dtypes.ShortName = "bf16"
     compression: float = Field(1.0, gt=0, le=1, description="body bytes per raw row byte (zstd on the wire)")
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
@@ -197,7 +197,7 @@ class SizeClass:
 def size_classes(traffic: Traffic) -> list[SizeClass]:
     spec = get_spec(traffic.model)
     total = sum(s.weight for s in traffic.image_mix)
-    row_bytes = spec.projector.out_dim * DTYPE_BYTES[traffic.dtype]
+    row_bytes = spec.projector.out_dim * dtypes.size(traffic.dtype)
     out = []
     for s in traffic.image_mix:
         patches = image_patches(s.width, s.height, spec)

@@ -7,15 +7,16 @@ bug) and `wire.decode`/`wire.peek` check what a peer sent (a failure is a `WireE
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
+from .dtypes import SIZES, TorchName
 from .errors import WireError
 from .spec import tokens_for_grid
 
 WIRE_VERSION = 1
 KNOWN_VERSIONS = (1,)
-DTYPE_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}  # names are torch's
-WireDtype = Literal["bfloat16", "float16", "float32"]
+DTYPE_SIZES = SIZES  # names are torch's (core.dtypes)
+WireDtype = TorchName
 MODALITIES = ("image", "video")
 # The map's keys in the order encoders write them (decoders accept any order).
 KEYS = (

@@ -13,11 +13,12 @@ from pydantic_settings import SettingsConfigDict
 
 from ..core.registry import DEFAULT_MODEL
 from ..core.spec import MediaLimits
+from ..core.topology import callers
 from ..core.wire_schema import WireDtype
 from ..fetch import FetchPolicy
 from ..model.steps import BATCH_MAX_PATCHES
 from ..runtime.dynamo import DynamoOptions
-from ..security.tls import HOP_CALLERS, TlsOptions
+from ..security.tls import TlsOptions
 
 
 class WorkerSettings(DynamoOptions, TlsOptions):
@@ -53,7 +54,7 @@ class WorkerSettings(DynamoOptions, TlsOptions):
     handle_route: str = Field("cluster,shared", description="X-Cache-Route handles name with --handle-chain")
     # with --tls-cert/--tls-key/--tls-ca (security/tls.py) the HTTP port serves HTTPS to callers with a
     # certificate from the CA whose role is listed; health and metrics move to --ops-port, plaintext
-    tls_allow: list[str] = Field(sorted(HOP_CALLERS["encoder"]),
+    tls_allow: list[str] = Field(sorted(callers("encoder")),
                                  description="with TLS: the roles (their certificates' OU) that may call this worker")
     ops_port: int = Field(-1, ge=-1, le=65535, description="with TLS: a plaintext port on --http-host for /health, "
                                                            "/ready and /metrics only (0 picks one; -1: none)")

@@ -82,11 +82,12 @@ def build_engine(s: EngineSettings, publisher: KvEventPublisher | None = None, r
     """The engine for `s` (loads the model): importable, so tests run it in-process."""
     import torch
 
+    from ..model.loading import parse_dtype
     from .engine import Engine
     from .inline import InlineEngine, InlineMedia
     from .llm import LanguageModel
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
+    dtype = parse_dtype(s.dtype)
     device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lm = LanguageModel.load(s.checkpoint, device=device, dtype=dtype, monolithic=s.encode_inline)
     # the registry model that says how this checkpoint's prompts place media, as the frontend reads it

@@ -10,8 +10,9 @@ import logging
 import os
 import socket
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..runtime import procfs
 
 if TYPE_CHECKING:
     from .provider import ProcessorFactory
@@ -45,37 +46,23 @@ async def drain(factory: ProcessorFactory, s: FrontendSettings) -> None:
     await factory.drain(max(0.0, deadline - loop.time()))
 
 
-def _tcp_inodes(port: int, state: str) -> set[str]:
-    """Inodes of the TCP sockets in this network namespace with local `port` in `state`
-    (/proc/net/tcp{,6}: "0A" listening, "01" established)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if f[3] == state and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(f[9])
-    return inodes
-
-
 def stop_listening(port: int) -> int:
     """Stop this process's listening TCP sockets on `port` from accepting: new connections are
     refused (the client knows nothing was sent) while connections already accepted are answered.
-    For servers whose listener this code does not own (Dynamo's HTTP server runs in Rust); found
-    through /proc/net/tcp{,6} and /proc/self/fd. Returns how many sockets were stopped."""
-    inodes = _tcp_inodes(port, "0A")
+    For servers whose listener this code does not own (Dynamo's HTTP server runs in Rust).
+    Returns how many sockets were stopped."""
+    listening = {inode for inode, (_, p) in procfs.tcp_sockets(procfs.LISTEN).items() if p == port}
     stopped = 0
-    for fd in Path("/proc/self/fd").iterdir():
-        with contextlib.suppress(OSError):
-            if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
-                # shutdown acts on the socket, not the descriptor: through a duplicate, the owner's
-                # accept() fails from now on and Linux answers new SYNs with a reset
-                with socket.socket(fileno=os.dup(int(fd.name))) as sock:
-                    sock.shutdown(socket.SHUT_RD)
+    for inode, fd in procfs.socket_fds().items():
+        if inode in listening:
+            # shutdown acts on the socket, not the descriptor: through a duplicate, the owner's
+            # accept() fails from now on and Linux answers new SYNs with a reset
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RD)
                 stopped += 1
     return stopped
 
 
 def open_connections(port: int) -> int:
     """Established TCP connections on local `port` (clients' keep-alive connections included)."""
-    return len(_tcp_inodes(port, "01"))
+    return sum(1 for _, p in procfs.tcp_sockets(procfs.ESTABLISHED).values() if p == port)

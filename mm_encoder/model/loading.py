@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.dtypes import torch_name
 from ..core.registry import DEFAULT_MODEL, get_spec
 from ..core.spec import ModelSpec
 from ..core.timing import ms_since
@@ -125,9 +126,5 @@ def cpu_has_native_bf16() -> bool:
 def parse_dtype(d: str | torch.dtype) -> torch.dtype:
     if isinstance(d, torch.dtype):
         return d
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    try:
-        return names[d.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {d!r}; use one of {sorted(names)}") from None
+    dtype: torch.dtype = getattr(torch, torch_name(d))  # core.dtypes: the one vocabulary
+    return dtype

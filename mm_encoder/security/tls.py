@@ -1,5 +1,5 @@
-"""TLS with client certificates on the package's own HTTP hops: the options every component takes,
-the standard library's SSL contexts from them, and who may call whom.
+"""TLS with client certificates on the package's own HTTP hops: the options every component takes
+and the standard library's SSL contexts from them (who may call whom: `core.topology`).
 
 Every component has a certificate from the deployment's one CA (`security.pki`) whose subject's OU
 is its role. A server requires a client certificate that chains to the CA (the handshake refuses
@@ -17,25 +17,19 @@ from typing import Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
+from typing_extensions import TypeAliasType
 
 from ..core.errors import ForbiddenPeer
 
-# The roles each hop's server admits by default (a graph's plan may name others, e.g. a frontend
-# that calls the encode workers directly when a graph has no tiers).
-HOP_CALLERS: dict[str, frozenset[str]] = {
-    "cache-cluster": frozenset({"frontend", "engine"}),
-    "cache-router": frozenset({"cache-cluster"}),
-    "cache-shared": frozenset({"cache-router", "cache-cluster"}),
-    "encoder": frozenset({"cache-shared", "engine"}),
-}
+PATH = TypeAliasType("PATH", Path)  # what --help shows for a file's path
 
 
 class TlsOptions(BaseSettings):
     """A component's certificate, key and the deployment's CA: all three or none (plaintext)."""
 
-    tls_cert: Path | None = Field(None, description="this component's certificate (PEM), from the deployment's CA")
-    tls_key: Path | None = Field(None, description="its private key (PEM; mode 0600)")
-    tls_ca: Path | None = Field(None, description="the deployment's CA certificate (PEM): peers must chain to it")
+    tls_cert: PATH | None = Field(None, description="this component's certificate (PEM), from the deployment's CA")
+    tls_key: PATH | None = Field(None, description="its private key (PEM; mode 0600)")
+    tls_ca: PATH | None = Field(None, description="the deployment's CA certificate (PEM): peers must chain to it")
 
     @model_validator(mode="after")
     def _all_or_none(self) -> TlsOptions:

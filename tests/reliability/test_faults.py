@@ -10,7 +10,7 @@ import pytest
 
 from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, Served, chat, sample_tokens
-from mm_encoder.deploy.local import leftover_pids
+from mm_encoder.runtime.procfs import leftover_pids
 
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
 

@@ -25,8 +25,8 @@ from harness.processes import Process
 from harness.serve_fixtures import Served, chat, data_url
 from mm_encoder.client.chain import EncoderChain
 from mm_encoder.core.requests import EncodeRequest
-from mm_encoder.deploy.status import collect
 from mm_encoder.security.tls import TlsOptions
+from mm_encoder.serve.status import collect
 
 SOURCE = EncodeRequest(model="tiny", url=data_url(image_bytes(natural_image(64, 40, seed=9))))
 
@@ -90,7 +90,7 @@ def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
         wport = int(worker.wait_for("mm-encoder worker ready", 120).split("http_port=")[1].split()[0])
         cl = certs.issue("cluster", "cache-cluster")
         port, ops = free_port(), free_port()
-        tier = Process([sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", "cluster", "--listen",
+        tier = Process([sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", "cluster", "--listen",
                         f"127.0.0.1:{port}", "--next", f"127.0.0.1:{wport}", "--ops-listen", f"127.0.0.1:{ops}",
                         "--run-dir", str(tmp_path / "nginx"), "--cache-dir", str(tmp_path / "cache"), "--workers", "1",
                         "--tls-cert", str(cl.cert), "--tls-key", str(cl.key), "--tls-ca", ca],

@@ -94,7 +94,7 @@ def chain(tmp_path_factory):
             name, port, ops = tier, free_port(), free_port()
             nxt = ["--shard" if tier == "router" else "--next", f"127.0.0.1:{ports[upstream]}"]
             cache = [] if tier == "router" else ["--cache-dir", str(tmp / f"cache-{name}")]
-            proc = Process([sys.executable, "-m", "mm_encoder.deploy.cache_tiers", "up", "--tier", tier,
+            proc = Process([sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", tier,
                             "--listen", f"127.0.0.1:{port}", *nxt, *cache, "--ops-listen", f"127.0.0.1:{ops}",
                             "--run-dir", str(tmp / f"nginx-{name}"), "--workers", "1", *tls(name, f"cache-{tier}")],
                            name=f"nginx {name}", log=tmp / f"{name}.log")

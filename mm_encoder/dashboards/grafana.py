@@ -1,6 +1,6 @@
 """The Grafana dashboard the package ships, and the ConfigMap `render-k8s` wraps it in.
 
-`dashboards/encoder-fleet.json` is built by `tools/dashboard.py` (grafana-foundation-sdk) from
+`encoder-fleet.json` (beside this module) is built by `tools/dashboard.py` (grafana-foundation-sdk) from
 the metrics in docs/observability.md; tests/test_dashboard.py holds every query to a metric the
 package exports. kube-prometheus-stack's Grafana sidecar loads every ConfigMap labelled
 `grafana_dashboard: "1"` (its default label) as dashboards, one per data key.
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-FLEET = Path(__file__).parent / "dashboards" / "encoder-fleet.json"
+FLEET = Path(__file__).parent / "encoder-fleet.json"
 SIDECAR_LABEL = {"grafana_dashboard": "1"}
 DATA_KEY = "mm-encoder-fleet.json"  # one file name, whatever the graph: two graphs' ConfigMaps are one dashboard
 

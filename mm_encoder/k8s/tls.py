@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.topology import CACHE_TIERS
+from ..graph.plan import OPS_KINDS, ComponentPlan, tier_upstreams
+from ..graph.schema import Graph
 from ..security.pki import ORGANIZATION
-from .cache_tiers import parse_args as parse_tier_args
-from .graph import Graph
-from .k8s_site import FRONTEND_PORT, OPS_PORT, PORTS, TLS_DIR, TLS_FILES, K8sNames, K8sSite, labels, selector
-from .plan import CACHE_TIERS, OPS_KINDS, ComponentPlan, _flag_value, tier_upstreams
+from .names import FRONTEND_PORT, OPS_PORT, PORTS, TLS_DIR, TLS_FILES, K8sNames, labels, selector
+from .site import K8sSite
 
 VOLUME = "tls"
 SECRET_MODE = 0o400  # the kubelet adds group read for the pod's fsGroup: 0440, root and the image's group
@@ -106,14 +107,6 @@ def certificates(names: K8sNames) -> list[dict[str, Any]]:
     return out
 
 
-def callers(cp: ComponentPlan) -> set[str]:
-    """The roles an encoder or tier admits, as its own options say (its `--tls-allow`, else its defaults)."""
-    argv = list(cp.replicas[0].argv)
-    if cp.kind == "encoder":
-        return set((_flag_value(argv, "--tls-allow") or "").split(","))
-    return set(parse_tier_args(argv)[1].callers)
-
-
 def network_policies(names: K8sNames, plans: list[ComponentPlan]) -> list[dict[str, Any]]:
     """Per encoder and tier: its HTTPS port from the pods of the roles it admits, its ops port from
     Prometheus; an encoder's other ports (Dynamo's system port and request plane) from the namespace."""
@@ -123,7 +116,7 @@ def network_policies(names: K8sNames, plans: list[ComponentPlan]) -> list[dict[s
         name = names.policies.get(cp.name)
         if name is None:
             continue
-        admitted = callers(cp)
+        admitted = cp.callers  # the hop policy, as the server itself takes it
         peers = [{"podSelector": {"matchLabels": selector(g, n)}} for n, c in g.components.items()
                  if c.kind in admitted]
         port = PORTS[cp.kind]

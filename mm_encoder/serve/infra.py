@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ..core.errors import GraphError
 
 if TYPE_CHECKING:
-    from .graph import Runtime
+    from ..graph.schema import Runtime
 
 LOOPBACK = "127.0.0.1"
 PACKAGES = {"etcd": "etcd-server", "nats-server": "nats-server"}

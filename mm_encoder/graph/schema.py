@@ -1,10 +1,9 @@
 """Graph files (`graphs/*.yaml`): which components run, how many, with which args and env.
 
 A graph is plain data validated by pydantic; errors name their path in the file
-(`components.encoder.replicas: ...`). `plan.plan` turns it into what each component runs, which
-`mm-encoder serve` (local.py) starts on one machine and `mm-encoder render-k8s` (k8s.py) renders
-as Kubernetes resources. Both take a graph file or the name of a graph shipped with the package
-(`find_graph`: `epd` is `graphs/epd.yaml`, or `mm_encoder/_graphs/epd.yaml` in an installed wheel).
+(`components.encoder.replicas: ...`). `graph.plan` turns it into what each component runs, which
+`mm-encoder serve` (`serve/`) starts on one machine and `mm-encoder render-k8s` (`k8s/`) renders
+as Kubernetes resources; both take a graph file or a shipped graph's name (`graph.shipped`).
 
     name: epd
     namespace: mm
@@ -29,13 +28,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .. import __version__
+from ..core.dtypes import ShortName
 from ..core.errors import GraphError
+from ..core.topology import CACHE_TIERS, Kind
 from ..planner.settings import check_args
 from ..runtime.dynamo import BLOCK_SIZE, NAMESPACE
 
-Kind = Literal["frontend", "encoder", "engine", "cache-cluster", "cache-router", "cache-shared", "planner"]
-CACHE_KINDS: tuple[Kind, ...] = ("cache-cluster", "cache-router", "cache-shared")
-_PKG = Path(__file__).resolve().parents[1]  # the mm_encoder package
+# Options the plan sets from the graph as a whole, refused in a component's own `args`.
+_PLANNED_FLAGS = {"--wire-dtype": "the rows' dtype from encoder to engine is llm.wire_dtype",
+                  "--tls-allow": "who may call a component is the graph's topology (core/topology.py)"}
 
 
 class _Strict(BaseModel):
@@ -67,6 +68,10 @@ class LLM(_Strict):
     name: str | None = None  # the served model name (default: the checkpoint directory's name)
     preset: Literal["tiny", "small", "vllm-tiny"] = "tiny"  # the generated checkpoint's size, without `checkpoint`
     dtype: Literal["fp32", "bf16"] | None = None  # every component that runs a model (None: each one's default)
+    # The rows' dtype from encoder to engine (None: the one `dtype` names, else the encoders' model's): the
+    # encoders pack it, the frontend names it in every encode request, so the tiers key it and an encoder
+    # packing another refuses (409).
+    wire_dtype: ShortName | None = None
 
     @property
     def served_name(self) -> str:
@@ -151,18 +156,22 @@ class Graph(_Strict):
             raise ValueError("Dynamo's stock frontend sends media to an Encode worker: add an encoder component")
         if "engine" not in kinds:
             raise ValueError("a graph needs an engine")
-        for kind in CACHE_KINDS:
+        for kind in CACHE_TIERS:
             if kinds.count(kind) > 1:
                 raise ValueError(f"at most one {kind} component (use replicas)")
         if ("cache-router" in kinds) != ("cache-shared" in kinds):
             raise ValueError("cache-router and cache-shared go together (the router shards over the shared tier)")
-        if any(k in CACHE_KINDS for k in kinds) and "encoder" not in kinds:
+        if any(k in CACHE_TIERS for k in kinds) and "encoder" not in kinds:
             raise ValueError("cache tiers front encode workers: add an encoder component")
         if self.tls.enabled and self.runtime.event_plane == "zmq":
             raise ValueError("tls: Dynamo's ZMQ event plane has no TLS; set runtime.event_plane: nats")
         if self.tls.enabled and self.stock_frontend:
             raise ValueError("tls: Dynamo's stock frontend takes none of this project's TLS options (--tls-ca, "
                              "--https); use this project's frontend")
+        for name, c in self.components.items():
+            for flag, why in _PLANNED_FLAGS.items():
+                if any(a == flag or a.startswith(flag + "=") for a in c.args):
+                    raise ValueError(f"components.{name}.args: {flag} is the graph's to set: {why}")
         self._check_planner()
         return self
 
@@ -226,40 +235,3 @@ def load_graph(path: str | Path) -> Graph:
         raise GraphError(f"{path}: invalid graph:\n" + "\n".join(lines)) from None
 
 
-def graphs_dir() -> Path:
-    """`$MM_ENCODER_GRAPHS`, else the copy inside an installed wheel, else the source tree's `graphs/`."""
-    for candidate in (os.environ.get("MM_ENCODER_GRAPHS"), _PKG / "_graphs", _PKG.parent / "graphs"):
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
-    raise GraphError("no shipped graphs found (set MM_ENCODER_GRAPHS to a graphs/ directory)")
-
-
-def shipped_graphs() -> dict[str, str]:
-    """Each shipped graph's name (its file's stem), sorted -> its file's first comment line."""
-    out = {}
-    for path in sorted(graphs_dir().glob("*.yaml"), key=lambda p: p.stem):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        out[path.stem] = next((line.lstrip("#").strip() for line in lines if line.startswith("#")), "")
-    return out
-
-
-def find_graph(ref: str | Path) -> Path:
-    """A graph file: `ref` itself where it is a file, else the shipped graph a bare name (`epd`,
-    `epd.yaml`) names; anything else is a GraphError that lists the shipped names."""
-    path = Path(ref)
-    if path.is_file():
-        return path
-    bare = path.name == str(ref) and path.name not in ("", ".", "..")  # no directory part
-    if bare:
-        try:
-            shipped = graphs_dir() / f"{path.name.removesuffix('.yaml')}.yaml"
-        except GraphError as e:
-            raise GraphError(f"{ref}: no such graph file, and {e.message}") from None
-        if shipped.is_file():
-            return shipped
-    try:
-        names = ", ".join(shipped_graphs()) or "none"
-    except GraphError:
-        names = "none found"
-    what = "no such graph file, nor a shipped graph's name" if bare else "no such graph file"
-    raise GraphError(f"{ref}: {what} (shipped graphs, by name: {names}; mm-encoder graphs lists them)")

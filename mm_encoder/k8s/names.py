@@ -1,7 +1,7 @@
-"""How a graph is named, addressed and stored on Kubernetes: the `Site` that `render-k8s` plans
-on (plan.py), every object name it will create, checked once (DNS-1123 labels, no two alike), the
-labels that select its pods, and what an encode planner's connector (Dynamo's KubernetesConnector)
-may do to the graph's objects."""
+"""How a graph is named and labelled on Kubernetes: every object name the render creates (and the
+operator will), checked once (DNS-1123 labels, no two alike), the labels that select each
+component's pods, the fixed ports and paths every pod shares, and the small pieces every object
+repeats (an env list, the pod's security context)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import re
 from typing import Any
 
 from ..core.errors import GraphError
-from .graph import Graph, Kind
-from .plan import CACHE_TIERS, OPS_KINDS, TLS_KINDS, Site
+from ..core.topology import Kind
+from ..graph.plan import OPS_KINDS, TLS_KINDS, ComponentPlan
+from ..graph.schema import Graph
 
 PORTS: dict[Kind, int] = {  # the frontend's is the operator's: its Service and probes use 8000
     "frontend": 8000, "encoder": 8090, "cache-shared": 8080, "cache-router": 8080, "cache-cluster": 8080,
@@ -104,94 +105,21 @@ class K8sNames:
                          for n, c in tls if c.kind in OPS_KINDS}
 
 
-class K8sSite(Site):
-    """Kubernetes: every replica listens on its kind's fixed port on all interfaces; components
-    reach encoders through their Service, shards by their StatefulSet pods' stable names, the
-    router and the cluster tier through their Services."""
-
-    connector = "kubernetes"  # an encode planner scales the DynamoGraphDeployment's encoder component
-
-    def __init__(self, names: K8sNames):
-        self.names = names
-        self.checkpoint_dir = MODEL_DIR
-
-    def listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
-        return "0.0.0.0", PORTS[kind]
-
-    def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
-        if kind == "encoder":
-            return [f"{self.names.encoder_svc[name]}:{ENCODER_PORT}"]
-        if kind == "cache-shared":
-            sts = self.names.shared[name]
-            return [f"{sts}-{i}.{sts}:{TIER_PORT}" for i in range(replicas)]
-        if kind in ("cache-router", "cache-cluster"):
-            return [f"{self.names.tiers[name]}:{TIER_PORT}"]
-        return []
-
-    def tier_dirs(self, replica: str) -> tuple[str, str]:
-        return RUN_DIR, CACHE_DIR
-
-    def tls_files(self, replica: str) -> tuple[str, str, str]:
-        return TLS_FILES  # the component's Secret: its replicas share one identity
-
-    def ops_listen(self, name: str, kind: Kind, replica: int) -> tuple[str, int]:
-        return "0.0.0.0", OPS_PORT  # in no Service: probes and Prometheus reach the pod
-
-    def server_name(self, name: str, kind: Kind) -> str | None:
-        """The Service name others dial (a shard's pods: `<pod>.<service>`), its certificate's first DNS name."""
-        if kind == "encoder":
-            return self.names.encoder_svc[name]
-        if kind in CACHE_TIERS:
-            return self.names.tiers[name]
-        return f"{self.names.g.name}-{name}" if kind == "frontend" else None  # the operator's frontend Service
-
-    def dynamo_env(self, kind: Kind) -> dict[str, str]:
-        # Our components take --namespace from the graph; DYN_NAMESPACE (the operator would set
-        # <k8s namespace>-<graph>) and the frontend's prefix are set to match it.
-        env = {"DYN_NAMESPACE": self.names.g.namespace}
-        if kind == "encoder":  # readiness gates on this endpoint's health (default: ["generate"])
-            env["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"] = '["encode"]'
-        if kind == "frontend":
-            env["DYN_NAMESPACE_PREFIX"] = self.names.g.namespace
-        if kind == "planner":  # the KubernetesConnector's DGD (the operator injects the same into every container)
-            env["DYN_PARENT_DGD_K8S_NAME"] = self.names.g.name
-        return env
+UID = 101  # the image's user (docker/Dockerfile)
+NOTE = "mm-encoder/note"
 
 
-def check_planner_types(g: Graph, components: list[dict[str, Any]]) -> None:
-    """Dynamo's lookups on the rendered components (planner/monitoring/dgd_services.py): the encoder's count,
-    sent for the prefill slot with the encoder's name, reaches the encoder only while no component is typed
-    prefill; Dynamo's own planner finds the decode slot only if exactly one component is typed decode."""
-    if g.planner is None:
-        return
-    types = {c["name"]: c["type"] for c in components}
-    encoder = g.of_kind("encoder")[0][0]
-    prefill = [n for n, t in types.items() if t == "prefill"]
-    if prefill or types[encoder] != "worker":
-        raise GraphError(f"components.{g.planner[0]}: the encoder count would reach {prefill or types[encoder]}, "
-                         f"not the worker component {encoder}")
-    decode = [n for n, t in types.items() if t == "decode"]
-    if len(decode) != 1:
-        raise GraphError(
-            f"components.{g.planner[0]}: with an encode planner the engines are typed decode, and Dynamo's planner "
-            f"resolves the decode slot to exactly one component: {', '.join(decode)} would make it ambiguous "
-            "(DuplicateSubComponentError); use one engine component with more replicas")
+def env_list(values: dict[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": str(v)} for k, v in values.items()]
 
 
-def connector_rules(names: K8sNames) -> list[dict[str, Any]]:
-    """What Dynamo's KubernetesConnector calls to set the encoder count (`set_component_replicas`:
-    dynamo/planner/connectors/kubernetes.py, clients/kubernetes_api.py), on this graph's objects only."""
-    assert names.scaling_adapter is not None, "a graph with an encode planner"
-    return [
-        # GET the DGD (spec, status) before each decision; PATCH /spec/components/<i>/replicas (a JSON patch)
-        # where the component has no scaling adapter (404 on its Scale).
-        {"apiGroups": ["nvidia.com"], "resources": ["dynamographdeployments"], "resourceNames": [names.g.name],
-         "verbs": ["get", "patch"]},
-        # The encoder's scaling adapter: PATCH its Scale (spec.replicas); GET it while a scale-down during
-        # start-up is in flight (a 403 there only disables that cancellation).
-        {"apiGroups": ["nvidia.com"], "resources": ["dynamographdeploymentscalingadapters/scale"],
-         "resourceNames": [names.scaling_adapter], "verbs": ["get", "patch"]},
-        # LIST the graph's pods (label nvidia.com/dynamo-graph-deployment-name) before a scale-down or while
-        # the DGD is not Ready: terminating or pending pods hold the change (a 403 falls back to Ready alone).
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
-    ]
+def argv_of(cp: ComponentPlan) -> list[str]:
+    """The one command line of a component's pods (on this site every replica has the same)."""
+    argvs = {r.argv for r in cp.replicas}
+    assert len(argvs) == 1, f"{cp.name}: replicas differ on Kubernetes"
+    return list(argvs.pop())
+
+
+def security_context() -> dict[str, Any]:
+    """The image's user; fsGroup makes mounted volumes writable for it."""
+    return {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID}

@@ -1,0 +1,200 @@
+"""One tier's configuration, `TierConfig`: every option from the command line or `MM_CACHE_<OPTION>`,
+the defaults here the only ones. A graph's plan builds each tier replica's config as a typed object
+(`tier_options` reads the graph's own `args` for it) and renders its command line with `tier_flags`;
+`mm-encoder serve` reloads a running tier from the object itself."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import CliSettingsSource, SettingsConfigDict, SettingsError
+from typing_extensions import TypeAliasType
+
+from ..core.topology import callers
+from ..security import pki
+from ..security.tls import PATH, TlsOptions
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
+_SIZE = re.compile(r"^[0-9]+[kmgKMG]?$")
+_TIME = re.compile(r"^[0-9]+(ms|s|m|h|d)?$")
+# What --help shows for a value (pydantic-settings prints a type alias by its name).
+HOST_PORT = TypeAliasType("HOST_PORT", str)
+HOST_PORTS = TypeAliasType("HOST_PORTS", tuple[str, ...])  # the flag once per address, or a,b
+ROLES = TypeAliasType("ROLES", tuple[str, ...])  # certificate roles (OU): the flag once per role, or a,b
+SIZE = TypeAliasType("SIZE", str)  # an nginx size: 512k, 64m, 1g
+TIME = TypeAliasType("TIME", str)  # an nginx time: 500ms, 30s, 10m, 24h
+
+# How long a tier waits for the next level: above the slowest encode plus the inner tiers' lock
+# waits. The cluster tier waits on the shared tier, which may itself wait a lock age (600 s).
+READ_TIMEOUTS = {"cluster": "1500s", "shared": "900s", "router": "900s"}
+_CLI = {"cli_kebab_case": True, "cli_implicit_flags": True}
+
+
+class TierConfig(TlsOptions):
+    """One nginx process: a cache tier (`cluster` or `shared`) or the stateless `router`; with
+    --tls-cert/--tls-key/--tls-ca, HTTPS to callers whose certificate's role is in --tls-allow and
+    HTTPS to the next level, the tier's status in plaintext on --ops-listen only."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MM_CACHE_", extra="forbid", frozen=True, populate_by_name=True, cli_hide_none_type=True,
+        cli_prog_name="mm-encoder cache", cli_exit_on_error=False, **_CLI,  # type: ignore[typeddict-item]
+    )
+
+    tier: Literal["cluster", "shared", "router"]
+    listen: HOST_PORT = "127.0.0.1:8081"
+    next: HOST_PORTS = Field((), description="the next level, once per server: the shared tier's router, "
+                                      "or the encoders")
+    direct: HOST_PORTS = Field((), description="the encoders, for X-Cache-Route ...,direct (none: --next)")
+    shards: HOST_PORTS = Field((), alias="shard", description="router only: a shard tier, by stable name, "
+                                        "once per shard")
+    run_dir: PATH | None = Field(None, description="config, pid and temp files (null: a temp dir per tier and port)")
+    cache_dir: PATH | None = Field(None, description="the cache, on tmpfs (null: /dev/shm/mm-encoder-cache/"
+                                   "<tier>-<port>)")
+    max_size: SIZE = Field("1g", description="the cache's size on disk (nginx max_size)")
+    keys_zone: SIZE = Field("64m", description="shared memory for the cache's keys (about 8000 keys per MB)")
+    valid: TIME = Field("24h", description="how long a cached answer is served")
+    lock_timeout: TIME = Field("600s", description="how long identical misses wait for the first one")
+    lock_age: TIME = Field("600s", description="after this, one more waiter may go to the origin")
+    read_timeout: TIME | None = Field(None, description="waiting for the next level (null: 1500s for the cluster "
+                                      "tier, 900s for the others)")
+    connect_timeout: TIME = "5s"
+    client_max_body_size: SIZE = "96m"
+    client_body_buffer_size: SIZE = "1m"
+    workers: str = Field("auto", description="nginx worker processes: a number or auto")
+    drop_client_key: bool = Field(False, description="ignore a client's X-Cache-Key (the outermost tier)")
+    log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
+    tls_allow: ROLES = Field((), description="with TLS: a role (certificate OU) that may call this tier, "
+                                       "once per role (none: the tier's callers, core/topology.py)")
+    tls_server_name: str = Field("localhost", pattern=r"^[A-Za-z0-9.-]+$",
+                                 description="with TLS: the name the next level's certificate must carry")
+    ops_listen: HOST_PORT | None = Field(None, description="with TLS: where /_cache/stats, /_cache/health and "
+                                       "/_cache/status answer in plaintext (loopback or the pod network)")
+    user: str = Field(
+        "root", pattern=r"^[A-Za-z0-9_.-]+( [A-Za-z0-9_.-]+)?$",
+        description="worker user when started as root (nginx `user`); non-root starts ignore it. root so that "
+        "run directories inside private (0700) temp dirs work; pass e.g. nobody with directories it can reach",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if not _ADDRESS.match(v):
+            raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @field_validator("ops_listen")
+    @classmethod
+    def _ops_address(cls, v: str | None) -> str | None:
+        return None if v is None else cls._address(v)
+
+    @field_validator("tls_allow")
+    @classmethod
+    def _roles(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [r for r in v if r not in pki.ROLES]
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; roles are {', '.join(pki.ROLES)}")
+        return v
+
+    @field_validator("next", "direct", "shards")
+    @classmethod
+    def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for a in v:
+            cls._address(a)
+        return v
+
+    @field_validator("max_size", "keys_zone", "client_max_body_size", "client_body_buffer_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if not _SIZE.match(v):
+            raise ValueError(f"{v!r} is not an nginx size (like 512k, 64m, 1g)")
+        return v
+
+    @field_validator("valid", "lock_timeout", "lock_age", "read_timeout", "connect_timeout")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not _TIME.match(v):
+            raise ValueError(f"{v!r} is not an nginx time (like 500ms, 30s, 10m, 24h)")
+        return v
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: str) -> str:
+        if v != "auto" and not v.isdigit():
+            raise ValueError("workers is a number or auto")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> TierConfig:
+        if self.tier == "router":
+            if not self.shards:
+                raise ValueError("a router needs at least one --shard")
+            if self.next or self.direct:
+                raise ValueError("a router takes --shard, not --next/--direct")
+        elif not self.next:
+            raise ValueError(f"a {self.tier} tier needs --next (the next level, or the encoders)")
+        elif self.shards:
+            raise ValueError("--shard is for the router")
+        if (self.ops_listen is not None or self.tls_allow) and not self.tls:
+            raise ValueError("--ops-listen and --tls-allow go with TLS (--tls-cert, --tls-key, --tls-ca)")
+        return self
+
+    @property
+    def callers(self) -> tuple[str, ...]:
+        """With TLS: the roles that may call this tier."""
+        return self.tls_allow or tuple(sorted(callers(f"cache-{self.tier}")))
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def timeout(self) -> str:
+        """How long it waits for the next level."""
+        return self.read_timeout or READ_TIMEOUTS[self.tier]
+
+    def resolved_run_dir(self) -> Path:
+        return self.run_dir or Path(tempfile.gettempdir()) / f"mm-encoder-cache-{self.tier}-{self.port}"
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return self.cache_dir
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.resolved_run_dir()
+        return base / "mm-encoder-cache" / f"{self.tier}-{self.port}"
+
+
+def tier_options(args: Sequence[str]) -> dict[str, Any]:
+    """The options a tier's command-line `args` set, by field name, as its own parser reads them (no
+    environment); a ValueError naming the problem otherwise (a graph's `args`, checked before anything starts)."""
+    if not args:
+        return {}
+    try:
+        values: dict[str, Any] = CliSettingsSource(TierConfig, cli_parse_args=list(args), cli_exit_on_error=False,
+                                                   **_CLI)()  # type: ignore[arg-type]
+    except SettingsError as e:
+        raise ValueError(str(e)) from None
+    names = {info.alias: name for name, info in TierConfig.model_fields.items() if info.alias}
+    return {names.get(k, k): v for k, v in values.items()}
+
+
+def tier_flags(cfg: TierConfig, exclude: Collection[str] = ()) -> list[str]:
+    """The command-line flags that make `cfg` again: each field that differs from its default, but `exclude`."""
+    out: list[str] = []
+    for name, info in TierConfig.model_fields.items():
+        value = getattr(cfg, name)
+        if name in exclude or value == info.default:
+            continue
+        flag = "--" + (info.alias or name).replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple):
+            out += [x for v in value for x in (flag, str(v))]
+        else:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,162 @@
+"""nginx for a tier: the config rendered from the templates in the repository's `configs/nginx/`
+(shipped in the wheel), the install checked, the run directory written, nginx run in place of this
+process. The caching is nginx's (proxy_cache with its lock), the key and route logic a short Lua
+file (`configs/nginx/cache_key.lua`); why each directive is set the way it is: docs/cache-tiers.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+from ..core.errors import CacheTierError
+from ..core.registry import config_dir
+from .config import TierConfig
+
+PACKAGES = "nginx libnginx-mod-http-lua lua-nginx-string"
+MODULE_DIRS = ("/usr/lib/nginx/modules", "/usr/lib64/nginx/modules", "/usr/share/nginx/modules")
+LUA_DIRS = ("/usr/share/lua/5.1", "/usr/local/share/lua/5.1")
+
+
+class _Template(string.Template):
+    delimiter = "@"  # nginx and Lua use `$` themselves
+
+
+def _servers(addresses: tuple[str, ...], extra: str = "") -> str:
+    return "\n".join(f"        server {a}{extra};" for a in addresses)
+
+
+def _snippet(name: str, fields: dict[str, str]) -> str:
+    return _Template((config_dir() / "nginx" / name).read_text()).substitute(fields)
+
+
+def snippets(cfg: TierConfig) -> dict[str, str]:
+    """The files nginx.conf includes from the run directory: the status locations, and with TLS the
+    handshake, the callers' roles, the next level's TLS and the plaintext ops server."""
+    run_dir = str(cfg.resolved_run_dir().resolve())
+    out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier})}
+    if cfg.tls:
+        fields = {"tier": cfg.tier, "run_dir": run_dir, "tls_cert": str(cfg.tls_cert), "tls_key": str(cfg.tls_key),
+                  "tls_ca": str(cfg.tls_ca), "server_name": cfg.tls_server_name,
+                  "allowed_roles": "|".join(re.escape(r) for r in cfg.callers),
+                  "allowed_list": ", ".join(cfg.callers), "ops_listen": cfg.ops_listen or ""}
+        out["tls-http.conf"] = _snippet("tls-http.conf", fields)
+        out["tls-server.conf"] = _snippet("tls-server.conf", fields)
+        if cfg.ops_listen is not None:
+            out["ops-server.conf"] = _snippet("ops-server.conf", fields)
+    return out
+
+
+def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
+    """The nginx.conf text for `cfg` (paths as they will be under cfg.run_dir; the files it
+    includes from there: `snippets`)."""
+    name = "router.conf" if cfg.tier == "router" else "cache-tier.conf"
+    template = _Template((config_dir() / "nginx" / name).read_text())
+    run_dir = str(cfg.resolved_run_dir().resolve())
+    included = snippets(cfg)
+
+    def include(snippet: str, indent: str) -> str:
+        return f"{indent}include {run_dir}/{snippet};" if snippet in included else ""
+
+    fields = {
+        "modules": modules_dir or find_modules_dir() or MODULE_DIRS[0],
+        "run_dir": run_dir,
+        "listen_tls": " ssl" if cfg.tls else "",
+        "scheme": "https" if cfg.tls else "http",
+        "tls_http": include("tls-http.conf", "    "),
+        "tls_server": include("tls-server.conf", "        "),
+        "ops_server": include("ops-server.conf", "    "),
+        "workers": cfg.workers,
+        "log_level": cfg.log_level,
+        "listen": cfg.listen,
+        "client_max_body_size": cfg.client_max_body_size,
+        "client_body_buffer_size": cfg.client_body_buffer_size,
+        "connect_timeout": cfg.connect_timeout,
+        "read_timeout": cfg.timeout,
+        "drop_client_key": "1" if cfg.drop_client_key else "0",
+        # nginx warns about `user` unless it starts as root; only then is it meaningful
+        "user_directive": f"user {cfg.user};" if os.geteuid() == 0 else "",
+    }
+    if cfg.tier == "router":
+        fields["shard_servers"] = _servers(cfg.shards, " max_fails=1 fail_timeout=10s")
+    else:
+        fields.update(
+            tier=cfg.tier,
+            cache_dir=str(cfg.resolved_cache_dir()),
+            keys_zone=cfg.keys_zone,
+            max_size=cfg.max_size,
+            valid=cfg.valid,
+            lock_timeout=cfg.lock_timeout,
+            lock_age=cfg.lock_age,
+            next_servers=_servers(cfg.next),
+            direct_servers=_servers(cfg.direct or cfg.next),
+        )
+    return template.substitute(fields)
+
+
+# --- the nginx install ---------------------------------------------------------------------------
+
+
+def find_nginx() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+
+
+def find_modules_dir() -> str | None:
+    for d in MODULE_DIRS:
+        if all((Path(d) / m).is_file() for m in ("ndk_http_module.so", "ngx_http_lua_module.so")):
+            return d
+    return None
+
+
+def check_install() -> tuple[str, str]:
+    """(nginx binary, module directory), or a CacheTierError naming exactly what to install."""
+    missing = []
+    nginx = find_nginx()
+    if nginx is None:
+        missing.append("nginx (the nginx binary)")
+    modules = find_modules_dir()
+    if modules is None:
+        missing.append("libnginx-mod-http-lua (ngx_http_lua_module.so and ndk_http_module.so)")
+    if not any((Path(d) / "resty" / "core.lua").is_file() for d in LUA_DIRS):
+        missing.append("lua-resty-core (resty/core.lua, pulled in by libnginx-mod-http-lua)")
+    if not any((Path(d) / "nginx" / "sha256.lua").is_file() for d in LUA_DIRS):
+        missing.append("lua-nginx-string (nginx/sha256.lua)")
+    if missing or nginx is None or modules is None:  # each None is named in `missing`
+        raise CacheTierError(
+            "the cache tiers need nginx with its Lua module; missing: " + "; ".join(missing)
+            + f". On Debian/Ubuntu: sudo apt-get install -y --no-install-recommends {PACKAGES}"
+        )
+    return nginx, modules
+
+
+def prepare(cfg: TierConfig) -> tuple[list[str], Path]:
+    """Write the run directory (config, Lua, temp dirs) and return the nginx command line."""
+    nginx, modules = check_install()
+    run_dir = cfg.resolved_run_dir().resolve()
+    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    if cfg.tier != "router":
+        cfg.resolved_cache_dir().mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(config_dir() / "nginx" / "cache_key.lua", run_dir / "cache_key.lua")
+    for name, text in snippets(cfg).items():
+        (run_dir / name).write_text(text)
+    conf = run_dir / "nginx.conf"
+    conf.write_text(render(cfg, modules))
+    return [nginx, "-p", f"{run_dir}/", "-c", str(conf), "-e", "stderr"], conf
+
+
+def up(cfg: TierConfig) -> int:
+    """Run nginx in the foreground, in place of this process (signals go straight to nginx:
+    QUIT stops gracefully, HUP reloads, TERM stops)."""
+    cmd, conf = prepare(cfg)
+    test = subprocess.run([*cmd, "-t", "-q"], capture_output=True, text=True)
+    if test.returncode != 0:
+        raise CacheTierError(f"nginx rejected {conf}:\n{test.stderr.strip()}")
+    print(f"mm-encoder cache {cfg.tier} on {cfg.listen} (config {conf})", file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
+    return 0  # not reached

@@ -1,0 +1,259 @@
+"""A graph's one plan: per component, the module it runs, where each replica listens, whom it calls,
+who may call it, its certificate and its environment, as typed facts; each replica's command line is
+rendered from them last (`graph.argv`), the same way on every site, and nothing reads it back.
+
+What differs between `mm-encoder serve` (`serve/`) and `render-k8s` (`k8s/`) is a `Site`: where
+components listen, how they reach each other (loopback ports there, Service DNS names here), where
+the checkpoint and the caches live, and Dynamo's environment. The topology (who talks to whom, in
+which order) is written here only; every default comes from the component's own settings.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..cache_tiers.config import TierConfig, tier_options
+from ..core.dtypes import TorchName, torch_name
+from ..core.errors import GraphError
+from ..core.topology import CACHE_TIERS, ORDER, Kind, callers
+from ..runtime.dynamo import MAX_MESSAGE_SIZE
+from . import argv
+from .schema import Component, Graph
+
+MODULES: dict[Kind, str] = {
+    "encoder": "mm_encoder.worker",
+    "cache-shared": "mm_encoder.cache_tiers",
+    "cache-router": "mm_encoder.cache_tiers",
+    "cache-cluster": "mm_encoder.cache_tiers",
+    "engine": "mm_encoder.engines",
+    "frontend": "mm_encoder.frontend",
+    "planner": "mm_encoder.planner",
+}
+VLLM_ENGINE = "mm_encoder.engines.vllm"  # an engine with `backend: vllm`
+STOCK_FRONTEND = "dynamo.frontend"  # Dynamo's own frontend (`stock: true`), from the ai-dynamo package
+DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend", "planner")  # on Dynamo's runtime (not nginx)
+BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
+READY_LINE = "engine ready"  # what an engine prints once registered (it serves no HTTP)
+OPS_KINDS: tuple[Kind, ...] = ("encoder", *CACHE_TIERS)  # with TLS: status and health on a plaintext ops port
+TLS_KINDS: tuple[Kind, ...] = tuple(k for k in ORDER if k != "planner")  # with TLS: a certificate each
+HEALTH: dict[Kind, str | None] = {"encoder": "/ready", "cache-shared": "/_cache/health",
+                                  "cache-router": "/_cache/health", "cache-cluster": "/_cache/health",
+                                  "engine": None, "frontend": "/v1/models", "planner": "/healthz"}
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A replica's certificate and key, and the deployment's CA, as the replica sees them."""
+
+    cert: str
+    key: str
+    ca: str
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The cache chain as components reach it: its first level's URL and the route through it."""
+
+    url: str
+    route: str
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str  # the component's name, plus -N for replicas beyond one (on one machine)
+    index: int
+    http: Address | None  # where it serves HTTP (None: an engine)
+    ops: Address | None = None  # with TLS: its health, status and metrics in plaintext (encoders, tiers)
+    tls: TlsFiles | None = None  # with TLS: its certificate
+    tier: TierConfig | None = None  # a cache tier's whole configuration, the graph's own options included
+    argv: tuple[str, ...] = ()  # after `python -m <module>`: rendered last, from the above (`graph.argv`)
+
+    @property
+    def port(self) -> int | None:
+        return self.http[1] if self.http else None
+
+    @property
+    def ops_port(self) -> int | None:
+        return self.ops[1] if self.ops else None
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    name: str
+    kind: Kind
+    component: Component  # the graph's entry: replicas, image, resources, its own args
+    module: str
+    replicas: tuple[Replica, ...]
+    env: dict[str, str]  # the Dynamo environment, then the graph's `env` (which wins)
+    health_path: str | None  # GET on the replica's port (its ops port with TLS) that answers 200 once ready
+    reads_model: bool  # it reads the checkpoint directory
+    callers: frozenset[str] = frozenset()  # the roles that may call its HTTP port (`core.topology`)
+    tls: bool = False  # the graph's TLS: its HTTP hops are HTTPS with client certificates
+    chain: Chain | None = None  # the cache chain it names (encoders for the stock frontend, engines, frontend)
+    wire_dtype: TorchName | None = None  # the rows' dtype it packs (encoders) or asks for (the frontend)
+
+
+class Site(ABC):
+    """Where a plan runs."""
+
+    checkpoint_dir: str  # the model's checkpoint directory as components see it
+    connector: str = "virtual"  # how an encode planner's decisions are carried out (planner/settings.py)
+
+    @abstractmethod
+    def listen(self, name: str, kind: Kind, replica: int) -> Address:
+        """Host and port replica `replica` of component `name` serves HTTP on."""
+
+    @abstractmethod
+    def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
+        """The host:port addresses other components use for component `name`."""
+
+    @abstractmethod
+    def tier_dirs(self, replica: str) -> tuple[str, str]:
+        """The run directory and cache directory of the tier replica named `replica`."""
+
+    @abstractmethod
+    def dynamo_env(self, kind: Kind) -> dict[str, str]:
+        """Dynamo's environment for a component of `kind`, beyond the planes every site shares."""
+
+    def tls_files(self, replica: str) -> TlsFiles:
+        """With TLS: replica `replica`'s certificate and key and the deployment's CA, as it sees them."""
+        raise GraphError("`tls` is not supported on this site yet")
+
+    def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
+        """With TLS: where replica `replica` of an encoder or tier serves its status in plaintext."""
+        raise GraphError("`tls` is not supported on this site yet")
+
+    def server_name(self, name: str, kind: Kind) -> str | None:
+        """With TLS: the name component `name`'s certificate carries for those that call it, which a tier
+        checks its next level's certificate for (None: the tier's default, the site's certificates' host)."""
+        return None
+
+
+def replica_name(name: str, i: int, n: int) -> str:
+    return name if n == 1 else f"{name}-{i}"
+
+
+def tier_upstreams(graph: Graph, kind: Kind) -> list[str]:
+    """The components a tier of `kind` sends requests to: its `--next` level first (a router's shards),
+    then the encoders of a cluster tier's direct route."""
+    def names(k: Kind) -> list[str]:
+        return [n for n, _ in graph.of_kind(k)]
+
+    upstreams = {"cache-router": names("cache-shared"), "cache-shared": names("encoder"),
+                 "cache-cluster": [*(names("cache-router") or names("encoder")), *names("encoder")]}.get(kind, [])
+    return list(dict.fromkeys(upstreams))
+
+
+def wire_dtype(graph: Graph) -> TorchName | None:
+    """The rows' dtype from encoder to engine: `llm.wire_dtype`, else `llm.dtype` (the worker packs
+    what its model runs in), in torch's spelling; None: the encoders' default."""
+    dtype = graph.llm.wire_dtype or graph.llm.dtype
+    return torch_name(dtype) if dtype else None
+
+
+def plan(graph: Graph, site: Site) -> list[ComponentPlan]:
+    """Every component of `graph`, in start order, each replica's command line rendered last."""
+    planned = _Planner(graph, site).components()
+    return [replace(cp, replicas=tuple(replace(r, argv=argv.render(graph, site, cp, r)) for r in cp.replicas))
+            for cp in planned]
+
+
+@dataclass
+class _Planner:
+    """The typed facts, kind by kind in start order; `reach` collects the addresses of what was
+    planned so far, which is what the later kinds connect to."""
+
+    g: Graph
+    site: Site
+    reach: dict[Kind, list[str]] = field(default_factory=dict)
+
+    def components(self) -> list[ComponentPlan]:
+        out = []
+        for kind in ORDER:
+            for name, c in self.g.of_kind(kind):
+                out.append(self._component(name, c))
+                self.reach.setdefault(kind, []).extend(self.site.reach(name, c.kind, c.replicas))
+        return out
+
+    def _component(self, name: str, c: Component) -> ComponentPlan:
+        g, kind = self.g, c.kind
+        tls = g.tls.enabled and kind in TLS_KINDS
+        scaled = kind == "encoder" and g.planner is not None  # names that stay as the count moves
+        options = self._tier_options(name, c) if kind in CACHE_TIERS else {}
+        replicas = []
+        for i in range(c.replicas):
+            rname = replica_name(name, i, 2 if scaled else c.replicas)
+            r = Replica(rname, i, self.site.listen(name, kind, i) if HEALTH[kind] else None,
+                        self.site.ops_listen(name, kind, i) if tls and kind in OPS_KINDS else None,
+                        self.site.tls_files(rname) if tls else None)
+            replicas.append(replace(r, tier=self._tier(name, kind, r, options)) if kind in CACHE_TIERS else r)
+        module = STOCK_FRONTEND if c.stock else VLLM_ENGINE if c.backend == "vllm" else MODULES[kind]
+        ours = kind == "frontend" and not g.stock_frontend and not g.inline_encoding
+        return ComponentPlan(
+            name, kind, c, module, tuple(replicas), {**self._env(kind), **c.env}, HEALTH[kind],
+            reads_model=kind in ("encoder", "engine") or (kind == "frontend" and not c.stock),
+            callers=callers(kind, {k.kind for k in g.components.values()}) if kind in OPS_KINDS else frozenset(),
+            tls=g.tls.enabled, chain=self.chain() if kind in ("encoder", "engine", "frontend") else None,
+            wire_dtype=wire_dtype(g) if ours or (kind == "encoder" and g.llm.wire_dtype) else None)
+
+    def _env(self, kind: Kind) -> dict[str, str]:
+        env = {"PYTHONUNBUFFERED": "1"}
+        if kind in DYNAMO_KINDS:
+            rt = self.g.runtime
+            env |= {"DYN_REQUEST_PLANE": rt.request_plane, "DYN_EVENT_PLANE": rt.event_plane,
+                    **self.site.dynamo_env(kind)}
+            if rt.discovery != "default":  # the graph's choice over the site's
+                env["DYN_DISCOVERY_BACKEND"] = rt.discovery
+        if kind in BODY_KINDS:  # a body fetched over RPC (the chain's fallback) is the embeddings' size
+            env["DYN_TCP_MAX_MESSAGE_SIZE"] = str(MAX_MESSAGE_SIZE)
+        return env
+
+    def _tier_options(self, name: str, c: Component) -> dict[str, Any]:
+        """The graph's own `args` for a tier, as its settings read them, checked before anything starts."""
+        try:
+            return tier_options(c.args)
+        except ValueError as e:
+            raise GraphError(f"components.{name}.args: {e}") from None
+
+    def _tier(self, name: str, kind: Kind, r: Replica, options: dict[str, Any]) -> TierConfig:
+        """A tier replica's configuration: its address, directories and levels, its TLS, then the graph's options."""
+        assert r.http is not None
+        tier = kind.removeprefix("cache-")
+        run_dir, cache_dir = self.site.tier_dirs(r.name)
+        facts: dict[str, Any] = {"tier": tier, "listen": ":".join(map(str, r.http)), "run_dir": run_dir}
+        if tier == "router":
+            facts["shards"] = tuple(self.reach["cache-shared"])
+        else:
+            facts["cache_dir"] = cache_dir
+            facts["next"] = tuple(self.reach["encoder"] if tier == "shared"
+                                  else self.reach.get("cache-router") or self.reach["encoder"])
+        if tier == "cluster":
+            facts["direct"] = tuple(self.reach["encoder"])
+        if r.tls is not None and r.ops is not None:
+            facts |= {"tls_cert": r.tls.cert, "tls_key": r.tls.key, "tls_ca": r.tls.ca,
+                      "tls_allow": tuple(sorted(callers(kind, {c.kind for c in self.g.components.values()}))),
+                      "ops_listen": ":".join(map(str, r.ops))}
+            upstream = tier_upstreams(self.g, kind)[0]
+            if (server := self.site.server_name(upstream, self.g.components[upstream].kind)) is not None:
+                facts["tls_server_name"] = server
+        try:
+            return TierConfig.model_validate({**facts, **options})
+        except ValueError as e:
+            raise GraphError(f"components.{name}: {e}") from None
+
+    def chain(self) -> Chain | None:
+        """The cache chain's first level and its route, as components reach it (None: no tiers).
+        Asked of the site, not of what was planned so far: the encoder, planned first, names it too."""
+        scheme = "https" if self.g.tls.enabled else "http"
+        cluster, router = self.g.of_kind("cache-cluster"), self.g.of_kind("cache-router")
+        if cluster:  # the outermost tier, and the route through the chain
+            name, c = cluster[0]
+            return Chain(f"{scheme}://{self.site.reach(name, c.kind, c.replicas)[0]}",
+                         "cluster,shared" if router else "cluster")
+        if router:
+            name, c = router[0]
+            return Chain(f"{scheme}://{self.site.reach(name, c.kind, c.replicas)[0]}", "shared")
+        return None

@@ -1,0 +1,100 @@
+"""`mm-encoder render-k8s GRAPH`: the graph's plan (`graph.plan`) as Kubernetes objects.
+
+    mm-encoder render-k8s graphs/epd.yaml -o epd.k8s.yaml && kubectl apply -n NS -f epd.k8s.yaml
+
+The Dynamo components as one DynamoGraphDeployment with the encoders' Services and the planner's
+RBAC (`dgd.py`), the nginx tiers (`tiers.py`), the encoders' Grafana dashboard as a ConfigMap
+(`dashboards/`), and with the graph's `tls` each component's Secret mounted, cert-manager
+Certificates and NetworkPolicies (`tls.py`). Every component's command line comes from the plan, on
+a `K8sSite` (fixed ports, Service DNS names, volumes under /models and /cache). What each object is
+for and why: docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..core.errors import GraphError
+from ..dashboards import grafana
+from ..graph.plan import plan
+from ..graph.schema import Graph, load_graph
+from ..graph.shipped import find_graph
+from . import dgd, tiers, tls
+from .names import K8sNames, labels
+from .site import K8sSite
+
+
+def _check_resources(where: str, resources: dict[str, dict[str, str]]) -> None:
+    unknown = set(resources) - {"requests", "limits"}
+    if unknown:
+        raise GraphError(f"{where}.resources: only requests and limits are supported, not {sorted(unknown)}")
+
+
+def _check_components(g: Graph) -> None:
+    """What Kubernetes would refuse in a component's `resources` and `env`, refused here by path."""
+    if g.runtime.discovery == "file":
+        raise GraphError("runtime.discovery: file discovery cannot span pods (each has its own filesystem); "
+                         "use default (the operator's Kubernetes discovery) or etcd")
+    for n, c in g.components.items():
+        _check_resources(f"components.{n}", c.resources)
+        for key in c.env:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_.-]*$", key):
+                raise GraphError(f"components.{n}.env: {key!r} is not a valid environment variable name")
+
+
+def render(graph: Graph) -> list[dict[str, Any]]:
+    """The graph as Kubernetes objects: the DynamoGraphDeployment, the encoders' Services, the tiers, the dashboard."""
+    names = K8sNames(graph)
+    _check_components(graph)
+    components = plan(graph, K8sSite(names))
+    deployment = dgd.graph_deployment(names, components)
+    dgd.check_planner_types(graph, deployment["spec"]["components"])
+    objects = [*tls.certificates(names), deployment, *dgd.encoder_services(names), *dgd.connector_rbac(names),
+               *tiers.tier_objects(names, components)]
+    if names.dashboard is not None:  # the encoder fleet's Grafana dashboard, for Grafana's sidecar
+        objects.append(grafana.config_map(names.dashboard, labels(graph, "grafana-dashboard", "dashboard")))
+    objects += tls.network_policies(names, components)  # with TLS
+    plain: list[dict[str, Any]] = json.loads(json.dumps(objects))  # unshared data: no YAML anchors, safe to mutate
+    return plain
+
+
+def render_yaml(graph: Graph) -> str:
+    header = (f"# Rendered by `mm-encoder render-k8s` from graph {graph.name}: kubectl apply -n NAMESPACE -f FILE\n"
+              f"# Needs the NVIDIA Dynamo operator (DynamoGraphDeployment {dgd.API_VERSION}, "
+              f"Dynamo {dgd.DYNAMO_VERSION}).\n")
+    return header + yaml.safe_dump_all(render(graph), sort_keys=False, default_flow_style=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mm-encoder render-k8s",
+                                description="render a graph as Kubernetes objects (a DynamoGraphDeployment "
+                                            "plus the nginx cache tiers), multi-document YAML")
+    p.add_argument("graph", help="a shipped graph's name (mm-encoder graphs lists them), e.g. epd, or a graph file")
+    p.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        text = render_yaml(load_graph(find_graph(args.graph)))
+    except GraphError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        args.output.write_text(text)
+    except OSError as e:
+        print(f"error: cannot write {args.output}: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

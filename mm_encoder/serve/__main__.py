@@ -1,0 +1,7 @@
+"""`python -m mm_encoder.serve GRAPH`: as `mm-encoder serve`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

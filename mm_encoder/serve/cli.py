@@ -1,0 +1,100 @@
+"""`mm-encoder serve GRAPH`: run a whole graph on one machine (`python -m mm_encoder.serve`).
+
+Every component on loopback, each replica on a free port (the frontend on the graph's port), logs and
+state in the run directory; Ctrl-C or SIGTERM stops everything in reverse order and checks that no
+process of the graph is left; SIGHUP renews a TLS graph's certificates. The options override the
+graph file's own settings for this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import GraphError
+from ..graph.schema import Graph, load_graph
+from ..graph.shipped import find_graph
+from .runner import GraphRunner
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    graph: str
+    run_dir: Path | None = None
+    restart: bool = False
+    port: int | None = None
+    status_interval: float = 60.0
+    checkpoint: Path | None = None
+    dtype: str | None = None
+    preset: str | None = None
+    tls: bool = False
+    tls_dir: Path | None = None
+
+    def apply(self, graph: Graph) -> Graph:
+        """The graph as this run serves it: the options over the file's settings."""
+        if self.port:
+            graph = graph.model_copy(update={"frontend_port": self.port})
+        if self.tls or self.tls_dir:
+            tls = {"enabled": True, **({"ca_dir": str(self.tls_dir.resolve())} if self.tls_dir else {})}
+            graph = graph.model_copy(update={"tls": graph.tls.model_copy(update=tls)})
+        llm = {k: v for k, v in (("checkpoint", self.checkpoint and str(self.checkpoint.resolve())),
+                                 ("dtype", self.dtype), ("preset", self.preset)) if v}
+        if llm:
+            graph = graph.model_copy(update={"llm": graph.llm.model_copy(update=llm)})
+        return graph
+
+
+def check_local(graph: Graph) -> None:
+    """What one machine cannot run, refused before anything starts: an interpreter that is not there,
+    or an encode planner without etcd (Dynamo's VirtualConnector keeps its decisions in etcd)."""
+    for name, c in graph.components.items():  # an interpreter of the graph's own (vLLM's virtualenv)
+        if c.python and not os.access(c.python, os.X_OK):
+            raise GraphError(f"component {name}: python {c.python} is not an executable here"
+                             + (" (make vllm-venv builds it)" if c.backend == "vllm" else ""))
+    if graph.planner is not None and not graph.runtime.needs_etcd:
+        raise GraphError(f"graph {graph.name}: an encode planner on one machine uses Dynamo's VirtualConnector, "
+                         "whose state lives in etcd: set `runtime: {discovery: etcd}` (serve then runs etcd)")
+
+
+def serve(options: ServeOptions) -> int:
+    """The graph loaded, checked and run until stopped: serve's exit status (2: refused before starting)."""
+    try:
+        source = find_graph(options.graph)
+        graph = options.apply(load_graph(source))
+        check_local(graph)
+    except GraphError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    runner = GraphRunner(graph, options.run_dir or Path(f"/tmp/mm-encoder-{graph.name}"), restart=options.restart)
+    return runner.run(str(source), options.status_interval)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mm-encoder serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("graph", help="a shipped graph's name (mm-encoder graphs lists them), e.g. epd, or a graph file")
+    p.add_argument("--run-dir", type=Path, help="logs, state, Dynamo store (default: /tmp/mm-encoder-<graph>)")
+    p.add_argument("--restart", action="store_true", help="restart a component that dies")
+    p.add_argument("--port", type=int, help="the frontend's port (default: the graph's frontend_port)")
+    p.add_argument("--status-interval", type=float, default=60.0, help="seconds between status lines (0: never)")
+    p.add_argument("--checkpoint", type=Path, help="the model's checkpoint directory, for every component (default: "
+                   "the graph's llm.checkpoint, else a generated tiny Kimi-K2.5)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="dtype of every component that runs a model "
+                   "(default: the graph's llm.dtype)")
+    p.add_argument("--preset", choices=("tiny", "small", "vllm-tiny"),
+                   help="without a checkpoint: the generated Kimi-K2.5's size (default: the graph's llm.preset)")
+    p.add_argument("--tls", action="store_true", help="TLS with client certificates on every hop, from a "
+                   "throwaway CA in the run directory (the graph's `tls`; docs/security.md)")
+    p.add_argument("--tls-dir", type=Path, help="with --tls: the operator's CA (its ca.pem and ca.key) instead")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(ServeOptions(**vars(parser().parse_args(argv))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

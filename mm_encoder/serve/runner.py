@@ -1,0 +1,276 @@
+"""A whole graph on one machine: the plan on a `LocalSite`, one `Fleet` per component started in the
+plan's order and waited on until healthy, then supervised until told to stop.
+
+Dynamo runs without etcd or NATS by default (file discovery in the run directory, TCP request plane,
+ZMQ events); a graph's `runtime` may ask for etcd discovery and NATS planes, and then etcd and
+nats-server run here too (`infra.py`) unless ETCD_ENDPOINTS / NATS_SERVER name existing ones.
+`run_dir/state.json` records ports and PIDs for `mm-encoder status` and for tests. The supervision
+loop reports deaths (and restarts with `restart`), carries out an encode planner's decisions, renews
+certificates on SIGHUP, and on stop everything goes in reverse order, then the leftover check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..core.errors import GraphError, MMEncoderError
+from ..graph.checkpoint import GeneratedCheckpoint
+from ..graph.plan import DYNAMO_KINDS, ComponentPlan, TlsFiles, plan
+from ..graph.schema import Graph
+from ..runtime import tracing
+from ..runtime.procfs import leftover_pids
+from ..security.pki import Identity
+from . import infra
+from .fleet import Fleet, Launch, Proc
+from .scaler import Scaler
+from .site import LOOPBACK, LocalSite, dynamo_tls_env, ready_note
+from .status import collect, format_lines
+
+
+class GraphRunner:
+    def __init__(self, graph: Graph, run_dir: Path, *, restart: bool = False, grace_s: float = 30.0,
+                 start_timeout_s: float = 180.0):
+        self.graph = graph
+        self.run_dir = run_dir.resolve()
+        self.site = LocalSite(graph, self.run_dir)
+        self.restart = restart
+        self.fleets: list[Fleet] = []
+        self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
+        self.runtime_env: dict[str, str] = {}  # how Dynamo's components reach those (ETCD_ENDPOINTS, ...)
+        self.scaling: dict[str, object] = {}  # the last encode-planner decision carried out
+        issuer = self.site.issuer
+        self.launch = Launch(self.run_dir, self._env, self._certify, lambda: issuer.client_context if issuer else None,
+                             start_timeout_s, grace_s)
+        self.rotations = threading.Event()  # set (SIGHUP): new certificates, taken up by `supervise`
+
+    @property
+    def procs(self) -> list[Proc]:
+        """Every replica's process, in start order."""
+        return [p for f in self.fleets for p in f.procs]
+
+    @property
+    def base_url(self) -> str:
+        return f"{'https' if self.site.issuer else 'http'}://{LOOPBACK}:{self.graph.frontend_port}/v1"
+
+    def prepare(self) -> None:
+        """The run directory, the generated checkpoint (if the graph names none), the fleets."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        generated = GeneratedCheckpoint.of(self.graph)
+        if generated is not None and not (Path(self.site.checkpoint_dir) / "config.json").is_file():
+            generated.write(self.site.checkpoint_dir)
+        elif not (Path(self.site.checkpoint_dir) / "config.json").is_file():
+            raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
+        plans = plan(self.graph, self.site)
+        if self.site.issuer is not None:  # every start-up replica's certificate, new on each start
+            self.site.issuer.issue(Identity(r.name, cp.kind) for cp in plans for r in cp.replicas if r.tls)
+        self.fleets = [Fleet(cp, self.launch) for cp in plans]
+
+    def start(self) -> None:
+        self.prepare()
+        self._start_servers()
+        for fleet in self.fleets:
+            fleet.start(lambda p: print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid if p.popen else '-'}"
+                                        + (f"  {p.url}" if p.url else ""), flush=True))
+        self.write_state()
+
+    def _start_servers(self) -> None:
+        """etcd / NATS first, unless the environment already names them."""
+        self.servers = infra.servers_for(self.graph.runtime, self.run_dir, os.environ,
+                                         self.site.issuer.servers() if self.site.issuer else None)
+        self.runtime_env = {k: os.environ[k] for k in ("ETCD_ENDPOINTS", "NATS_SERVER") if os.environ.get(k)}
+        for server in self.servers:
+            server.start(self.run_dir / f"{server.name}.log")
+            server.wait_ready()
+            self.runtime_env |= server.env
+            print(f"  {server.name:12s} {'runtime':14s} up   pid {server.pid}  {next(iter(server.env.values()))}",
+                  flush=True)
+
+    def _env(self, p: Proc) -> dict[str, str]:
+        """A replica's environment: ours, how Dynamo's planes are reached (with its certificate), then tracing."""
+        dynamo = p.kind in DYNAMO_KINDS
+        env = {**os.environ, **(self.runtime_env if dynamo else {}), **p.plan.env}
+        if p.replica.tls is not None and dynamo:
+            env |= dynamo_tls_env(p.replica.tls, self.runtime_env, self.graph.runtime.request_plane)
+        # tracing on: one service each, Dynamo's spans beside ours, one protocol (observability.md)
+        service = p.plan.env.get("OTEL_SERVICE_NAME", f"{self.graph.name}/{p.plan.name}")
+        return env | tracing.component_env(env, service, p.name)
+
+    def _certify(self, p: Proc) -> None:
+        """A replica planned after start-up (the planner's scale-up) gets its certificate before it starts."""
+        if self.site.issuer is not None and p.replica.tls is not None and not Path(p.replica.tls.cert).is_file():
+            self.site.issuer.issue([Identity(p.name, p.kind)])
+
+    def supervise(self, scaler: Scaler | None = None, status_interval: float = 0.0,
+                  stop: threading.Event | None = None) -> None:
+        """Until `stop` is set (or KeyboardInterrupt): deaths reported (restarts with `restart`), certificates
+        renewed on `rotations`, the planner's decisions carried out, a status line every `status_interval` s."""
+        stop = stop or threading.Event()
+        last = time.monotonic()
+        while not stop.is_set():
+            if self.rotations.is_set():
+                self.rotations.clear()
+                say(self.rotate())
+            events = [e for f in self.fleets for e in f.check(self.restart)]
+            for event in events:
+                say(event)
+            if events and self.restart:  # new PIDs
+                self.write_state()
+            if scaler is not None and (decision := scaler.pending()) is not None:
+                count, done = decision
+                outcome = self.scale_to(count)
+                done.set_result(outcome)
+                if outcome[0]:
+                    print(f"scaled (the encode planner's decision): {outcome[0]}", flush=True)
+            if status_interval and time.monotonic() - last >= status_interval:
+                for line in format_lines(collect(self.run_dir)):
+                    print(line, flush=True)
+                last = time.monotonic()
+            stop.wait(0.5)
+
+    def _planned(self, component: str, n: int) -> dict[str, ComponentPlan]:
+        """The plan with `component` at `n` replicas (the same ports for those already planned)."""
+        g = self.graph
+        sized = g.model_copy(update={"components": {**g.components, component: g.components[component].model_copy(
+            update={"replicas": n})}})
+        return {cp.name: cp for cp in plan(sized, self.site)}
+
+    def scale_to(self, n: int) -> tuple[str, int]:
+        """The planner's encoders brought to `n` running replicas; (what was done, how many run).
+
+        Up: new workers start on new ports and are waited on until ready; then the tiers' upstreams
+        are rewritten and nginx reloads them gracefully. Down: the newest workers leave the tiers'
+        upstreams first (and the old nginx workers that could still send them requests exit), then
+        drain. Replicas start in index order and stop newest first, so the running ones are always
+        0..k-1 and the plan for k gives every tier's upstreams."""
+        fleet = next(f for f in self.fleets if f.kind == "encoder")
+        target = self._planned(fleet.name, n)[fleet.name]
+        if {p.name for p in fleet.live} == {r.name for r in target.replicas}:
+            return "", len(fleet.live)  # already there (a repeated or re-sent decision)
+        try:
+            started, failed = fleet.grow(target)
+            retiring = fleet.retiring(target)
+            running = len(fleet.live) - len(retiring)
+            plans = self._planned(fleet.name, running)
+            settled = [f.reconfigure(plans[f.name], old_gone=bool(retiring)) for f in self.fleets
+                       if f.kind in ("cache-shared", "cache-cluster")]
+            fleet.drain(retiring)
+        except MMEncoderError as e:  # a tier that would not reload: say so, keep serving
+            return f"{fleet.name}: scaling to {n} failed: {e.message}", len(fleet.live)
+        self.scaling = {"component": fleet.name, "wanted": n, "running": running, "at": time.time(),
+                        "started": started, "stopped": [p.name for p in retiring]}
+        self.write_state()
+        what = (f"started {', '.join(started)}" if started else "") + \
+            (f"drained {', '.join(p.name for p in retiring)}" if retiring else "")
+        late = "" if all(settled) else " (some nginx workers were still finishing requests)"
+        return f"{fleet.name}: {running} running ({what or 'no change'}){late}{'; ' + failed if failed else ''}", \
+            running
+
+    def rotate(self) -> str:
+        """New certificates for every replica running now (the CA kept), each process told to read its own
+        again (SIGHUP: nginx reloads gracefully, our processes reload their SSL contexts; nats-server
+        reloads; etcd reads its files at each handshake), with no request dropped (docs/security.md)."""
+        if self.site.issuer is None:
+            return "rotation: this graph runs without TLS"
+        self.site.issuer.issue(Identity(p.name, p.kind) for p in self.procs if p.replica.tls and p.alive)
+        told = [pid for f in self.fleets for pid in f.signal(signal.SIGHUP)]
+        for server in self.servers:
+            if server.name == "nats" and server.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGHUP)
+        return f"rotation: new certificates for {len(told)} processes, each told to read them again"
+
+    def executor(self) -> Scaler | None:
+        """With an encode planner: the thread that takes its decisions (Dynamo's VirtualConnectorClient)."""
+        planner = next((f for f in self.fleets if f.kind == "planner"), None)
+        if planner is None:
+            return None
+        running = sum(1 for p in self.procs if p.kind == "encoder" and p.state == "up")
+        issuer = self.site.issuer
+        tls = dynamo_tls_env(TlsFiles(*issuer.launcher, str(issuer.ca_file)), self.runtime_env,
+                             self.graph.runtime.request_plane) if issuer else {}
+        scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.plan.env, **tls}, running)
+        scaler.start()
+        return scaler
+
+    def write_state(self) -> None:
+        state = {
+            "graph": self.graph.name, "namespace": self.graph.namespace, "run_dir": str(self.run_dir),
+            "base_url": self.base_url, "model": self.graph.llm.served_name,
+            **({"tls": self.site.issuer.state()} if self.site.issuer else {}),
+            "supervisor_pid": os.getpid(),
+            "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
+                            "url": p.url, **({"ops_url": p.ops_url} if p.ops_url else {}), "log": str(p.log)}
+                           for p in self.procs],
+            "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.pid} for s in self.servers]},
+            **({"scaling": self.scaling} if self.scaling else {}),
+        }
+        (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
+
+    def stop(self) -> list[int]:
+        """Reverse order; whole sessions; returns PIDs of the graph still alive afterwards (none)."""
+        for fleet in reversed(self.fleets):
+            fleet.stop()
+        for server in reversed(self.servers):  # after everything that used them
+            server.stop(self.launch.grace_s)
+        groups = self.launch.sessions | {s.popen.pid for s in self.servers if s.popen is not None}
+        for pgid in groups:  # children left behind by a process that exited (e.g. nginx workers)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        return leftover_pids(groups)
+
+    def run(self, source: str, status_interval: float = 0.0) -> int:
+        """Start, say so, supervise until SIGINT/SIGTERM, stop: serve's exit status (`source`: the graph's
+        file, for the first line). SIGHUP renews the certificates (`rotate`) and stops nothing."""
+        def interrupt(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+        signal.signal(signal.SIGINT, interrupt)  # also when started in the background, where SIGINT is ignored
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.rotations.set())
+        g, scaler, rc = self.graph, None, 0
+        print(f"mm-encoder serve {source} (graph {g.name}, namespace {g.namespace}); logs in {self.run_dir}",
+              flush=True)
+        try:
+            self.start()
+            print(f"graph {g.name} ready: OpenAI base URL {self.base_url} (model {g.llm.served_name}); "
+                  f"{ready_note(self.site.issuer)}; status: mm-encoder status --run-dir {self.run_dir}; Ctrl-C stops",
+                  flush=True)
+            scaler = self.executor()
+            self.supervise(scaler, status_interval)
+        except KeyboardInterrupt:
+            pass
+        except GraphError as e:
+            print(f"error: {e.message}", file=sys.stderr)
+            rc = 1
+        finally:
+            rc = self._shutdown(scaler) or rc
+        return rc
+
+    def _shutdown(self, scaler: Scaler | None) -> int:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below must not be interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("stopping ...", flush=True)
+        if scaler is not None:
+            scaler.stop()
+        left = self.stop()
+        if left:
+            print(f"warning: processes left behind: {left}", file=sys.stderr)
+            return 1
+        print("stopped; no processes left", flush=True)
+        return 0
+
+
+def say(text: str) -> None:
+    """A multi-line message (a death with its log's tail) as one write to stdout, so that a reader of
+    the pipe never sees half of it; print() may split it at its buffer's edge."""
+    sys.stdout.flush()
+    data = (text + "\n").encode()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data):]

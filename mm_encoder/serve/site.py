@@ -1,0 +1,102 @@
+"""One machine as a site for a graph's plan: loopback, a free port per replica (the frontend on the
+graph's port), files in the run directory, Dynamo's file discovery in `run_dir/dynamo-store`, and
+with TLS a certificate per replica from the run directory's CA (`security.issuing`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..core.topology import Kind
+from ..graph.plan import Address, Site, TlsFiles
+from ..graph.schema import Graph
+from ..security.issuing import Issuer
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LocalSite(Site):
+    def __init__(self, graph: Graph, run_dir: Path):
+        self.graph = graph
+        self.run_dir = run_dir
+        # resolved here: components start in the run directory, where a relative path means nothing
+        self.checkpoint_dir = (str(Path(graph.llm.checkpoint).resolve()) if graph.llm.checkpoint
+                               else str(run_dir / "checkpoint" / f"kimi-k2.5-{graph.llm.preset}"))
+        self._ports: dict[tuple[str, int], int] = {}
+        self.issuer = Issuer(run_dir / "tls", graph.tls.ca_dir) if graph.tls.enabled else None
+
+    def tls_files(self, replica: str) -> TlsFiles:
+        assert self.issuer is not None  # the plan asks only with the graph's TLS on
+        return TlsFiles(*self.issuer.files(replica))
+
+    def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
+        return self.listen(f"{name}:ops", kind, replica)
+
+    def listen(self, name: str, kind: Kind, replica: int) -> Address:
+        if (name, replica) not in self._ports:
+            graph_port = kind == "frontend" and ":" not in name  # the frontend's own port, not an ops port
+            port = self.graph.frontend_port if graph_port else free_port()
+            # a port just freed may be handed out again: never give two components one port
+            while not graph_port and port in {self.graph.frontend_port, *self._ports.values()}:
+                port = free_port()
+            self._ports[(name, replica)] = port
+        return LOOPBACK, self._ports[(name, replica)]
+
+    def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
+        if kind == "engine":  # found through Dynamo's discovery, not by address
+            return []
+        return [":".join(map(str, self.listen(name, kind, i))) for i in range(replicas)]
+
+    def tier_dirs(self, replica: str) -> tuple[str, str]:
+        return str(self.run_dir / f"nginx-{replica}"), str(self.run_dir / f"cache-{replica}")
+
+    def dynamo_env(self, kind: Kind) -> dict[str, str]:
+        env = {
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(self.run_dir / "dynamo-store"),
+            # every Dynamo listener on loopback: request plane, response streams, system server
+            "DYN_TCP_RPC_HOST": LOOPBACK,
+            "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+            "DYN_SYSTEM_HOST": LOOPBACK,
+            "DYN_EVENT_PLANE_HOST": LOOPBACK,  # the KV event publisher (ZMQ) binds 0.0.0.0 without it
+            "DYN_SELF_HOST_METADATA": "0",
+            "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
+        }
+        if "DYN_TCP_MAX_MESSAGE_SIZE" in os.environ:  # the caller's own limit wins over the plan's
+            env["DYN_TCP_MAX_MESSAGE_SIZE"] = os.environ["DYN_TCP_MAX_MESSAGE_SIZE"]
+        return env
+
+
+def dynamo_tls_env(files: TlsFiles, runtime: Mapping[str, str], request_plane: str) -> dict[str, str]:
+    """Dynamo's own TLS settings for a process presenting `files`: its etcd and NATS clients where serve
+    runs those over TLS (`runtime`: their addresses), and the TCP request plane both ways (client
+    certificates required). etcd's three take the PEM text itself, not paths (Dynamo 1.6.1): they live
+    in the process's environment only, never in state.json."""
+    env: dict[str, str] = {}
+    if runtime.get("NATS_SERVER", "").startswith("tls://"):
+        env |= {"NATS_TLS_CA_CERT_PATH": files.ca, "NATS_TLS_CLIENT_CERT_PATH": files.cert,
+                "NATS_TLS_CLIENT_KEY_PATH": files.key}
+    if runtime.get("ETCD_ENDPOINTS", "").startswith("https://"):
+        env |= {"ETCD_AUTH_CA": Path(files.ca).read_text(), "ETCD_AUTH_CLIENT_CERT": Path(files.cert).read_text(),
+                "ETCD_AUTH_CLIENT_KEY": Path(files.key).read_text()}
+    if request_plane == "tcp":
+        env |= {"DYN_TCP_TLS_CERT_PATH": files.cert, "DYN_TCP_TLS_KEY_PATH": files.key,
+                "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": files.ca, "DYN_TCP_TLS_CA_CERT_PATH": files.ca,
+                "DYN_TCP_TLS_CLIENT_CERT_PATH": files.cert, "DYN_TCP_TLS_CLIENT_KEY_PATH": files.key}
+    return env
+
+
+def ready_note(issuer: Issuer | None) -> str:
+    """What serve's ready line says of TLS: the CA clients pass, or that the graph runs without."""
+    if issuer is None:
+        return "without TLS (loopback only; --tls for certificates on every hop)"
+    return f"TLS on every hop; clients pass its CA: curl --cacert {issuer.ca_file}"
