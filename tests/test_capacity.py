@@ -365,7 +365,7 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
     from mm_encoder.core.requests import EncodeRequest
     from mm_encoder.core.wire import CONTENT_TYPE
     from mm_encoder.deploy.status import collect
-    from mm_encoder.families.card import ModelCard
+    from mm_encoder.families.model_card import ModelCard
 
     traffic = Traffic(requests=48, requests_per_second=10, popularity={"exponent": 1.0, "catalogue": 16},
                       image_mix="64x48,96x64", clusters=2, cluster_tier_bytes="1g", shard_bytes="2g", encoders=1,
