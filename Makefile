@@ -54,7 +54,7 @@ demo: venv
 	$(BIN)/mm-encoder demo
 
 worker: venv
-	$(BIN)/python -m mm_encoder.worker
+	$(BIN)/python -m mm_encoder.encode_worker
 
 # Lint, then the project's suite while vLLM's virtualenv builds in the background (its log and exit
 # status in $(VLLM_VENV)/build.*; the few tests that run vLLM's engine wait for it through the

@@ -232,13 +232,13 @@ def _wire_dtype(enc: Encoder) -> str:
     """What the worker packs: its `--wire-dtype` default, else (unset) the dtype the model ran in."""
     from mm_encoder.encode_worker.batcher import wire_name
 
-    return _WIRE["wire_dtype"] or wire_name(enc.dtype)
+    return _WIRE["wire_dtype"] or wire_name(enc.steps.dtype)
 
 
 def pack_today(enc: Encoder, h: str, out: torch.Tensor, grid) -> bytes:
     """The worker's pack (encode_worker/batcher.py): wire v1, its default dtype (the model's), byte planes and
     zstd level."""
-    return wire.encode(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
+    return wire.encode(mm_hash=h, model=enc.steps.spec.name, modality="image", embeds=out, grid_thws=[grid],
                        dtype=_wire_dtype(enc), byte_planes=_WIRE["wire_byte_planes"], level=_WIRE["zstd_level"])
 
 
@@ -262,7 +262,7 @@ def today_pass(enc: Encoder, data: bytes) -> tuple[dict[str, float], bytes, torc
 def before_pass(enc: Encoder, sd: dict, cfg: dict, data: bytes) -> tuple[dict[str, float], bytes]:
     """The old path on one thread: PIL decode + PIL BICUBIC resize on the CPU, pad/patchify, the eager
     fp32 reference forward, then a json+base64 body (same wire dtype as today)."""
-    pc, patch = enc.spec.preprocess, enc.spec.tower.patch_size
+    pc, patch = enc.steps.spec.preprocess, enc.steps.spec.tower.patch_size
     t0 = time.perf_counter()
     _, h = enc.identify(data)
     times = {"hash": _ms(t0)}
@@ -281,7 +281,7 @@ def before_pass(enc: Encoder, sd: dict, cfg: dict, data: bytes) -> tuple[dict[st
     out = reference_forward(sd, cfg, pixels, [grid])[0]
     times["forward"] = _ms(t0)
     t0 = time.perf_counter()
-    body = wire.encode_json(mm_hash=h, model=enc.spec.name, modality="image", embeds=out, grid_thws=[grid],
+    body = wire.encode_json(mm_hash=h, model=enc.steps.spec.name, modality="image", embeds=out, grid_thws=[grid],
                             dtype=_wire_dtype(enc))
     times["pack"] = _ms(t0)
     return times, body
@@ -320,9 +320,10 @@ def breakdown(io_: Loopback, label: str, encs: list[Encoder], size: str, repeats
             bodies[i] = body
     rows = []
     for enc, s, body in zip(encs, samples, bodies, strict=True):
-        rows.append({"model": enc.spec.name, "label": label, "layers": enc.spec.tower.num_layers, "size": size,
+        spec = enc.steps.spec
+        rows.append({"model": spec.name, "label": label, "layers": spec.tower.num_layers, "size": size,
                      "pixels": "x".join(map(str, SIZES[size])), "patches": grid[1] * grid[2],
-                     "tokens": grid[1] * grid[2] // 4, "dtype": str(enc.dtype).removeprefix("torch."),
+                     "tokens": grid[1] * grid[2] // 4, "dtype": str(enc.steps.dtype).removeprefix("torch."),
                      "body_bytes": len(body), "stages": _collect(s), "samples": s})
     return rows
 
@@ -338,8 +339,8 @@ def extrapolate(r0: dict, r2: dict, layers: int) -> dict:
 
 
 def before_after(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str, repeats: int) -> dict:
-    sd = {k: v for k, v in e32.model.state_dict().items()}
-    cfg = ref_cfg(e32.spec)
+    sd = {k: v for k, v in e32.steps.model.state_dict().items()}
+    cfg = ref_cfg(e32.steps.spec)
     before, after32, after16 = [], [], []
     bodies = {}
     t0 = time.perf_counter()
@@ -358,7 +359,7 @@ def before_after(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str,
         t, bodies["after_bf16"], _, _ = today_pass(e16, data)
         after16.append(t)
     b, a32, a16 = _collect(before), _collect(after32), _collect(after16)
-    return {"label": label, "model": e32.spec.name, "layers": e32.spec.tower.num_layers, "size": size,
+    return {"label": label, "model": e32.steps.spec.name, "layers": e32.steps.spec.tower.num_layers, "size": size,
             "tokens": grid[1] * grid[2] // 4, "before": b, "after_fp32": a32, "after_bf16": a16,
             "speedup_fp32": stats.ratio(b["total"], a32["total"]),
             "speedup_bf16": stats.ratio(b["total"], a16["total"]),
@@ -384,11 +385,11 @@ def dtype_row(label: str, e32: Encoder, e16: Encoder, data: bytes, size: str, re
         o16, ms = e16.forward([p16])
         t16.append(ms)
     s32, s16 = stats.summary(t32), stats.summary(t16)
-    flops = forward_flops(e32.spec, [p32.grid])
+    flops = forward_flops(e32.steps.spec, [p32.grid])
     mean, low = cosines(o16[0], o32[0])
     rate32 = stats.summary(flops / t / 1e6 for t in t32)  # GFLOP/s
     rate16 = stats.summary(flops / t / 1e6 for t in t16)
-    return {"label": label, "model": e32.spec.name, "layers": e32.spec.tower.num_layers, "size": size,
+    return {"label": label, "model": e32.steps.spec.name, "layers": e32.steps.spec.tower.num_layers, "size": size,
             "patches": p32.num_patches, "tokens": p32.num_tokens, "fp32_ms": s32, "bf16_ms": s16,
             "speedup": stats.ratio(s32, s16), "cos_mean": mean, "cos_min": low, "gflop": flops / 1e9,
             "fp32_gflops": rate32, "bf16_gflops": rate16,

@@ -190,7 +190,7 @@ class Run(Stages, EngineStage):
 
     def pixels(self, data: bytes) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """fp32 pixel_values on the device, as Encoder.preprocess makes them before its dtype cast."""
-        rgb = media.decode_image(data, self.enc.limits)
+        rgb = media.decode_image(data, self.enc.steps.limits)
         return preprocess_frames(rgb, self.spec.preprocess, self.patch, device=self.device, dtype=torch.float32)
 
     def checks(self) -> None:

@@ -2,7 +2,7 @@
 
 `encode`, `demo`, `models` and `graphs` are this module's; every other subcommand is a component's
 own entry point (its `main(argv)`), handed the rest of the command line untouched, so its options
-and `--help` are its own: `mm-encoder worker ...` is `python -m mm_encoder.worker ...`.
+and `--help` are its own: `mm-encoder worker ...` is `python -m mm_encoder.encode_worker ...`.
 `serve` and `render-k8s` take a graph file or a shipped graph's name (`mm-encoder serve epd`);
 `graphs` lists the shipped graphs.
 """
@@ -32,7 +32,7 @@ SAMPLES = Path(__file__).resolve().parent / "samples"
 FETCH_TIMEOUT_S = 30
 # subcommand -> (module whose main(argv) runs it, help)
 COMPONENTS = {
-    "worker": ("mm_encoder.worker", "run the encode worker (mm-encoder worker --help)"),
+    "worker": ("mm_encoder.encode_worker.process", "run the encode worker (mm-encoder worker --help)"),
     "engine": ("mm_encoder.engines.process",
                "run an engine: the checkpoint's language model (mm-encoder engine --help)"),
     "make-checkpoint": ("mm_encoder.engines.tiny_checkpoint", "write a small random Kimi-K2.5 checkpoint directory"),
@@ -58,10 +58,10 @@ def read_media(ref: str, max_bytes: int) -> bytes:
     return data
 
 
-def _summary(ref: str, r: EncodedMedia, enc: Encoder) -> dict[str, Any]:
+def _summary(ref: str, r: EncodedMedia, model: str) -> dict[str, Any]:
     return {
         "media": ref if len(ref) < 80 else ref[:77] + "...",
-        "model": enc.name,
+        "model": model,
         "modality": r.modality,
         "timestamp": r.timestamp,
         "mm_hash": r.mm_hash,
@@ -96,11 +96,12 @@ def cmd_encode(args: argparse.Namespace, refs: list[str], enc: Encoder | None = 
     if enc is None:
         enc = load(args)
     load_ms = ms_since(t0)
+    steps = enc.steps  # what the encoder is: its spec, device, dtype, limits
     rows, failed = [], 0
     for ref in refs:
         try:
-            data = read_media(ref, enc.limits.max_bytes)
-            rows += [_summary(ref, r, enc) for r in enc.encode_file(data)]
+            data = read_media(ref, steps.limits.max_bytes)
+            rows += [_summary(ref, r, steps.spec.name) for r in enc.encode_file(data)]
         except (MMEncoderError, OSError) as e:
             failed += 1
             code = e.code if isinstance(e, MMEncoderError) else "io_error"  # HTTPError.code is a status
@@ -108,9 +109,10 @@ def cmd_encode(args: argparse.Namespace, refs: list[str], enc: Encoder | None = 
             rows.append({"media": ref, "error": {"code": code, "message": msg}})
             print(f"{ref}: error [{code}] {msg}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"model": enc.name, "load_ms": round(load_ms, 1), "results": rows}, indent=2))
+        print(json.dumps({"model": steps.spec.name, "load_ms": round(load_ms, 1), "results": rows}, indent=2))
     else:
-        print(f"model {enc.name} ({enc.device}, {str(enc.dtype).removeprefix('torch.')}), loaded in {load_ms:.0f} ms")
+        dtype = str(steps.dtype).removeprefix("torch.")
+        print(f"model {steps.spec.name} ({steps.device}, {dtype}), loaded in {load_ms:.0f} ms")
         _print_table([r for r in rows if "error" not in r])
     return 1 if failed else 0
 
@@ -120,18 +122,19 @@ async def _demo_service(enc: Encoder, refs: list[str]) -> None:
     import aiohttp
 
     from .core import wire
+    from .encode_worker.process import Worker
     from .encode_worker.settings import WorkerSettings
-    from .worker import Worker
 
     worker = Worker(WorkerSettings(_cli_parse_args=[], http_port=0), encoder=enc)
     await worker.start()
     url = f"http://127.0.0.1:{worker.http_port}/v1/encode"
-    print(f"\nencode worker on {url} (model {enc.name}):")
+    name = enc.steps.spec.name
+    print(f"\nencode worker on {url} (model {name}):")
     try:
         async with aiohttp.ClientSession() as session:
             for ref in refs:
                 data = Path(ref).read_bytes()
-                body = msgpack_request(enc.name, data)
+                body = msgpack_request(name, data)
                 for attempt in ("cold", "again"):
                     async with session.post(url, data=body, headers={"Content-Type": "application/msgpack"}) as r:
                         payload = await r.read()

@@ -364,7 +364,7 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
     from harness.serve_fixtures import QUESTION, Served, chat, data_url
     from mm_encoder.core.requests import EncodeRequest
     from mm_encoder.core.wire import CONTENT_TYPE
-    from mm_encoder.families.card import ModelCard
+    from mm_encoder.families.model_card import ModelCard
     from mm_encoder.serve.status import collect
 
     traffic = Traffic(requests=48, requests_per_second=10, popularity={"exponent": 1.0, "catalogue": 16},

@@ -78,15 +78,15 @@ def test_sharded_checkpoint_loads_only_vision_shards(tmp_path):
     weights = _weights()
     ckpt = write_sharded(tmp_path / "ckpt", weights)
     enc = Encoder.from_pretrained(ckpt, dtype="fp32")  # the values as stored (the CPU default may be bf16)
-    assert enc.spec.name == spec_names()["kimi_k25"]
-    assert enc.spec.tower.hidden_size == 32 and enc.spec.tower.pos_emb_height == 8
-    assert enc.spec.projector.out_dim == 48 and enc.spec.prompt.placeholder_id == 163605
+    assert enc.steps.spec.name == spec_names()["kimi_k25"]
+    assert enc.steps.spec.tower.hidden_size == 32 and enc.steps.spec.tower.pos_emb_height == 8
+    assert enc.steps.spec.projector.out_dim == 48 and enc.steps.spec.prompt.placeholder_id == 163605
     assert enc.load_report.shards_opened == ["model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
     assert enc.load_report.tensors == len(weights)
-    for k, v in enc.model.state_dict().items():
+    for k, v in enc.steps.model.state_dict().items():
         torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
     # The revision comes from the checkpoint, so its mm_hashes differ from random weights'.
-    assert enc.spec.revision.startswith("ckpt-")
+    assert enc.steps.spec.revision.startswith("ckpt-")
     out = enc.encode([image_bytes(natural_image(100, 80))])[0]
     assert out.embeds.shape == (out.num_tokens, 48)
 
@@ -94,7 +94,7 @@ def test_sharded_checkpoint_loads_only_vision_shards(tmp_path):
 def test_dtype_conversion_on_load(tmp_path):
     ckpt = write_sharded(tmp_path / "ckpt", {k: v.bfloat16() for k, v in _weights().items()})
     enc = Encoder.from_pretrained(ckpt, dtype="fp32")
-    assert all(p.dtype == torch.float32 for p in enc.model.parameters())
+    assert all(p.dtype == torch.float32 for p in enc.steps.model.parameters())
 
 
 def _load_error(ckpt: Path) -> str:
@@ -140,8 +140,8 @@ def test_kimi_vl_names_in_single_file(tmp_path):
         json.dumps({"model_type": "kimi_vl", "vision_config": vision, "text_config": {"hidden_size": 48}})
     )
     enc = Encoder.from_pretrained(ckpt, dtype="fp32")  # the values as stored (the CPU default may be bf16)
-    assert enc.spec.name == "kimi-vl-a3b"
-    for k, v in enc.model.state_dict().items():
+    assert enc.steps.spec.name == "kimi-vl-a3b"
+    for k, v in enc.steps.model.state_dict().items():
         torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
 
 
@@ -155,11 +155,11 @@ def test_random_weights_are_deterministic_and_logged(caplog):
     a = Encoder.from_pretrained("tiny")
     b = Encoder.from_pretrained("tiny")
     assert "RANDOM weights" in caplog.text
-    for (ka, va), (kb, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+    for (ka, va), (kb, vb) in zip(a.steps.model.state_dict().items(), b.steps.model.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb)
     c = Encoder.from_pretrained("tiny", seed=5)
     key = "mm_projector.proj.0.weight"
-    assert not torch.equal(c.model.state_dict()[key], a.model.state_dict()[key])
+    assert not torch.equal(c.steps.model.state_dict()[key], a.steps.model.state_dict()[key])
     assert c.identity() != a.identity()
 
 

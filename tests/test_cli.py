@@ -14,7 +14,7 @@ import pytest
 
 from harness.media_factory import image_bytes, natural_image
 from mm_encoder.cli import COMPONENTS, main
-from mm_encoder.families.card import ModelCard
+from mm_encoder.families.model_card import ModelCard
 from mm_encoder.graph.checkpoint import GeneratedCheckpoint
 from mm_encoder.graph.plan import MODULES
 
@@ -109,6 +109,22 @@ def test_torch_free_commands_start_without_torch():
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no running graph" in r.stderr
+
+
+def test_encode_worker_starts_as_the_other_components_do():
+    """`python -m mm_encoder.encode_worker` is the encode worker (`encode_worker.process.main`), as
+    `mm-encoder worker` is, and what the graphs plan; `python -m mm_encoder.worker` (the design card's
+    entry) is the same `main`."""
+    from mm_encoder import worker
+    from mm_encoder.encode_worker import process
+
+    assert COMPONENTS["worker"][0] == "mm_encoder.encode_worker.process"
+    assert MODULES["encoder"] == "mm_encoder.encode_worker"
+    assert (worker.Worker, worker.main) == (process.Worker, process.main)
+    for module in ("mm_encoder.encode_worker", "mm_encoder.worker"):
+        done = subprocess.run([sys.executable, "-m", module, "--http-port", "-1"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and "nothing to serve" in done.stderr, (module, done.stderr[-2000:])
 
 
 def test_engine_subcommand_is_the_engine_process(capsys):

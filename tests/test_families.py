@@ -32,7 +32,7 @@ PROVIDES = {
     "qwen_vl": {"vllm"},  # vLLM only: its embeddings are Qwen's own ViT's, not this project's encoder's
 }
 FAMILY_MODULES = Path(families.__file__).parent
-NOT_FAMILIES = {"__init__", "base", "moonvit", "card"}  # the registry, the facets, what MoonViT families share
+NOT_FAMILIES = {"__init__", "base", "moonvit", "model_card"}  # registry, facets, MoonViT's shared parts, the card
 
 
 def _facets(family: Family) -> tuple[set[str], dict[str, str]]:

@@ -113,7 +113,7 @@ def test_kimi_vl_preprocessing_end_to_end_and_refused_before_decoding():
     out = enc.encode([image_bytes(natural_image(1920, 1080))])[0]
     assert out.num_tokens == 1032 and out.grid_thw == (1, 48, 86)  # 1196x672, padded to 1204x672
     frames = torch.zeros((2, 1080, 1920, 3), dtype=torch.uint8)  # a video frame is an image under the same rule
-    assert pre.preprocess_frames(frames, enc.spec.preprocess, 14, video=True)[1] == (2, 48, 86)
+    assert pre.preprocess_frames(frames, enc.steps.spec.preprocess, 14, video=True)[1] == (2, 48, 86)
     # A PNG whose header says 7200x50 but whose pixel data is cut off: refused for its size (the
     # header), not as corrupt, so nothing was decoded.
     data = image_bytes(Image.new("RGB", (7200, 50)))
@@ -336,7 +336,7 @@ def test_preprocessor_config_defines_policy_mean_and_std(tmp_path):
     registry = spec_for_checkpoint(_kimi_vl_dir(tmp_path / "a", None), None).preprocess
     assert registry == get_spec("kimi-vl-a3b").preprocess
     enc = Encoder.from_pretrained(_kimi_vl_dir(tmp_path / "b", KIMI_VL_PROCESSOR), dtype="fp32")
-    cfg = enc.spec.preprocess
+    cfg = enc.steps.spec.preprocess
     assert (cfg.policy, cfg.in_patch_limit, cfg.in_patch_limit_each_frame) == ("kimi-vl", 1024, 1024)
     assert cfg.pad_input is True
     assert cfg.image_mean == (0.4, 0.5, 0.6) and cfg.image_std == (0.2, 0.3, 0.4)

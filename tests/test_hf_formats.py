@@ -153,9 +153,9 @@ def test_layouts_load_bit_identical_weights_and_open_only_vision_shards(dirs):
     """The three spellings give the same weights bit for bit; only shards with vision tensors are opened
     (save_pretrained's language-model-only shards and the native layout's non-safetensors LM shard are not)."""
     encoders = {k: Encoder.from_pretrained(d, dtype="fp32") for k, d in dirs.items()}
-    ref = encoders["original"].model.state_dict()
+    ref = encoders["original"].steps.model.state_dict()
     for enc in encoders.values():
-        sd = enc.model.state_dict()
+        sd = enc.steps.model.state_dict()
         assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in ref)
     for layout in ("saved", "native"):
         vision, every = _vision_shards(dirs[layout])

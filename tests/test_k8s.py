@@ -32,7 +32,7 @@ from mm_encoder.planner.settings import check_args
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.worker", "engine": "mm_encoder.engines",
+MODULES = {"frontend": "mm_encoder.frontend", "encoder": "mm_encoder.encode_worker", "engine": "mm_encoder.engines",
            "planner": "mm_encoder.planner"}
 MODEL_FLAGS = {"encoder": ("--model", "--stock-model-dir"), "engine": ("--checkpoint",),
                "frontend": ("--model-dir",)}

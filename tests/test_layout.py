@@ -33,12 +33,13 @@ ALLOWED = {
     "dashboards": set(),  # the Grafana dashboards the package ships
     # the capacity model: registry specs, the families' torch-free resize rules, the router's ring
     "capacity": {"core", "families", "cache_tiers.ring"},
-    "security": {"core"},  # the deployment's CA and certificates, SSL contexts and the hop policy
+    "security": {"core"},  # the deployment's CA and certificates, their issuing, SSL contexts
 }
-TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt", "mm_encoder.core.card",
-              "mm_encoder.core.requests", "mm_encoder.runtime.dynamo", "mm_encoder.frontend",
+TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt",
+              "mm_encoder.core.revision", "mm_encoder.core.requests", "mm_encoder.runtime.dynamo",
+              "mm_encoder.frontend",
               "mm_encoder.frontend.__main__", "mm_encoder.routing", "mm_encoder.client", "mm_encoder.fetch",
-              "mm_encoder.engines.model_dir", "mm_encoder.families", "mm_encoder.families.card",
+              "mm_encoder.engines.model_dir", "mm_encoder.families", "mm_encoder.families.model_card",
               "mm_encoder.serve.cli", "mm_encoder.k8s.render", "mm_encoder.cache_tiers.cli",
               "mm_encoder.serve.status", "mm_encoder.graph.plan", "mm_encoder.dashboards.grafana",
               "mm_encoder.planner", "mm_encoder.planner.__main__",
@@ -115,3 +116,17 @@ def test_only_the_seam_imports_dynamo(path):
                  else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
         assert not any(n == "dynamo" or n.startswith("dynamo.") for n in names), \
             f"{path.relative_to(PKG)} imports Dynamo; go through runtime/dynamo.py"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_loggers_are_named_by_module(path):
+    """`logging.getLogger(__name__)` in every module: a log line names the module that wrote it, and
+    the loggers' tree is the package's (setting `mm_encoder.planner`'s level reaches all of the room)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name == "getLogger":
+            assert [ast.dump(a) for a in node.args] == [ast.dump(ast.Name("__name__", ast.Load()))] \
+                and not node.keywords, f"{path.relative_to(PKG)}:{node.lineno} names its logger otherwise"

@@ -99,7 +99,7 @@ def test_output_order_and_batches_split_by_cap():
     items = [image_bytes(natural_image(w, 140, seed=w)) for w in (140, 280, 420, 140)]
     out = enc.encode(items)
     assert [o.grid_thw for o in out] == [(1, 10, 10), (1, 10, 20), (1, 10, 30), (1, 10, 10)]
-    ref = Encoder(spec, enc.model, device=enc.device, dtype=enc.dtype).encode(items)
+    ref = Encoder(spec, enc.steps.model, device=enc.steps.device, dtype=enc.steps.dtype).encode(items)
     for a, b in zip(out, ref, strict=True):
         torch.testing.assert_close(a.embeds, b.embeds, rtol=1e-4, atol=1e-5)
 

@@ -344,10 +344,10 @@ async def test_a_request_for_another_checkpoints_revision_is_refused(checkpoint,
     (a frontend pointed at another checkpoint) is a 409, never another model's embeddings, and the
     tiers' cache key differs with the revision, so a cache never answers for another checkpoint."""
     from mm_encoder.core.requests import EncodeRequest
-    from mm_encoder.families.card import ModelCard
+    from mm_encoder.families.model_card import ModelCard
 
     revision = ModelCard.read(checkpoint).revision
-    assert revision == ckpt_encoder.spec.revision and revision.startswith("ckpt-")
+    assert revision == ckpt_encoder.steps.spec.revision and revision.startswith("ckpt-")
     async with run_worker(ckpt_encoder) as w:
         ok = {"model": "kimi-k2.5-vision", "url": data_url(PNG), "revision": revision}
         status, _, body = await post_json(session, w, ok)

@@ -1,4 +1,4 @@
-"""`HandleResolver`: an engine's side of handles, from handle to checked body."""
+"""`HandleResolver`: an engine's side of handles, from handle to body."""
 
 from __future__ import annotations
 
@@ -52,9 +52,3 @@ class HandleResolver:
     async def close(self) -> None:
         for chain in self._chains.values():
             await chain.close()
-
-
-async def resolve(handle: MediaHandle, chain: EncoderChain) -> bytes:
-    """The handle's body, fetched and checked against what the handle announced."""
-    body, _ = await chain.fetch(handle.source)
-    return check_body(handle, body)

@@ -26,7 +26,7 @@ class WorkerSettings(DynamoOptions, TlsOptions):
         env_prefix="MM_ENCODER_",
         cli_kebab_case=True,
         cli_implicit_flags=True,
-        cli_prog_name="python -m mm_encoder.worker",
+        cli_prog_name="python -m mm_encoder.encode_worker",
         extra="ignore",
         frozen=True,
     )

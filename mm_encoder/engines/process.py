@@ -27,7 +27,7 @@ from pydantic_settings import SettingsConfigDict
 from ..client import HandleResolver
 from ..core.prompt import ChatTokenizer, Splicer, check_model_dir
 from ..core.registry import get_spec
-from ..families.card import ModelCard
+from ..families.model_card import ModelCard
 from ..runtime.dynamo import (
     ENGINE_COMPONENT,
     GENERATE_ENDPOINT,

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..core.card import json_object
 from ..core.errors import NotACheckpoint
+from ..core.revision import json_object
 from .base import (
     CONTEXT_LENGTH,
     ChatFormat,

@@ -4,7 +4,7 @@ A facet is its facts, or `NotServed` saying why that part of the project does no
 (and what does). The code that needs torch, transformers or vLLM stays in `model/` and `engines/`
 and reads its facts here:
 - `spec`: the registry model (configs/models/) a checkpoint of the family starts from: its
-  preprocessing and prompt, before the checkpoint's own files (`families.card`, `model.checkpoint`);
+  preprocessing and prompt, before the checkpoint's own files (`families.model_card`, `model.checkpoint`);
 - `vision_config`: config.json's `vision_config` keys -> the tower's and projector's fields
   (`model.hf_config`);
 - `preprocess`: the resize rule (`model.preprocess`) and the reader of the checkpoint's

@@ -25,7 +25,7 @@ from ..client.encoder import EncoderClient
 from ..core.prompt import ChatTokenizer
 from ..core.registry import get_spec
 from ..core.spec import ModelSpec
-from ..families.card import ModelCard
+from ..families.model_card import ModelCard
 from ..runtime.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
 from .processor import EngineClient, Limits, MultimodalProcessor, Router
 from .settings import FrontendSettings

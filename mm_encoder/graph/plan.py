@@ -23,7 +23,7 @@ from . import argv
 from .schema import Component, Graph
 
 MODULES: dict[Kind, str] = {
-    "encoder": "mm_encoder.worker",
+    "encoder": "mm_encoder.encode_worker",
     "cache-shared": "mm_encoder.cache_tiers",
     "cache-router": "mm_encoder.cache_tiers",
     "cache-cluster": "mm_encoder.cache_tiers",

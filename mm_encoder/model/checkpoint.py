@@ -25,9 +25,9 @@ from safetensors import safe_open
 from torch import nn
 
 from .. import families
-from ..core.card import index_bytes, json_object
 from ..core.errors import CheckpointError
 from ..core.registry import get_spec
+from ..core.revision import index_bytes, json_object
 from ..core.spec import Grid, ModelSpec, file_revision
 from .hf_config import preprocess_from_hf, spec_from_hf_config
 from .projectors import Projector, build_projector

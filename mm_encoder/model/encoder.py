@@ -3,6 +3,7 @@
     enc = Encoder.from_pretrained("tiny")                 # model/loading.py
     enc.encode([image_bytes, pil_image, video_chunk])     # -> list[EncodedMedia]
     enc.encode_file(image_or_video_bytes)
+    enc.steps.spec.name, enc.steps.dtype                  # what it is: its `EncodeSteps`
 
 A thin layer over the two parts it is made of: `model/loading.py` loads the model (a registry name or
 a checkpoint directory, device, dtype) and `EncodeSteps` (model/steps.py) runs it, step by step
@@ -49,7 +50,9 @@ class EncodedMedia:
 
 
 class Encoder:
-    """A loaded model plus its preprocessing; thread-compatible, not thread-safe."""
+    """A loaded model plus its preprocessing; thread-compatible, not thread-safe. What it is (spec,
+    model, device, dtype, limits, batch cap) is read from `steps`, the `EncodeSteps` it runs: one
+    place for each fact."""
 
     def __init__(
         self,
@@ -92,40 +95,6 @@ class Encoder:
         other.steps = steps
         return other
 
-    # --- what it is -----------------------------------------------------------------------------
-
-    @property
-    def spec(self) -> ModelSpec:
-        return self.steps.spec
-
-    @property
-    def model(self) -> VisionModel:
-        return self.steps.model
-
-    @property
-    def device(self) -> torch.device:
-        return self.steps.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.steps.dtype
-
-    @property
-    def limits(self) -> MediaLimits:
-        return self.steps.limits
-
-    @property
-    def batch_max_patches(self) -> int:
-        return self.steps.batch_max_patches
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def out_dim(self) -> int:
-        return self.spec.projector.out_dim
-
     def identity(self, processor: PreprocessConfig | None = None) -> bytes:
         return self.steps.identity(processor)
 
@@ -145,27 +114,27 @@ class Encoder:
     ) -> tuple[torch.Tensor, Grid]:
         """One image (bytes, PIL, or uint8 [H, W, 3]) -> (pixel_values [h*w, 3, P, P], (1, h, w))."""
         if isinstance(image, (bytes, bytearray, memoryview)):
-            rgb = media.decode_image(bytes(image), self.limits)
+            rgb = media.decode_image(bytes(image), self.steps.limits)
         elif isinstance(image, Image.Image):
-            rgb = media.image_to_rgb(image, self.limits)
+            rgb = media.image_to_rgb(image, self.steps.limits)
         elif isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3:
-            media.check_dimensions(image.shape[1], image.shape[0], self.limits)
+            media.check_dimensions(image.shape[1], image.shape[0], self.steps.limits)
             rgb = image
         else:
             raise MediaError("bad_input", f"cannot preprocess {type(image).__name__} as an image")
-        return self.steps.patchify(rgb, processor or self.spec.preprocess, video=False)
+        return self.steps.patchify(rgb, processor or self.steps.spec.preprocess, video=False)
 
     def decode_video(
         self, data: bytes, processor: PreprocessConfig | None = None, *, video_hash: str | None = None
     ) -> list[VideoChunk]:
         """Video bytes -> chunks, each an `encode` item; their mm_hashes derive from the video's."""
-        cfg = processor or self.spec.preprocess
+        cfg = processor or self.steps.spec.preprocess
         video_hash = video_hash or mm_hash(self.identity(cfg), "video", data)
-        return media.decode_video(bytes(data), cfg, self.limits, video_hash, self.spec.tower.patch_size)
+        return media.decode_video(bytes(data), cfg, self.steps.limits, video_hash, self.steps.spec.tower.patch_size)
 
     def preprocess_item(self, item: Item, processor: PreprocessConfig | None = None) -> Prepared:
         """Decode, hash and preprocess one image or video chunk (CPU work; no model state)."""
-        cfg = processor or self.spec.preprocess
+        cfg = processor or self.steps.spec.preprocess
         if isinstance(item, VideoChunk):
             return self.steps.preprocess_chunk(item, cfg)
         if isinstance(item, (bytes, bytearray, memoryview)):
@@ -175,9 +144,9 @@ class Encoder:
             return prepared
         if isinstance(item, Image.Image):
             t0 = time.perf_counter()
-            media.check_dimensions(*item.size, self.limits)
+            media.check_dimensions(*item.size, self.steps.limits)
             h = mm_hash(self.identity(cfg), "image", f"{item.mode}:{item.size}".encode() + item.tobytes())
-            return self.steps.preprocess_rgb(media.image_to_rgb(item, self.limits), cfg, h, "image", None,
+            return self.steps.preprocess_rgb(media.image_to_rgb(item, self.steps.limits), cfg, h, "image", None,
                                              ms_since(t0))
         kind = type(item).__name__
         raise MediaError("bad_input", f"cannot encode a {kind}: pass bytes, a PIL image or a VideoChunk")
@@ -187,7 +156,7 @@ class Encoder:
     ) -> list[Prepared]:
         """Image or video bytes -> one Prepared per image or per video chunk (`plan`, then `decode`).
         `identified` is what `identify` returned for these bytes, when the caller has it already."""
-        cfg = processor or self.spec.preprocess
+        cfg = processor or self.steps.spec.preprocess
         return self.steps.decode(data, self.steps.plan(data, cfg, identified=identified), cfg)
 
     # --- encoding -------------------------------------------------------------------------------

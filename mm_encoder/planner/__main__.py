@@ -22,7 +22,7 @@ from ..runtime.process import Lifecycle, parse_settings, run
 from .service import EncodePlanner, load_path
 from .settings import PlannerSettings
 
-log = logging.getLogger("mm_encoder.planner")
+log = logging.getLogger(__name__)
 RIVAL_WAIT_S = 2.0  # how long discovery gets to show another planner of the namespace, and it to answer
 
 

@@ -36,7 +36,7 @@ from .signals import Fleet, FleetSignals, Snapshot
 if TYPE_CHECKING:
     from ..runtime.dynamo import Client
 
-log = logging.getLogger("mm_encoder.planner")
+log = logging.getLogger(__name__)
 PREFIX = "dynamo_planner_encode"
 
 

@@ -255,16 +255,16 @@ async def test_2_a_request_waiting_for_room_holds_no_cpu_worker_then_gets_503(ck
 
 
 def test_4_identity_table_is_bounded(ckpt_encoder):
-    enc = ckpt_encoder.configured(batch_max_patches=ckpt_encoder.batch_max_patches + 1)  # a copy, the same table
+    enc = ckpt_encoder.configured(batch_max_patches=ckpt_encoder.steps.batch_max_patches + 1)  # a copy, the same table
     for i in range(20_000):
         cfg = PreprocessConfig(video_fps=1.0 + i / 1000)
         identity = enc.identity(cfg)
         if i % 5000 == 0:
-            assert identity == enc.spec.identity(cfg)
+            assert identity == enc.steps.spec.identity(cfg)
     table = enc.steps._identity
     size = table.cache_info().currsize if hasattr(table, "cache_info") else len(table)
     assert size == steps_mod.IDENTITY_CACHE_SIZE == 64
-    assert enc.identity() == enc.spec.identity(enc.spec.preprocess)
+    assert enc.identity() == enc.steps.spec.identity(enc.steps.spec.preprocess)
 
 
 # --- other hostile classes ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A checkpoint directory's revision, read without torch: a content id of its config and tensor
-index. The encode worker computes it for the checkpoint it serves, the frontend reads the same one
-(`families.card.ModelCard`, what the directory says about serving it), and the encode requests and
-cache keys carry it, so a cache never answers for another checkpoint.
+index (and the readers of those files it is made of). The encode worker computes it for the
+checkpoint it serves, the frontend reads the same one (`families.model_card.ModelCard`, what the
+directory says about serving it), and the encode requests and cache keys carry it, so a cache never
+answers for another checkpoint.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a checkpoint directory says about serving it, read without torch: which model family and
 registry model it is (the registry model places its media in prompts), its context length, the
 tokens that end a turn, and its revision (a content id of its config and tensor index,
-`core.card.checkpoint_revision`: the encode worker computes the same one, and the encode requests
+`core.revision.checkpoint_revision`: the encode worker computes the same one, and the encode requests
 and cache keys carry it, so a cache never answers for another checkpoint).
 
 The frontend reads this from the same directory the engines load their weights from (one
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.card import checkpoint_revision, json_object
 from ..core.errors import ModelDirError
+from ..core.revision import checkpoint_revision, json_object
 from . import spec_names
 
 
