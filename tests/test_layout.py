@@ -130,3 +130,60 @@ def test_loggers_are_named_by_module(path):
         if name == "getLogger":
             assert [ast.dump(a) for a in node.args] == [ast.dump(ast.Name("__name__", ast.Load()))] \
                 and not node.keywords, f"{path.relative_to(PKG)}:{node.lineno} names its logger otherwise"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if path.name == "__init__.py" else parts)
+
+
+def test_no_import_circle():
+    """No two modules of the package import each other, however indirectly (lazy imports and
+    TYPE_CHECKING ones count): each room reads top to bottom, and a change has one direction to go."""
+    names = {_module_name(p): p for p in _modules()}
+
+    def resolve(imported: str) -> str | None:  # `from .x import Y` names x.Y: the longest module prefix
+        parts = imported.split(".")
+        return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in names), None)
+
+    edges = {m: {t for i in _imports(p) if (t := resolve(i)) not in (None, m)} for m, p in names.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for t in edges[m]:
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                t = stack.pop()
+                component.append(t)
+                if t == m:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for m in sorted(names):
+        if m not in index:
+            visit(m)
+    assert circles == []
+
+
+MAX_FUNCTION_LINES = 60
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_no_function_over_the_limit(path):
+    """A function that does one thing fits on a screen: at most 60 lines, docstring included."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            assert length <= MAX_FUNCTION_LINES, f"{path.relative_to(PKG)}:{node.lineno} {node.name}: {length} lines"

@@ -183,15 +183,25 @@ def simulate(traffic: Traffic, trace: Trace | None = None, key_hashes: dict[int,
     `key_hashes`: rank -> crc32 of its real key. `scale` multiplies every cache's size (the plot)."""
     t0 = time.perf_counter()
     p = prepared or prepare(traffic, trace, key_hashes)
-    ring = p.ring
+    cluster, shared, shard_lookups, missed = _tiers(p, traffic, scale)
+    shards = len(p.ring.servers)
+    level, encodes, work, n_enc = _fleet(p, traffic, missed, shards, int(traffic.encoder_cache_bytes * scale))
+    keys_per_shard = np.bincount(np.array(p.shard_of, dtype=np.int64), minlength=shards).tolist()
+    return Result(traffic, p.classes, len(p.items), len(p.shard_of), p.working_set, cluster, shared, level,
+                  shard_lookups, keys_per_shard, p.ring.shares(), encodes, work, n_enc,
+                  encoders_needed(work / traffic.duration_s, traffic.capacity_pps, traffic.target_utilization),
+                  time.perf_counter() - t0)
+
+
+def _tiers(p: Prepared, traffic: Traffic, scale: float) -> tuple[Level, Level, list[int], list[int]]:
+    """Every request through its cluster tier, then its shard: the two levels, each shard's lookups,
+    and the unique ids that reached the encoders, in order."""
     cluster_cap = int(traffic.cluster_tier_bytes * scale)
     shard_cap = int(traffic.shard_bytes * scale)
     clusters = [_lru(cluster_cap) for _ in range(traffic.clusters)]
-    shards = [_lru(shard_cap) for _ in range(len(ring.servers))]
-    cluster = Level(caches=len(clusters), bytes_each=cluster_cap)
-    shared = Level(caches=len(shards), bytes_each=shard_cap)
+    shards = [_lru(shard_cap) for _ in range(len(p.ring.servers))]
     shard_lookups = [0] * len(shards)
-    missed: list[int] = []  # unique ids that reached the encoders, in order
+    missed: list[int] = []
     tb, so = p.tier_bytes, p.shard_of
     cluster_hits = shard_hits = cluster_peak = shard_peak = 0
     for u, c in zip(p.items, p.clusters, strict=True):
@@ -202,8 +212,7 @@ def simulate(traffic: Traffic, trace: Trace | None = None, key_hashes: dict[int,
         size = tb[u]
         if size <= cluster_cap:
             ct[u] = size
-            if ct.currsize > cluster_peak:
-                cluster_peak = int(ct.currsize)
+            cluster_peak = max(cluster_peak, int(ct.currsize))
         s = so[u]
         shard_lookups[s] += 1
         st = shards[s]
@@ -212,35 +221,35 @@ def simulate(traffic: Traffic, trace: Trace | None = None, key_hashes: dict[int,
             continue
         if size <= shard_cap:
             st[u] = size
-            if st.currsize > shard_peak:
-                shard_peak = int(st.currsize)
+            shard_peak = max(shard_peak, int(st.currsize))
         missed.append(u)
-    cluster.lookups, cluster.hits, cluster.peak_bytes = len(p.items), cluster_hits, int(cluster_peak)
-    shared.lookups, shared.hits, shared.peak_bytes = sum(shard_lookups), shard_hits, int(shard_peak)
+    cluster = Level(caches=len(clusters), bytes_each=cluster_cap, lookups=len(p.items), hits=cluster_hits,
+                    peak_bytes=cluster_peak)
+    shared = Level(caches=len(shards), bytes_each=shard_cap, lookups=sum(shard_lookups), hits=shard_hits,
+                   peak_bytes=shard_peak)
+    return cluster, shared, shard_lookups, missed
 
-    encoder_cap = int(traffic.encoder_cache_bytes * scale)
-    bodies, costs = p.bodies, p.patches
-    duration = traffic.duration_s
-    cap, util = traffic.capacity_pps, traffic.target_utilization
+
+def _fleet(p: Prepared, traffic: Traffic, missed: list[int], shards: int,
+           encoder_cap: int) -> tuple[Level, int, int, int]:
+    """The encoders' level, encodes, work and count: `traffic.encoders`, else the count the work needs."""
+    duration, cap, util = traffic.duration_s, traffic.capacity_pps, traffic.target_utilization
+    so, bodies, costs = p.shard_of, p.bodies, p.patches
     if traffic.encoders is not None:
-        n_enc = traffic.encoders
-        level, encodes, work = _encoders(missed, so, bodies, costs, n_enc, len(shards), encoder_cap)
-    else:  # the worker count is the answer, and the workers' caches depend on it: from the most
-        # (every shard miss encoded), down while fewer workers still carry what they then encode
-        n_enc = encoders_needed(sum(costs[u] for u in missed) / duration, cap, util) or 1
-        for _ in range(8):
-            level, encodes, work = _encoders(missed, so, bodies, costs, n_enc, len(shards), encoder_cap)
-            again = encoders_needed(work / duration, cap, util) or 1
-            if again >= n_enc:
-                if again > n_enc:
-                    n_enc = again
-                    level, encodes, work = _encoders(missed, so, bodies, costs, n_enc, len(shards), encoder_cap)
-                break
-            n_enc = again
-    keys_per_shard = np.bincount(np.array(so, dtype=np.int64), minlength=len(shards)).tolist()
-    return Result(traffic, p.classes, len(p.items), len(p.shard_of), p.working_set, cluster, shared, level,
-                  shard_lookups, keys_per_shard, ring.shares(), encodes, work, n_enc,
-                  encoders_needed(work / duration, cap, util), time.perf_counter() - t0)
+        return (*_encoders(missed, so, bodies, costs, traffic.encoders, shards, encoder_cap), traffic.encoders)
+    # the worker count is the answer, and the workers' caches depend on it: from the most (every
+    # shard miss encoded), down while fewer workers still carry what they then encode
+    n_enc = encoders_needed(sum(costs[u] for u in missed) / duration, cap, util) or 1
+    for _ in range(8):
+        level, encodes, work = _encoders(missed, so, bodies, costs, n_enc, shards, encoder_cap)
+        again = encoders_needed(work / duration, cap, util) or 1
+        if again >= n_enc:
+            if again > n_enc:
+                n_enc = again
+                level, encodes, work = _encoders(missed, so, bodies, costs, n_enc, shards, encoder_cap)
+            break
+        n_enc = again
+    return level, encodes, work, n_enc
 
 
 def _encoders(missed: list[int], shard_of: list[int], bodies: list[int], costs: list[int], workers: int,

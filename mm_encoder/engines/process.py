@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
-NAME = "mm-encoder engine"  # its ready line contains deploy.plan.READY_LINE
+NAME = "mm-encoder engine"  # its ready line contains graph.plan.READY_LINE
 
 
 class EngineSettings(EngineOptions):

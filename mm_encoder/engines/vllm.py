@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from ..core.prompt import ChatTokenizer
 
 log = logging.getLogger(__name__)
-NAME = "mm-encoder vllm engine"  # its ready line contains deploy.plan.READY_LINE
+NAME = "mm-encoder vllm engine"  # its ready line contains graph.plan.READY_LINE
 
 # Our SamplingParams field -> vLLM SamplingParams keyword (vllm/sampling_params.py, 0.31.0). Fields
 # absent here are handled elsewhere (`_OURS`); a new field that is neither is refused by name.

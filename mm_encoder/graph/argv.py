@@ -5,16 +5,13 @@ every site: the component's options from the plan's facts, its TLS options, then
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ..cache_tiers.config import tier_flags, tier_options
 from ..core.dtypes import torch_name
+from .planned import ComponentPlan, Replica, Site
+from .schema import Graph
 
-if TYPE_CHECKING:
-    from .plan import ComponentPlan, Replica, Site
-    from .schema import Graph
-
-_Render = Callable[["Graph", "Site", "ComponentPlan", "Replica"], list[str]]
+_Render = Callable[[Graph, Site, ComponentPlan, Replica], list[str]]
 
 
 def render(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> tuple[str, ...]:

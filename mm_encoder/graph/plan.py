@@ -10,7 +10,6 @@ which order) is written here only; every default comes from the component's own 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,6 +19,7 @@ from ..core.errors import GraphError
 from ..core.topology import CACHE_TIERS, ORDER, Kind, callers
 from ..runtime.dynamo import MAX_MESSAGE_SIZE
 from . import argv
+from .planned import Chain, ComponentPlan, Replica, Site
 from .schema import Component, Graph
 
 MODULES: dict[Kind, str] = {
@@ -41,95 +41,6 @@ TLS_KINDS: tuple[Kind, ...] = tuple(k for k in ORDER if k != "planner")  # with 
 HEALTH: dict[Kind, str | None] = {"encoder": "/ready", "cache-shared": "/_cache/health",
                                   "cache-router": "/_cache/health", "cache-cluster": "/_cache/health",
                                   "engine": None, "frontend": "/v1/models", "planner": "/healthz"}
-Address = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """A replica's certificate and key, and the deployment's CA, as the replica sees them."""
-
-    cert: str
-    key: str
-    ca: str
-
-
-@dataclass(frozen=True)
-class Chain:
-    """The cache chain as components reach it: its first level's URL and the route through it."""
-
-    url: str
-    route: str
-
-
-@dataclass(frozen=True)
-class Replica:
-    name: str  # the component's name, plus -N for replicas beyond one (on one machine)
-    index: int
-    http: Address | None  # where it serves HTTP (None: an engine)
-    ops: Address | None = None  # with TLS: its health, status and metrics in plaintext (encoders, tiers)
-    tls: TlsFiles | None = None  # with TLS: its certificate
-    tier: TierConfig | None = None  # a cache tier's whole configuration, the graph's own options included
-    argv: tuple[str, ...] = ()  # after `python -m <module>`: rendered last, from the above (`graph.argv`)
-
-    @property
-    def port(self) -> int | None:
-        return self.http[1] if self.http else None
-
-    @property
-    def ops_port(self) -> int | None:
-        return self.ops[1] if self.ops else None
-
-
-@dataclass(frozen=True)
-class ComponentPlan:
-    name: str
-    kind: Kind
-    component: Component  # the graph's entry: replicas, image, resources, its own args
-    module: str
-    replicas: tuple[Replica, ...]
-    env: dict[str, str]  # the Dynamo environment, then the graph's `env` (which wins)
-    health_path: str | None  # GET on the replica's port (its ops port with TLS) that answers 200 once ready
-    reads_model: bool  # it reads the checkpoint directory
-    callers: frozenset[str] = frozenset()  # the roles that may call its HTTP port (`core.topology`)
-    tls: bool = False  # the graph's TLS: its HTTP hops are HTTPS with client certificates
-    chain: Chain | None = None  # the cache chain it names (encoders for the stock frontend, engines, frontend)
-    wire_dtype: TorchName | None = None  # the rows' dtype it packs (encoders) or asks for (the frontend)
-
-
-class Site(ABC):
-    """Where a plan runs."""
-
-    checkpoint_dir: str  # the model's checkpoint directory as components see it
-    connector: str = "virtual"  # how an encode planner's decisions are carried out (planner/settings.py)
-
-    @abstractmethod
-    def listen(self, name: str, kind: Kind, replica: int) -> Address:
-        """Host and port replica `replica` of component `name` serves HTTP on."""
-
-    @abstractmethod
-    def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
-        """The host:port addresses other components use for component `name`."""
-
-    @abstractmethod
-    def tier_dirs(self, replica: str) -> tuple[str, str]:
-        """The run directory and cache directory of the tier replica named `replica`."""
-
-    @abstractmethod
-    def dynamo_env(self, kind: Kind) -> dict[str, str]:
-        """Dynamo's environment for a component of `kind`, beyond the planes every site shares."""
-
-    def tls_files(self, replica: str) -> TlsFiles:
-        """With TLS: replica `replica`'s certificate and key and the deployment's CA, as it sees them."""
-        raise GraphError("`tls` is not supported on this site yet")
-
-    def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
-        """With TLS: where replica `replica` of an encoder or tier serves its status in plaintext."""
-        raise GraphError("`tls` is not supported on this site yet")
-
-    def server_name(self, name: str, kind: Kind) -> str | None:
-        """With TLS: the name component `name`'s certificate carries for those that call it, which a tier
-        checks its next level's certificate for (None: the tier's default, the site's certificates' host)."""
-        return None
 
 
 def replica_name(name: str, i: int, n: int) -> str:

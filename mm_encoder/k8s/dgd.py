@@ -9,7 +9,7 @@ from typing import Any
 from ..core.errors import GraphError
 from ..core.topology import Kind
 from ..graph.checkpoint import GeneratedCheckpoint
-from ..graph.plan import ComponentPlan
+from ..graph.planned import ComponentPlan
 from ..graph.schema import Graph
 from ..runtime import tracing
 from . import tls

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..core.errors import GraphError
 from ..core.topology import Kind
-from ..graph.plan import OPS_KINDS, TLS_KINDS, ComponentPlan
+from ..graph.plan import OPS_KINDS, TLS_KINDS
+from ..graph.planned import ComponentPlan
 from ..graph.schema import Graph
 
 PORTS: dict[Kind, int] = {  # the frontend's is the operator's: its Service and probes use 8000
@@ -87,7 +88,7 @@ class K8sNames:
                       if c.kind in ("cache-router", "cache-cluster")}
         self.tiers |= self.shared
         self.model_pvc = check_name(f"{g.name}-model", "the checkpoint volume claim") if g.llm.checkpoint else None
-        # The encoder fleet's Grafana dashboard (deploy/grafana.py), with a graph that has encoders.
+        # The encoder fleet's Grafana dashboard (dashboards/grafana.py), with a graph that has encoders.
         self.dashboard = claim(f"{g.name}-grafana-dashboard", "the Grafana dashboard's ConfigMap") \
             if g.of_kind("encoder") else None
         planner = g.planner

@@ -6,7 +6,7 @@ Secret, shared by its replicas."""
 from __future__ import annotations
 
 from ..core.topology import CACHE_TIERS, Kind
-from ..graph.plan import Address, Site, TlsFiles
+from ..graph.planned import Address, Site, TlsFiles
 from .names import CACHE_DIR, ENCODER_PORT, MODEL_DIR, OPS_PORT, PORTS, RUN_DIR, TIER_PORT, TLS_FILES, K8sNames
 
 

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from ..graph.plan import ComponentPlan
+from ..graph.planned import ComponentPlan
 from ..graph.schema import Component, Graph
 from . import tls
 from .names import CACHE_DIR, RUN_DIR, TIER_PORT, K8sNames, argv_of, env_list, labels, security_context, selector

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.topology import CACHE_TIERS
-from ..graph.plan import OPS_KINDS, ComponentPlan, tier_upstreams
+from ..graph.plan import OPS_KINDS, tier_upstreams
+from ..graph.planned import ComponentPlan
 from ..graph.schema import Graph
 from ..security.pki import ORGANIZATION
 from .names import FRONTEND_PORT, OPS_PORT, PORTS, TLS_DIR, TLS_FILES, K8sNames, labels, selector

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from ..cache_tiers.reload import reload_tier
 from ..core.errors import GraphError
-from ..graph.plan import READY_LINE, ComponentPlan, Replica
+from ..graph.plan import READY_LINE
+from ..graph.planned import ComponentPlan, Replica
 from .site import LOOPBACK
 
 

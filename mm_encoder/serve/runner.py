@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..core.errors import GraphError, MMEncoderError
 from ..graph.checkpoint import GeneratedCheckpoint
-from ..graph.plan import DYNAMO_KINDS, ComponentPlan, TlsFiles, plan
+from ..graph.plan import DYNAMO_KINDS, plan
+from ..graph.planned import ComponentPlan, TlsFiles
 from ..graph.schema import Graph
 from ..runtime import tracing
 from ..runtime.procfs import leftover_pids

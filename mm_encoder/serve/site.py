@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.topology import Kind
-from ..graph.plan import Address, Site, TlsFiles
+from ..graph.planned import Address, Site, TlsFiles
 from ..graph.schema import Graph
 from ..security.issuing import Issuer
 
