@@ -33,7 +33,7 @@ class FrontendSettings(KvOptions, TlsOptions):
     encoder_timeout_s: float = Field(600.0, gt=0)
     wire_dtype: WireDtype | None = Field(
         None, description="the rows' dtype the engines take (a graph sets llm.wire_dtype, else llm.dtype): sent "
-                          "in every encode request and part of the tiers' key; an encoder that packs another answers 409")
+                          "in every encode request and part of the tiers' key; an encoder packing another answers 409")
     media_transport: Literal["handle", "body"] = Field(
         "handle", description="handle: engines fetch embeddings themselves; body: through this process "
                               "(the old way, for comparison: needs DYN_TCP_MAX_MESSAGE_SIZE raised for big images)")
