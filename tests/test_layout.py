@@ -187,3 +187,34 @@ def test_no_function_over_the_limit(path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1
             assert length <= MAX_FUNCTION_LINES, f"{path.relative_to(PKG)}:{node.lineno} {node.name}: {length} lines"
+
+
+def _readme_layout() -> list[str]:
+    """The paths README's "Layout" names: each line's first word, a room's under mm_encoder/."""
+    text = (PKG.parent / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    names = []
+    for line in block.splitlines():
+        if not line.strip() or line.startswith(" " * 4):
+            continue  # a continuation of the line above
+        word = line.split()[0]
+        names.append(f"mm_encoder/{word}" if line.startswith("  ") else word)
+    return names
+
+
+def test_the_readme_layout_names_every_room_and_nothing_else():
+    """README's Layout names each room of the package, each top-level folder and each tool, and only
+    what is there: the map a newcomer reads first is the tree."""
+    named = _readme_layout()
+    root = PKG.parent
+    rooms = {f"mm_encoder/{p.name}/" for p in PKG.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    top = {f"{path.split('/')[0]}/" for path in tracked
+           if "/" in path and not path.startswith(("mm_encoder/", "tools/"))}
+    tools = {path for path in tracked if path.startswith("tools/")}
+    missing = sorted((rooms | top | tools) - {n.rstrip("*") for n in named} - {".ci/"})
+    assert missing == [], f"README's Layout does not name: {missing}"
+    for name in named:
+        if name == "constraints*.txt":
+            continue
+        assert (root / name).exists(), f"README's Layout names {name}, which is not in the tree"
