@@ -4,6 +4,7 @@ how long a module may grow (README "Layout", docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,30 +12,17 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "mm_encoder"
-# room -> rooms (or room.module) it may import; entry points at the top (cli, worker) may import any.
-ALLOWED = {
-    "core": set(),
-    "kernels": set(),
-    "routing": set(),
-    "families": {"core"},  # one module per model family, facts only: everything below may read them
-    "model": {"core", "kernels", "families"},
-    "runtime": {"core"},
-    "fetch": {"core"},
-    "encode_worker": {"core", "runtime", "model", "fetch", "security"},
-    "client": {"core", "runtime", "security"},
-    "frontend": {"core", "runtime", "routing", "client", "families", "security"},
-    "engines": {"core", "runtime", "routing", "fetch", "model", "client", "families", "security"},
-    "planner": {"core", "runtime"},  # the encode planner: signals, policy, Dynamo's connectors (through runtime)
-    # the graph and its plan: a planner's options and a tier's config, checked before anything starts
-    "graph": {"core", "runtime", "planner.settings", "cache_tiers.config"},
-    "cache_tiers": {"core", "runtime", "security"},  # nginx tiers: their options, config, launcher, reload
-    "serve": {"core", "runtime", "graph", "cache_tiers", "security"},  # the local site
-    "k8s": {"core", "runtime", "graph", "security", "dashboards"},  # the Kubernetes site
-    "dashboards": set(),  # the Grafana dashboards the package ships
-    # the capacity model: registry specs, the families' torch-free resize rules, the router's ring
-    "capacity": {"core", "families", "cache_tiers.ring"},
-    "security": {"core"},  # the deployment's CA and certificates, their issuing, SSL contexts
-}
+ARCHITECTURE = PKG.parent / "docs" / "architecture.md"
+
+
+def _allowed() -> dict[str, set[str]]:
+    """room -> the rooms (or room.modules) it may import: docs/architecture.md's table, the one statement
+    of the rule (entry points at the top, cli.py and worker.py, may import any)."""
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| (.+) \|$", ARCHITECTURE.read_text(), re.M)
+    return {room: set(re.findall(r"`([a-z0-9_.]+)`", imports)) for room, imports in rows}
+
+
+ALLOWED = _allowed()
 TORCH_FREE = ["mm_encoder", "mm_encoder.cli", "mm_encoder.core.wire", "mm_encoder.core.prompt",
               "mm_encoder.core.revision", "mm_encoder.core.requests", "mm_encoder.runtime.dynamo",
               "mm_encoder.frontend",
@@ -218,3 +206,10 @@ def test_the_readme_layout_names_every_room_and_nothing_else():
         if name == "constraints*.txt":
             continue
         assert (root / name).exists(), f"README's Layout names {name}, which is not in the tree"
+
+
+def test_the_architecture_table_names_every_room():
+    """docs/architecture.md's import table has a row for each room of the package, and no other."""
+    rooms = {p.name for p in PKG.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert set(ALLOWED) == rooms
+    assert all(imported.split(".")[0] in rooms for imports in ALLOWED.values() for imported in imports)
