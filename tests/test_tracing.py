@@ -149,3 +149,53 @@ def test_log_lines_carry_the_trace_id():
     assert {"level": "WARNING", "target": "test.logs.jsonl", "message": "inside 1", "trace_id": ids["jsonl"][0],
             "span_id": ids["jsonl"][1]}.items() <= inside.items()
     assert "trace_id" not in outside and outside["message"] == "outside"
+
+
+def test_a_stretch_ends_its_span_once_with_the_error_that_ended_it(monkeypatch):
+    """`tracing.Stretch`, every span that is not a block's: a `with` records an escaping exception
+    and ends the span; `on_error` ends it only if its block raises; `then` hands over to the next
+    span of a sequence; a closed stream (GeneratorExit) is no error; a span is ended once."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    with pytest.raises(ValueError), tracing.Stretch("failed", kind="server", attributes={"a": 1}):
+        raise ValueError("bad")
+    call = tracing.Stretch("call", kind="client")
+    with call.on_error():
+        pass
+    assert call.span.is_recording()  # the block went well: the span goes on
+    with pytest.raises(KeyError), call.on_error():
+        raise KeyError("k")
+    call.end()  # already ended, with the error
+    steps = tracing.Stretch("prefill")
+    with steps:
+        steps.then("decode")
+
+    def stream():
+        with tracing.Stretch("stream"):
+            yield 1
+
+    closed = stream()
+    next(closed)
+    closed.close()
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["failed", "call", "prefill", "decode", "stream"]
+    failed, call_span, prefill, decode, streamed = spans
+    assert (failed.status.status_code, failed.status.description) == (StatusCode.ERROR, "ValueError: bad")
+    assert [e.name for e in failed.events] == ["exception"] and failed.attributes["a"] == 1
+    assert (call_span.status.status_code, call_span.status.description) == (StatusCode.ERROR, "KeyError: 'k'")
+    assert all(s.status.status_code == StatusCode.UNSET for s in (prefill, decode, streamed))
+    assert prefill.end_time <= decode.start_time and decode.parent is None
+    with tracing.Stretch("root") as root:
+        assert tracing.trace_id(root) == format(root.get_span_context().trace_id, "032x")
+        assert tracing.trace_id() is None  # not made current
+    monkeypatch.setattr(tracing, "_tracer", None)
+    off = tracing.Stretch("off")
+    assert not off.span.is_recording() and tracing.trace_id(off.span) is None
+    off.end()

@@ -167,10 +167,8 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
         with the expanded prompt's length as `completion_usage.prompt_tokens`."""
         from ..runtime.dynamo import worker_error
 
-        root = tracing.start("mm_engine.generate", tracing.from_dynamo(context), kind="server",
-                             attributes={"mm_engine.protocol": "dynamo"})
-        error: BaseException | None = None
-        try:
+        with tracing.Stretch("mm_engine.generate", tracing.from_dynamo(context), kind="server",
+                             attributes={"mm_engine.protocol": "dynamo"}) as root:
             try:
                 req = from_preprocessed(request, self.splicer, self.context_length,
                                         context.id() if context is not None else None)
@@ -184,11 +182,6 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
                 n += 1
                 yield {**dynamo_chunk(batch.token_ids[0], batch.finish_reason, len(prompt.token_ids), n),
                        **batch.logprob_fields()}
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            tracing.finish(root, error)
 
     async def decode(self, prompt: Prompt, max_tokens: int, params: SamplingParams, eos_token_ids: list[int],
                      context: Context | None = None) -> AsyncIterator[tuple[Step, int]]:

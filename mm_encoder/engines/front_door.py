@@ -75,10 +75,8 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
             return
         # our frontend's trace (the request's `trace`), else Dynamo's; Dynamo's own spans of the call linked
         dynamo = tracing.from_dynamo(context)
-        root = tracing.start("mm_engine.generate", tracing.extract(req.trace) if req.trace else dynamo,
-                             kind="server", links=(dynamo,) if req.trace else ())
-        error: BaseException | None = None
-        try:
+        with tracing.Stretch("mm_engine.generate", tracing.extract(req.trace) if req.trace else dynamo,
+                             kind="server", links=(dynamo,) if req.trace else ()) as root:
             try:
                 root.set_attributes({"mm_engine.request_id": req.request_id, "mm_engine.prompt_tokens":
                                      len(req.token_ids), "mm_engine.media": len(req.media)})
@@ -94,11 +92,6 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
             async for batch in batched(self._with_usage(req, inputs, sampling, timings, context, root),
                                        *pacing(req.stream, self.stream_interval_s)):
                 yield batch.to_dict()
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            tracing.finish(root, error)
 
     async def prepare(self, req: EngineRequest, timings: dict[str, float]) -> Inputs:
         """Checked, fetched and decoded, before any model work: the context first (no fetch for a
@@ -124,24 +117,20 @@ class FrontDoor(ABC, Generic[Inputs, Sampling]):
         traced as a `prefill` span (to the first batch) and a `decode` span (the rest)."""
         t0 = time.perf_counter()
         parent = tracing.context_of(root)
-        span = tracing.start("prefill", parent, attributes={"mm_engine.prompt_tokens": len(req.token_ids)})
         first, tokens, finish = True, 0, None
-        error: BaseException | None = None
-        try:
-            async for batch, reused in self.tokens(req, inputs, sampling, context):
-                tokens += len(batch.token_ids)
-                finish = batch.finish_reason or finish
-                if first:
-                    batch.usage = Usage(len(req.token_ids), reused, {**timings, "prefill": ms_since(t0)})
-                    first = False
-                    span.set_attribute("mm_engine.reused_tokens", reused)
-                    tracing.finish(span)
-                    span = tracing.start("decode", parent)
-                yield batch
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            if not first:
-                span.set_attributes({"mm_engine.completion_tokens": tokens, "mm_engine.finish_reason": finish or ""})
-            tracing.finish(span, error)
+        steps = tracing.Stretch("prefill", parent, attributes={"mm_engine.prompt_tokens": len(req.token_ids)})
+        with steps:  # prefill, then decode: whichever is open when the stream ends is ended, an error recorded
+            try:
+                async for batch, reused in self.tokens(req, inputs, sampling, context):
+                    tokens += len(batch.token_ids)
+                    finish = batch.finish_reason or finish
+                    if first:
+                        batch.usage = Usage(len(req.token_ids), reused, {**timings, "prefill": ms_since(t0)})
+                        first = False
+                        steps.span.set_attribute("mm_engine.reused_tokens", reused)
+                        steps.then("decode", parent)
+                    yield batch
+            finally:
+                if not first:
+                    steps.span.set_attributes({"mm_engine.completion_tokens": tokens,
+                                               "mm_engine.finish_reason": finish or ""})

@@ -43,10 +43,9 @@ from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_to
 from . import chunks
 from .chat import IncrementalDetokenizer, StopStrings, item_text, parse_messages, text_bytes
 from .hold import Capacity, Hold
+from .request import FrontendRequest, Routed
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from ..runtime.dynamo import Context
 
 log = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ INLINE_TEXT_BYTES = 4096
 
 @dataclass
 class Stats:
-    """Counters and the last routing decisions (served at GET /mm/stats)."""
+    """Counters and the last requests' records (`FrontendRequest.record`), served at GET /mm/stats."""
 
     requests: int = 0
     media_items: int = 0
@@ -78,26 +77,6 @@ class Limits:
     # Requests in flight at once (any kind); beyond: 503. About what the engines take in a few
     # seconds: a deeper queue only makes every request late.
     max_inflight_requests: int = 128
-
-
-@dataclass
-class _Sent:
-    """A request in an engine's hands: what streaming its answer needs."""
-
-    rid: str
-    params: SamplingParams
-    stream: AsyncIterator[Any]  # the engine's response stream
-    prompt_tokens: int | None  # None: the engine counts them (the aggregated baseline)
-    timings: dict[str, float]  # shown at /mm/stats; the answer adds the engine's
-    t0: float  # time.perf_counter() at dispatch
-    span: Span  # the engine's stream, from the send to its end (tracing)
-
-
-@dataclass
-class _EngineCall:
-    """The engine call's span, once `_send` starts it: its stream's span, which `_answer` ends."""
-
-    span: Span | None = None
 
 
 class Router(Protocol):
@@ -155,32 +134,24 @@ class MultimodalProcessor:
 
     async def generate(self, request: dict[str, Any], context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
         """One chat request: admitted (`_admit`), made ready and sent to an engine (`_dispatch`), its
-        answer streamed back as OpenAI chunks (`_answer`). What it holds of this processor while in
-        flight is one `Hold`, given back whichever way the request ends. Traced as one span, a
-        child of the client's trace as Dynamo's request context carries it, over its steps' spans."""
+        answer streamed back as OpenAI chunks (`_answer`). Once admitted, all of it is one
+        `FrontendRequest` (its `Hold` of this processor, timings, spans and /mm/stats record), ended
+        whichever way the request ends. Traced as one span, a child of the client's trace as
+        Dynamo's request context carries it, over its steps' spans."""
         self.last_request = time.monotonic()
         rid = uuid.uuid4().hex
-        root = tracing.start("mm_frontend.request", tracing.from_dynamo(context), kind="server",
-                             attributes={"mm_frontend.model": self.served_name, "mm_frontend.request_id": rid})
-        if root.is_recording() and context is not None:  # tracing off: no call into Dynamo's runtime for it
-            root.set_attribute("dynamo.request_id", context.id())
-        error: BaseException | None = None
-        try:
+        with tracing.Stretch("mm_frontend.request", tracing.from_dynamo(context), kind="server",
+                             attributes={"mm_frontend.model": self.served_name, "mm_frontend.request_id": rid}) as root:
+            if root.is_recording() and context is not None:  # tracing off: no call into Dynamo's runtime for it
+                root.set_attribute("dynamo.request_id", context.id())
             with tracing.within(root):
                 self._admit()
             hold = Hold(self.capacity, rid, lambda rid: self._router_note(self.router.free, rid))
-            try:
+            with FrontendRequest(rid, hold, root, self.stats.recent) as state:
                 with tracing.within(root):  # no yield inside: the steps' spans are children of the request's
-                    sent = await self._dispatch(request, hold)
-                async for chunk in self._answer(sent, hold, context):
+                    params, stream = await self._dispatch(request, state)
+                async for chunk in self._answer(state, params, stream, context):
                     yield chunk
-            finally:
-                hold.release()
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            tracing.finish(root, error)
 
     def _admit(self) -> None:
         """Fewer than `max_inflight_requests` in flight, or a 503 at once: not a queue that grows
@@ -192,14 +163,14 @@ class MultimodalProcessor:
             self.stats.errors[e.code] += 1
             raise client_error(e)
 
-    async def _dispatch(self, request: dict[str, Any], hold: Hold) -> _Sent:
-        """Parse, render, encode the media, expand, route and send; a refusal is raised as the
-        client's error (a bug as a 500), counted and logged once."""
-        rid = hold.rid
+    async def _dispatch(self, request: dict[str, Any],
+                        state: FrontendRequest) -> tuple[SamplingParams, AsyncIterator[Any]]:
+        """Parse, render, encode the media, expand, route and send: the sampling asked for and the
+        engine's stream. A refusal is raised as the client's error (a bug as a 500), counted and
+        logged once."""
+        rid = state.rid
         self.stats.requests += 1
         log.debug("request %s fields %s", rid, sorted(request))
-        t0 = time.perf_counter()
-        timings: dict[str, float] = {}
         try:
             params = SamplingParams.from_openai(request)
             messages, media = parse_messages(request.get("messages"), self.limits.max_media, self.splicer.reserved)
@@ -209,12 +180,9 @@ class MultimodalProcessor:
             short = size <= INLINE_TEXT_BYTES
             with tracing.span("template", attributes={"mm_frontend.text_bytes": size}):
                 text = self.tok.render(messages) if short else await asyncio.to_thread(self.tok.render, messages)
-            interim = self._interim(request, params)
-            call = _EngineCall()
-            stream, prompt_tokens = await self._media_path(hold, params, text, media, timings, interim, short, call)
-            assert call.span is not None  # `_send` started it
-            hold.sent()
-            return _Sent(rid, params, stream, prompt_tokens, timings, t0, call.span)
+            stream = await self._media_path(state, params, text, media, self._interim(request, params), short)
+            state.hold.sent()
+            return params, stream
         except MMEncoderError as e:
             self.stats.errors[e.code] += 1
             log.warning("request %s refused: [%s] %s", rid, e.code, e.message)
@@ -224,14 +192,14 @@ class MultimodalProcessor:
             log.exception("request %s failed before the engine", rid)
             raise internal_error(e) from None
 
-    async def _by_handle(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
-                         timings: dict[str, float], interim: bool, short: bool,
-                         call: _EngineCall) -> tuple[AsyncIterator[Any], int]:
+    async def _by_handle(self, state: FrontendRequest, params: SamplingParams, text: str, media: list[MediaRef],
+                         interim: bool, short: bool) -> AsyncIterator[Any]:
         """Every item encoded (its header and handle), the prompt expanded, routed on (tokens,
-        [mm_hash]) and sent by handle: the engine's stream and the prompt's length."""
+        [mm_hash]) and sent by handle: the engine's stream."""
+        timings = state.timings
         if media:
             with tracing.span("admission", attributes={"mm_frontend.media_waiting": self.capacity.waiting}):
-                await hold.take_media_slot()
+                await state.hold.take_media_slot()
         t_enc = time.perf_counter()
         encoded: list[Encoded] = []
         if media:
@@ -254,16 +222,13 @@ class MultimodalProcessor:
         with tracing.span("route") as span:
             infos = block_mm_infos(prompt_tokens, self.block_size,
                                    [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
-            worker_id, overlap = await self._route(hold, spliced.token_ids, infos)
+            worker_id, overlap = await self._route(state.hold, spliced.token_ids, infos)
             span.set_attributes({"mm_frontend.worker_id": str(worker_id), "mm_frontend.overlap_blocks": overlap})
         timings["route_ms"] = ms_since(t_route)
-        self.stats.recent.append({"request_id": hold.rid, "trace_id": tracing.trace_id(), "worker_id": worker_id,
-                                  "overlap_blocks": overlap,
-                                  "prompt_tokens": prompt_tokens, "media": [m.mm_hash for m in items],
-                                  "timings": timings})
-        payload = EngineRequest(hold.rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
-                                sampling=params.to_dict(), stream=interim).to_dict()
-        return await self._send(payload, worker_id, call), prompt_tokens
+        state.routed = Routed(worker_id, overlap, prompt_tokens, [m.mm_hash for m in items])
+        req = EngineRequest(state.rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
+                            sampling=params.to_dict(), stream=interim)
+        return await self._send(req, state)
 
     async def _route(self, hold: Hold, token_ids: list[int],
                      infos: list[BlockMMInfo | None] | None = None) -> tuple[int, int]:
@@ -278,63 +243,51 @@ class MultimodalProcessor:
         self.stats.routed[str(worker_id)] += 1
         return worker_id, overlap
 
-    async def _answer(self, sent: _Sent, hold: Hold, context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def _answer(self, state: FrontendRequest, params: SamplingParams, stream: AsyncIterator[Any],
+                      context: Context | None = None) -> AsyncIterator[dict[str, Any]]:
         """The engine's items as OpenAI chunks, one per item (the tokens the engine had ready, even
         when they decode to no text yet), with exact stop-string semantics over batched items."""
-        rid, params, timings = sent.rid, sent.params, sent.timings
-        created = int(time.time())
-        error: BaseException | None = None
+        assert state.engine is not None  # `_send` started the engine call's span
+        rid, created = state.rid, int(time.time())
         finish: str | None = None
         detok = IncrementalDetokenizer(self.tok)
         stops = StopStrings(params.stop)
-        prompt_tokens = sent.prompt_tokens
-        first = True
+        prompt_tokens, first = 0, True  # the prompt's length: known at the engine's first item
         try:
-            async for item in _engine_items(sent.stream):
+            with state.engine as span:  # ends with the stream, the engine's failure recorded as it came
                 try:
-                    data = parse_item(item)  # a refusal before the first token is raised here
-                except MMEncoderError as e:
-                    self.stats.errors[e.code] += 1
-                    log.warning("request %s refused by the engine: [%s] %s", rid, e.code, e.message)
-                    raise client_error(e) from None
-                finish = data.finish_reason
-                if first:
-                    first = False
-                    timings["first_token_ms"] = ms_since(sent.t0)
-                    sent.span.add_event("first_item")
-                    usage = data.usage
-                    for stage, ms in (usage.timings_ms if usage else {}).items():  # fetch, decode, prefill
-                        timings[f"engine_{stage}_ms"] = ms
-                    timings["reused_tokens"] = usage.reused_tokens if usage else 0  # from the engine's prefix store
-                    hold.first_item()
-                    if not finish:  # else the router's free, at the end, does it in one call
-                        self._router_note(self.router.mark_prefill_complete, rid)
-                    if prompt_tokens is None:  # inline encoding: the engine counted the prompt
-                        prompt_tokens = timings["prompt_tokens"] = usage.prompt_tokens if usage else 0
-                delta, used, matched = item_text(detok, stops, data.token_ids, bool(finish))
-                if matched:  # a stop string: the text ends before it, and so does generation
-                    finish = "stop"
-                    data = data.first(used)
-                assert prompt_tokens is not None  # the engine's count, from its first item, where not ours
-                lp = chunks.logprobs(self.tok, data, params.top_logprobs) if params.logprobs else None
-                yield chunks.chunk(rid, created, self.served_name, {"role": "assistant", "content": delta}, finish,
-                                   prompt_tokens, len(detok.ids), lp)
-                if finish:
-                    break
-                if context is not None and context.is_stopped():
-                    break
+                    async for item in _engine_items(stream):
+                        try:
+                            data = parse_item(item)  # a refusal before the first token is raised here
+                        except MMEncoderError as e:
+                            self.stats.errors[e.code] += 1
+                            log.warning("request %s refused by the engine: [%s] %s", rid, e.code, e.message)
+                            raise client_error(e) from None
+                        finish = data.finish_reason
+                        if first:
+                            first = False
+                            prompt_tokens = state.first_item(data.usage)
+                            if not finish:  # else the router's free, at the end, does it in one call
+                                self._router_note(self.router.mark_prefill_complete, rid)
+                        delta, used, matched = item_text(detok, stops, data.token_ids, bool(finish))
+                        if matched:  # a stop string: the text ends before it, and so does generation
+                            finish = "stop"
+                            data = data.first(used)
+                        lp = chunks.logprobs(self.tok, data, params.top_logprobs) if params.logprobs else None
+                        out = chunks.chunk(rid, created, self.served_name, {"role": "assistant", "content": delta},
+                                           finish, prompt_tokens, len(detok.ids), lp)
+                        if finish:  # the record is complete: at /mm/stats before the client has the last chunk
+                            state.record()
+                        yield out
+                        if finish or (context is not None and context.is_stopped()):
+                            break
+                finally:
+                    span.set_attributes({"mm_frontend.finish_reason": finish or "",
+                                         "mm_frontend.completion_tokens": len(detok.ids)})
         except EngineUnavailable as e:  # the engine died mid-stream: a retryable 5xx, not the client's fault
             self.stats.errors[e.code] += 1
             log.warning("request %s: [%s] %s", rid, e.code, e.message)
-            error = e
             raise client_error(e) from None
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            sent.span.set_attributes({"mm_frontend.finish_reason": finish or "", "mm_frontend.completion_tokens":
-                                      len(detok.ids)})
-            tracing.finish(sent.span, error)
 
     @staticmethod
     def _interim(request: dict[str, Any], params: SamplingParams) -> bool:
@@ -361,38 +314,31 @@ class MultimodalProcessor:
         self._notes.add(fut)
         fut.add_done_callback(done)
 
-    async def _inline(self, hold: Hold, params: SamplingParams, text: str, media: list[MediaRef],
-                      timings: dict[str, float], interim: bool, short: bool,
-                      call: _EngineCall) -> tuple[AsyncIterator[Any], None]:
+    async def _inline(self, state: FrontendRequest, params: SamplingParams, text: str, media: list[MediaRef],
+                      interim: bool, short: bool) -> AsyncIterator[Any]:
         """Aggregated baseline: route on the prompt's tokens (one placeholder per item) and let the
         engine fetch, encode and expand; the engine's stream (the engine counts the prompt)."""
         flat = await asyncio.to_thread(self.tok.encode, text)
         asked = params.max_tokens or self.limits.default_max_tokens
-        worker_id, overlap = await self._route(hold, flat)
+        worker_id, overlap = await self._route(state.hold, flat)
         self.stats.media_items += len(media)
-        self.stats.recent.append({"request_id": hold.rid, "trace_id": tracing.trace_id(), "worker_id": worker_id,
-                                  "overlap_blocks": overlap,
-                                  "prompt_tokens": None, "media": [m.url[:64] for m in media],
-                                  "timings": timings})  # the engine's timings and reused tokens, once known
-        payload = InlineRequest(hold.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(),
-                                stream=interim,
-                                prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
-        return await self._send(payload.to_dict(), worker_id, call), None
+        state.routed = Routed(worker_id, overlap, None, [m.url[:64] for m in media])
+        req = InlineRequest(state.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(), stream=interim,
+                            prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
+        return await self._send(req, state)
 
-    async def _send(self, payload: dict[str, Any], worker_id: int, call: _EngineCall) -> AsyncIterator[Any]:
+    async def _send(self, req: EngineRequest, state: FrontendRequest) -> AsyncIterator[Any]:
         """Send to the routed engine; if it is unreachable (a crashed engine stays in file discovery
         for a while), try once more on another registered instance. The engine's request carries
-        this call's trace (`trace`): Dynamo's request plane does not carry a Python caller's."""
-        call.span = span = tracing.start("engine", kind="client", attributes={"mm_frontend.worker_id": str(worker_id)})
-        headers: dict[str, str] = {}
-        tracing.inject(headers, tracing.context_of(span))
-        if headers:  # the engine's spans continue this one (`EngineRequest.trace`)
-            payload["trace"] = headers
-        try:
-            return await self._direct(payload, worker_id)
-        except BaseException as e:
-            tracing.finish(span, e)
-            raise
+        this call's trace (`EngineRequest.trace`): Dynamo's request plane does not carry a Python
+        caller's. The call's span goes on over the engine's stream, which `_answer` reads."""
+        assert state.routed is not None  # routed before it is sent
+        worker_id = state.routed.worker_id
+        state.engine = call = tracing.Stretch("engine", kind="client",
+                                              attributes={"mm_frontend.worker_id": str(worker_id)})
+        tracing.inject(req.trace, tracing.context_of(call.span))  # the engine's spans continue this one
+        with call.on_error():
+            return await self._direct(req.to_dict(), worker_id)
 
     async def _direct(self, payload: dict[str, Any], worker_id: int) -> AsyncIterator[Any]:
         """The routed engine's stream, else another instance's once."""

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
+from types import TracebackType
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -118,12 +119,61 @@ def span(name: str, parent: Context | None = None, *, kind: str = "internal",
         yield s
 
 
-def start(name: str, parent: Context | None = None, *, kind: str = "internal",
-          attributes: Mapping[str, str | int | float | bool] | None = None,
-          links: tuple[Context, ...] = ()) -> trace.Span:
-    """A span that is not made current, for a stretch that crosses `yield`s (a stream): end it with
-    `finish`; `within(span)` makes it the parent of what a block starts. `links`: other traces'
-    spans it relates to (e.g. Dynamo's own spans of the same call)."""
+class Stretch:
+    """A span that is not made current, for a stretch that crosses `yield`s (a stream) or steps:
+    one place that starts it and ends it once, an error recorded (a cancelled stream is not one).
+    `with` ends it as the block ends; `on_error` only if a block raises (the stretch goes on in a
+    later step, which ends it); `then` hands over to the next span of a sequence. `within(s.span)`
+    makes it the parent of what a block starts. `links`: other traces' spans it relates to (e.g.
+    Dynamo's own spans of the same call)."""
+
+    __slots__ = ("_open", "span")
+
+    def __init__(self, name: str, parent: Context | None = None, *, kind: str = "internal",
+                 attributes: Mapping[str, str | int | float | bool] | None = None,
+                 links: tuple[Context, ...] = ()) -> None:
+        self.span = _start(name, parent, kind, attributes, links)
+        self._open = True
+
+    def __enter__(self) -> trace.Span:
+        return self.span
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.end(error)
+
+    @contextlib.contextmanager
+    def on_error(self) -> Iterator[trace.Span]:
+        """The span over a block that it outlives: ended here only if the block raises."""
+        try:
+            yield self.span
+        except BaseException as e:
+            self.end(e)
+            raise
+
+    def then(self, name: str, parent: Context | None = None) -> trace.Span:
+        """End this span (no error) and go on with the next of a sequence (prefill, then decode)."""
+        self.end()
+        self.span, self._open = _start(name, parent, "internal", None, ()), True
+        return self.span
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End the span once, marked as an error if `error` (a GeneratorExit, a closed stream, is not one)."""
+        if not self._open:
+            return
+        self._open = False
+        s = self.span
+        if not s.is_recording():
+            return
+        if error is not None and not isinstance(error, GeneratorExit):
+            s.record_exception(error)
+            s.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        s.end()
+
+
+def _start(name: str, parent: Context | None, kind: str, attributes: Mapping[str, str | int | float | bool] | None,
+           links: tuple[Context, ...]) -> trace.Span:
+    """A span not made current (`Stretch`'s); the API's invalid span when tracing is off."""
     if _tracer is None:
         return trace.INVALID_SPAN
     linked = [trace.Link(c) for c in (trace.get_current_span(ctx).get_span_context() for ctx in links) if c.is_valid]
@@ -137,28 +187,19 @@ def within(s: trace.Span) -> contextlib.AbstractContextManager[trace.Span]:
     return trace.use_span(s, end_on_exit=False)
 
 
-def finish(s: trace.Span, error: BaseException | None = None) -> None:
-    """End a `start`ed span, marked as an error if `error` (a cancelled stream is not one)."""
-    if not s.is_recording():
-        return
-    if error is not None and not isinstance(error, GeneratorExit):
-        s.record_exception(error)
-        s.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-    s.end()
-
-
 def context_of(s: trace.Span) -> Context:
     """A context whose current span is `s`: the explicit parent of spans under it."""
     return trace.set_span_in_context(s)
 
 
-def ids() -> tuple[str, str] | None:
-    """The current span's trace and span ids as hex (32 and 16 digits), or None outside a recorded trace."""
-    ctx = trace.get_current_span().get_span_context()
+def ids(s: trace.Span | None = None) -> tuple[str, str] | None:
+    """`s`'s (else the current span's) trace and span ids as hex (32 and 16 digits), or None outside
+    a recorded trace."""
+    ctx = (trace.get_current_span() if s is None else s).get_span_context()
     return (format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")) if ctx.is_valid else None
 
 
-def trace_id() -> str | None:
-    """The current trace's id (32 hex digits), or None outside a recorded trace."""
-    current = ids()
+def trace_id(s: trace.Span | None = None) -> str | None:
+    """`s`'s (else the current span's) trace id (32 hex digits), or None outside a recorded trace."""
+    current = ids(s)
     return current[0] if current else None
