@@ -345,3 +345,20 @@ def test_every_graph_kind_is_a_role():
     from mm_encoder.core.topology import Kind
 
     assert set(get_args(Kind)) <= set(ROLES)
+
+
+def test_a_missing_tls_file_is_named_by_its_option(tmp_path):
+    """A component whose certificate, key or CA file is missing (a Secret without ca.crt) says which
+    option names which missing path, on both ends of a handshake and for the launcher's client."""
+    from mm_encoder.security.tls import TlsOptions, tls_client
+
+    certs = Certs(tmp_path)
+    issued = certs.issue("encoder", "encoder")
+    opts = TlsOptions(tls_cert=issued.cert, tls_key=issued.key, tls_ca=tmp_path / "gone" / "ca.crt")
+    for make in (opts.server_context, opts.client_context):
+        with pytest.raises(PkiError) as e:
+            make()
+        assert e.value.message == f"no such file: --tls-ca {tmp_path / 'gone' / 'ca.crt'}"
+    with pytest.raises(PkiError, match=f"no such file: the CA certificate {tmp_path / 'nope.pem'}"):
+        tls_client(tmp_path / "nope.pem")
+    assert opts.model_copy(update={"tls_ca": certs.ca_file}).server_context() is not None

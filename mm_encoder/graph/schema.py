@@ -231,7 +231,7 @@ def load_graph(path: str | Path) -> Graph:
         lines = []
         for err in e.errors(include_url=False, include_input=False):
             where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"  {where}: {err['msg']}")
+            lines.append(f"  {where}: {err['msg'].removeprefix('Value error, ')}")
         raise GraphError(f"{path}: invalid graph:\n" + "\n".join(lines)) from None
 
 

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings
 from typing_extensions import TypeAliasType
 
 from ..core.errors import ForbiddenPeer
+from .pki import PkiError
 
 PATH = TypeAliasType("PATH", Path)  # what --help shows for a file's path
 
@@ -49,6 +50,7 @@ class TlsOptions(BaseSettings):
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
+        _require({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca})
         ctx.load_cert_chain(self.tls_cert, self.tls_key)
         ctx.load_verify_locations(cafile=self.tls_ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
@@ -58,6 +60,7 @@ class TlsOptions(BaseSettings):
         """A client's context: the server's certificate checked against the CA and the host dialled;
         this component's own certificate presented."""
         assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
+        _require({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca})
         return tls_client(self.tls_ca, self.tls_cert, self.tls_key)
 
     def client_tls(self) -> ssl.SSLContext | None:
@@ -83,6 +86,7 @@ class TlsOptions(BaseSettings):
 def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path | None = None) -> ssl.SSLContext:
     """A client of the deployment's HTTPS ports from outside it (the launcher, `mm-encoder status`):
     its CA trusted, and a certificate presented where one is given."""
+    _require({"the CA certificate": ca, **({"the certificate": cert, "its key": key} if cert and key else {})})
     ctx = ssl.create_default_context(cafile=str(ca))  # the server checked, for the host dialled; TLS 1.2+
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if cert is not None and key is not None:
@@ -108,3 +112,11 @@ def allowed(ssl_object: Any, roles: Iterable[str]) -> str:
         raise ForbiddenPeer(f"a {role or 'certificate without a role'} may not call this hop "
                             f"(it admits: {', '.join(sorted(roles))})")
     return role
+
+
+def _require(files: dict[str, str | Path]) -> None:
+    """Each file there, or a PkiError naming the option and the path (a mounted Secret without
+    `ca.crt`, a run directory whose tls/ was removed), before OpenSSL's bare errno."""
+    missing = [f"{what} {path}" for what, path in files.items() if not Path(path).is_file()]
+    if missing:
+        raise PkiError(f"no such file: {'; '.join(missing)}")
