@@ -21,6 +21,9 @@ collect_ignore = [] if _vllm is not None and _vllm.origin is not None else ["vll
 
 @pytest.fixture(scope="session")
 def tiny() -> Encoder:
+    """The registry's tiny model (random weights) loaded with no dtype, as a worker without `--dtype` loads
+    it: bf16 on CPUs with native bf16, fp32 on others (loading.default_dtype). A test that asserts its
+    rows' dtype expects that default or loads an encoder of the dtype it needs."""
     return Encoder.from_pretrained("tiny")
 
 

@@ -17,10 +17,17 @@ from harness.media_factory import image_bytes, natural_image, video_bytes
 from harness.worker_fixtures import ForwardGate, post_json, run_canary, run_origin, run_worker, url_for, wait_for
 from mm_encoder import wire
 from mm_encoder.encode_worker.load import CapacityMeter
+from mm_encoder.model.loading import default_device, default_dtype
 
 PNG = image_bytes(natural_image(120, 90, seed=1))
 PNG2 = image_bytes(natural_image(96, 64, seed=2))
 LARGE_PNG = image_bytes(natural_image(448, 336, seed=2))
+
+# The session's `tiny` is loaded without a dtype, so it runs in this machine's default: bf16 on CUDA and on
+# CPUs with native bf16 (avx512_bf16 or amx_bf16), fp32 elsewhere (loading.default_dtype). With no
+# --wire-dtype the worker packs its rows in that dtype, so the same test holds on either kind of CPU.
+DEFAULT_DTYPE = default_dtype(default_device())
+DEFAULT_WIRE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[DEFAULT_DTYPE]
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -47,10 +54,11 @@ async def test_encode_data_url_matches_direct_encoder(tiny, session):
     assert headers["Content-Type"] == wire.CONTENT_TYPE
     msg = wire.decode(body)
     direct = tiny.encode([PNG])[0]
+    assert tiny.dtype == DEFAULT_DTYPE
     assert msg.mm_hash == headers["X-MM-Hash"] == direct.mm_hash
-    assert msg.model == "tiny" and msg.modality == "image" and msg.dtype == "bfloat16"
+    assert msg.model == "tiny" and msg.modality == "image" and msg.dtype == DEFAULT_WIRE
     assert msg.grid_thws == (tuple(direct.grid_thw),) and msg.shape == (direct.num_tokens, 256)
-    assert torch.equal(msg.embeds, direct.embeds.to(torch.bfloat16))
+    assert msg.embeds.dtype == DEFAULT_DTYPE and torch.equal(msg.embeds, direct.embeds.to(DEFAULT_DTYPE))
     stages = {part.split(";")[0].strip() for part in headers["Server-Timing"].split(",")}
     assert {"decode", "preprocess", "queue", "forward", "pack", "total", "cache"} <= stages
 
@@ -65,7 +73,8 @@ async def test_msgpack_bytes_request_and_video(tiny, session):
     direct = tiny.encode_file(clip)
     assert msg.modality == "video" and len(msg.grid_thws) == len(direct) == 2
     assert msg.timestamps == tuple(d.timestamp for d in direct)
-    assert torch.equal(msg.embeds, torch.cat([d.embeds for d in direct]).to(torch.bfloat16))
+    assert msg.dtype == DEFAULT_WIRE and msg.embeds.dtype == DEFAULT_DTYPE
+    assert torch.equal(msg.embeds, torch.cat([d.embeds for d in direct]).to(DEFAULT_DTYPE))
 
 
 async def test_same_request_gives_byte_identical_bodies_without_caches(tiny, session):
@@ -323,7 +332,9 @@ async def test_queued_items_share_a_forward_up_to_the_patch_limit(tiny, session,
         assert metric(w, "dynamo_component_encode_forwards_total") == forwards
         assert metric(w, "dynamo_component_encode_forward_items_total") == 4
         for img, (_, _, body) in zip(imgs, results, strict=True):  # batching never mixes items up
-            assert torch.equal(wire.decode(body).embeds, tiny.encode([img])[0].embeds.to(torch.bfloat16))
+            msg = wire.decode(body)
+            assert msg.dtype == DEFAULT_WIRE and msg.embeds.dtype == DEFAULT_DTYPE
+            assert torch.equal(msg.embeds, tiny.encode([img])[0].embeds.to(DEFAULT_DTYPE))
 
 
 def test_batch_composition_does_not_change_bits_on_cpu(tiny):
