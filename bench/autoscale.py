@@ -40,8 +40,8 @@ from pathlib import Path
 
 from bench import stats
 from harness.autoscale import Answer, Load
-from harness.nginx_fixtures import free_port
 from harness.serve_fixtures import Served
+from harness.topology import free_port
 from mm_encoder.core.quantiles import nearest_rank
 
 GRAPH = "graphs/epd-autoscale.yaml"

@@ -47,9 +47,9 @@ import msgpack
 
 from bench import stats
 from bench import worker as worker_bench  # bench/worker.py: the worker process and tiny-wide
+from harness import topology
 from harness.media_factory import image_bytes, natural_image
-from harness.processes import Process
-from mm_encoder.serve.site import free_port
+from harness.topology import TierProcess, WorkerProcess
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -69,28 +69,15 @@ REFERENCE = {"rps": 566.0, "p50_ms": 1.8}  # the reference stack's tier hit
 COALESCE_N = 16
 
 
-def start_tier(run: Path, name: str, *args: str) -> tuple[Process, str]:
-    """`mm-encoder cache up` (a harness Process) on a free loopback port; returns it and its URL once healthy."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--listen", f"127.0.0.1:{port}",
-           "--run-dir", str(run / name), *args]
-    if "router" not in args:  # on tmpfs, as deployed (the tier's default is under /dev/shm too)
+def start_tier(run: Path, name: str, tier: str, *args: str) -> TierProcess:
+    """A tier (`harness.topology.start_tier`) under `run`, with nginx's default workers (one per core),
+    its cache on tmpfs as deployed (the tier's default is under /dev/shm too); once healthy."""
+    cache_dir = None
+    if tier != "router":
         shm = Path("/dev/shm")
         cache_dir = Path(tempfile.mkdtemp(prefix=f"mm-bench-{name}-", dir=shm if shm.is_dir() else None))
         atexit.register(shutil.rmtree, cache_dir, True)
-        cmd += ["--cache-dir", str(cache_dir)]
-    proc = Process(cmd, name=f"nginx {name}", log=run / f"{name}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_url(f"{url}/_cache/health", 15)
-    except AssertionError as e:
-        proc.stop()
-        raise RuntimeError(f"nginx {name} did not start: {e}") from None
-    return proc, url
-
-
-def stop(proc: Process) -> None:
-    proc.stop(grace_s=10)
+    return topology.start_tier(run, name, tier, *args, workers=None, cache_dir=cache_dir)
 
 
 def post(url: str, body: bytes, key: str | None = None, ctype: str = "application/msgpack",
@@ -197,7 +184,7 @@ class Hierarchy:
     """The levels under test: an origin serving files, the encode worker, a shard, a router, a cluster tier."""
 
     origin_port: int
-    worker: worker_bench.WorkerProcess
+    worker: WorkerProcess
     shard_url: str
     router_url: str
     cluster_url: str
@@ -236,17 +223,13 @@ def run(args) -> dict:
 def start_hierarchy(stack: contextlib.ExitStack, run_dir: Path, hit_jpeg: bytes) -> Hierarchy:
     origin, origin_port = serve_files({"a.jpg": hit_jpeg})
     stack.callback(origin.shutdown)
-    worker = worker_bench.WorkerProcess("tiny-wide", fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
-    stack.callback(worker.stop)
-    w_addr = worker.url.split("//")[1]
-    shard, shard_url = start_tier(run_dir, "shared", "--tier", "shared", "--next", w_addr)
-    stack.callback(stop, shard)
-    router, router_url = start_tier(run_dir, "router", "--tier", "router", "--shard", shard_url.split("//")[1])
-    stack.callback(stop, router)
-    cluster, cluster_url = start_tier(run_dir, "cluster", "--tier", "cluster", "--next",
-                                      router_url.split("//")[1], "--direct", w_addr)
-    stack.callback(stop, cluster)
-    return Hierarchy(origin_port, worker, shard_url, router_url, cluster_url)
+    worker = stack.enter_context(worker_bench.start_worker("tiny-wide",
+                                                           fetch_allow_hosts=[f"127.0.0.1:{origin_port}"]))
+    shard = stack.enter_context(start_tier(run_dir, "shared", "shared", "--next", worker.address))
+    router = stack.enter_context(start_tier(run_dir, "router", "router", "--shard", shard.address))
+    cluster = stack.enter_context(start_tier(run_dir, "cluster", "cluster", "--next", router.address,
+                                             "--direct", worker.address))
+    return Hierarchy(origin_port, worker, shard.url(""), router.url(""), cluster.url(""))
 
 
 def prime(h: Hierarchy, run_dir: Path, hit_jpeg: bytes) -> tuple[float, dict[str, tuple[str, str, dict]]]:

@@ -25,8 +25,8 @@ import yaml
 
 from bench import stats
 from harness.dynamo_probe import Probe
-from harness.nginx_fixtures import free_port
 from harness.serve_fixtures import Served
+from harness.topology import free_port
 from mm_encoder.serve import infra
 
 ROOT = Path(__file__).resolve().parents[1]

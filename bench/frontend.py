@@ -35,9 +35,16 @@ from pathlib import Path
 
 from bench import stats
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import dynamo_system_port  # Dynamo reads DYN_SYSTEM_PORT as an i16
 from harness.processes import Process
-from mm_encoder.serve.site import free_port
+from harness.topology import (
+    TierProcess,
+    WorkerProcess,
+    dynamo_system_port,
+    free_port,
+    start_tier,
+    start_worker,
+    stop_all,
+)
 
 BIG = str(256 << 20)
 MODES = ("handle", "body")
@@ -50,15 +57,11 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start(name: str, run: Path, env: dict, *args: str, ready: str | None = None,
-          url: str | None = None) -> Process:
-    """A process (harness.processes), ready when it prints `ready` or when `url` answers 200."""
+def start(name: str, run: Path, env: dict, *args: str, ready: str) -> Process:
+    """An engine or a frontend (harness.processes), ready when it prints `ready`."""
     proc = Process([sys.executable, *args], name=name, env=env, log=run / f"{name}.log")
     try:
-        if ready:
-            proc.wait_for(ready, 180)
-        else:
-            proc.wait_url(url, 180)
+        proc.wait_for(ready, 180)
     except AssertionError as e:
         proc.stop()
         raise RuntimeError(f"{name} did not start: {e}") from None
@@ -133,18 +136,17 @@ class Stack:
                 "MM_ENCODER_LOG_LEVEL": "WARNING"}
         base.pop("DYN_TCP_MAX_MESSAGE_SIZE", None)
         bodies = {**base, "DYN_TCP_MAX_MESSAGE_SIZE": BIG}  # the encoder and engine carry bodies in both modes
-        worker_port, tier_port, self.port, self.engine_sys = free_port(), free_port(), free_port(), dynamo_system_port()
-        self.procs: list[Process] = []
+        self.port, self.engine_sys = free_port(), dynamo_system_port()
+        self.procs: list[Process | WorkerProcess | TierProcess] = []
         try:  # a process that does not start: those started before it stop too
-            allow = json.dumps([image_url.split("/")[2]])
-            self.procs.append(start("worker", self.run, {**bodies, "MM_ENCODER_FETCH_ALLOW_HOSTS": allow},
-                                    "-m", "mm_encoder.worker", "--model", str(model_dir), "--dtype", "fp32",
-                                    "--dynamo", "--http-port", str(worker_port), ready="worker ready"))
-            self.procs.append(start("tier", self.run, base, "-m", "mm_encoder.cache_tiers", "up", "--tier",
-                                    "cluster", "--listen", f"127.0.0.1:{tier_port}", "--next",
-                                    f"127.0.0.1:{worker_port}", "--run-dir", str(self.run / "tier"), "--cache-dir",
-                                    str(self.run / "tier-cache"), url=f"http://127.0.0.1:{tier_port}/_cache/health"))
-            chain = f"http://127.0.0.1:{tier_port}"
+            worker = start_worker("--dtype", "fp32", "--dynamo", model=str(model_dir), env=bodies,
+                                  settings={"fetch_allow_hosts": [image_url.split("/")[2]]}, name="worker",
+                                  log=self.run / "worker.log")
+            self.procs.append(worker)
+            tier = start_tier(self.run, "tier", "cluster", "--next", worker.address, workers=None, env=base,
+                              log=self.run / "tier.log", timeout=180)
+            self.procs.append(tier)
+            chain = tier.url("")
             self.procs.append(start("engine", self.run, {**bodies, "DYN_SYSTEM_PORT": str(self.engine_sys)}, "-m",
                                     "mm_encoder.engines", "--checkpoint", str(model_dir), "--encoder-chain",
                                     chain, ready="engine ready"))
@@ -198,8 +200,7 @@ class Stack:
                                         if r["completion_tokens"] != tokens), None)}
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop(grace_s=30)
+        stop_all(self.procs)
         if not os.environ.get("MM_BENCH_KEEP"):
             shutil.rmtree(self.run, ignore_errors=True)
 

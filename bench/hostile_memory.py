@@ -22,7 +22,6 @@ import asyncio
 import io
 import json
 import os
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -30,7 +29,7 @@ import msgpack
 
 from bench import stats
 from harness.media_factory import video_bytes
-from harness.processes import Process
+from harness.topology import start_worker
 
 
 def vm(pid: int, key: str) -> float:
@@ -80,16 +79,13 @@ async def attack(port: int, name: str) -> dict:
 
 
 def run(name: str) -> dict:
-    env = {**os.environ, "MM_ENCODER_HTTP_PORT": "0", "MM_ENCODER_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "MM_ENCODER_LOG_LEVEL": "WARNING"}
     extra = VIDEOS[name][2] if name in VIDEOS else []
-    argv = [sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", *extra]
-    with Process(argv, name="worker", env=env) as proc:
-        line = proc.wait_for("worker ready", 180)
-        port = int(line.split("http_port=")[1].split()[0])
-        before = vm(proc.pid, "VmRSS")
-        statuses = asyncio.run(attack(port, name))
+    with start_worker(*extra, env=env, timeout=180) as worker:
+        before = vm(worker.pid, "VmRSS")
+        statuses = asyncio.run(attack(worker.http_port, name))
         return {"attack": name, "statuses": statuses, "rss_before_mb": round(before, 1),
-                "peak_rss_mb": round(vm(proc.pid, "VmHWM"), 1)}
+                "peak_rss_mb": round(vm(worker.pid, "VmHWM"), 1)}
 
 
 # video attacks: frame side, seconds at 2 fps, worker options

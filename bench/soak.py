@@ -37,8 +37,8 @@ from pathlib import Path
 import aiohttp
 
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import free_port
 from harness.serve_fixtures import MODEL, Served
+from harness.topology import free_port
 
 DEADLINE_S = 60.0
 KINDS = ("ok", "refused", "unclean", "unreachable", "lost", "hung")

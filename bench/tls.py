@@ -25,7 +25,6 @@ import contextlib
 import json
 import shutil
 import ssl
-import sys
 import tempfile
 import time
 import urllib.request
@@ -38,12 +37,12 @@ import uvloop
 
 from bench import stats
 from bench import worker as worker_bench
+from harness import topology
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import free_port
-from harness.processes import Process
 from harness.procfs import cpu_ns
 from harness.serve_fixtures import MODEL, QUESTION, Served
+from harness.topology import Tls, free_port
 from mm_encoder.runtime.procfs import processes
 from mm_encoder.security.tls import tls_client
 
@@ -54,17 +53,11 @@ def jpeg(seed: int, w: int = 616, h: int = 644) -> bytes:
     return image_bytes(natural_image(w, h, seed=seed), "JPEG")
 
 
-def start_cluster(stack: contextlib.ExitStack, run: Path, name: str, worker: str, tls: list[str]) -> tuple[str, int]:
-    """A cluster tier in front of `worker` (host:port); its URL once healthy, and its session (nginx's
-    master and workers)."""
-    port, ops = free_port(), free_port()
-    cmd = [sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", "cluster", "--listen",
-           f"127.0.0.1:{port}", "--next", worker, "--run-dir", str(run / f"nginx-{name}"), "--cache-dir",
-           str(run / f"cache-{name}"), *tls, *(["--ops-listen", f"127.0.0.1:{ops}"] if tls else [])]
-    proc = Process(cmd, name=f"nginx {name}", log=run / f"{name}.log")
-    stack.callback(proc.stop, grace_s=10)
-    proc.wait_url(f"http://127.0.0.1:{ops if tls else port}/_cache/health", 15)
-    return f"{'https' if tls else 'http'}://127.0.0.1:{port}", proc.pid
+def start_cluster(stack: contextlib.ExitStack, run: Path, name: str, worker: str, tls: Tls | None) -> tuple[str, int]:
+    """A cluster tier in front of `worker` (host:port; `harness.topology`, nginx's default workers); its URL
+    once healthy, and its session (nginx's master and workers)."""
+    tier = stack.enter_context(topology.start_tier(run, name, "cluster", "--next", worker, tls=tls, workers=None))
+    return tier.url(""), tier.pid
 
 
 def cpu_ms(session: int) -> float:
@@ -77,21 +70,13 @@ Stack = tuple[str, ssl.SSLContext | None, int]  # the cluster tier's URL, the cl
 
 def start_stacks(stack: contextlib.ExitStack, run: Path, certs: Certs) -> dict[str, Stack]:
     """name -> its cluster tier."""
-    def files(name: str, role: str) -> list[str]:
-        issued = certs.issue(name, role)
-        return ["--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", str(certs.ca_file)]
-
     out: dict[str, Stack] = {}
     for name, tls in (("plaintext", False), ("tls", True)):
-        settings = {}
-        if tls:
-            w = certs.issue("encoder", "encoder")
-            settings = {"tls_cert": w.cert, "tls_key": w.key, "tls_ca": certs.ca_file, "ops_port": 0,
-                        "tls_allow": ["cache-cluster"]}
-        worker = worker_bench.WorkerProcess("tiny-wide", **settings)
-        stack.callback(worker.stop)
-        addr = worker.url.split("//")[1]
-        url, session = start_cluster(stack, run, name, addr, files("cluster", "cache-cluster") if tls else [])
+        settings = {"tls_allow": ["cache-cluster"]} if tls else {}
+        worker = stack.enter_context(worker_bench.start_worker(
+            "tiny-wide", tls=Tls.issue(certs, "encoder", "encoder") if tls else None, **settings))
+        url, session = start_cluster(stack, run, name, worker.address,
+                                     Tls.issue(certs, "cluster", "cache-cluster") if tls else None)
         engine = certs.issue("engine-0", "engine") if tls else None
         out[name] = (url, tls_client(certs.ca_file, engine.cert, engine.key) if engine else None, session)
     return out

@@ -31,10 +31,10 @@ import urllib.request
 from pathlib import Path
 
 from bench import stats
-from harness.nginx_fixtures import free_port
 from harness.otlp import Receiver
 from harness.procfs import cpu_ns
 from harness.serve_fixtures import MODEL, ROOT, Served, sample_content
+from harness.topology import free_port
 
 VARIANTS = ("before", "off", "on")
 BASELINE = "70175a5^"  # main before issue 32's first step: no span anywhere

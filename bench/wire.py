@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import zstandard
 
 from bench import stats
+from harness import wire_raw
 from mm_encoder import wire
 from mm_encoder.core.registry import get_spec
 from mm_encoder.model.checkpoint import build_empty, init_random
@@ -88,7 +89,7 @@ def times_s(fn: Callable[[], object], repeats: int) -> list[float]:
 def formats(levels: list[int]) -> dict[str, tuple[Callable[..., bytes], Callable[[bytes], wire.WireMessage]]]:
     out: dict[str, tuple[Callable[..., bytes], Callable[[bytes], wire.WireMessage]]] = {
         "json+base64": (lambda **kw: wire.encode_json(**kw, byte_planes=False), wire.decode_json),
-        "msgpack raw (no zstd)": (lambda **kw: wire._pack(**kw, byte_planes=False), wire._unpack),
+        "msgpack raw (no zstd)": (lambda **kw: wire_raw.pack(**kw, byte_planes=False), wire._unpack),
     }
     for split in (False, True):
         for level in levels:
@@ -102,7 +103,7 @@ def hit_bodies(item: dict) -> dict[str, tuple[str, bytes]]:
     level = wire.DEFAULT_LEVEL
     return {
         "json+base64": (wire.JSON_CONTENT_TYPE, wire.encode_json(**item, byte_planes=False)),
-        "raw": ("application/msgpack", wire._pack(**item, byte_planes=False)),
+        "raw": ("application/msgpack", wire_raw.pack(**item, byte_planes=False)),
         "raw+zstd": ("application/zstd", wire.encode(**item, byte_planes=False, level=level)),
         "raw+split+zstd": (wire.CONTENT_TYPE, wire.encode(**item, byte_planes=True, level=level)),
     }
@@ -159,7 +160,8 @@ def measure_hits(rounds: int, seconds: float) -> dict:
     origin, port, asked = stub_origin(bodies)
     tier = None
     try:
-        tier, url = cache.start_tier(run, "cluster", "--tier", "cluster", "--next", f"127.0.0.1:{port}")
+        tier = cache.start_tier(run, "cluster", "cluster", "--next", f"127.0.0.1:{port}")
+        url = tier.url("")
         request = run / "request.msgpack"
         request.write_bytes(b"\x80")  # an empty msgpack map: the key, not the body, names the entry
         script = run / "post.lua"
@@ -184,7 +186,7 @@ def measure_hits(rounds: int, seconds: float) -> dict:
                 swept[mb].append(cache.wrk(url, script, request, key, 2, 8, seconds)["rps"])
     finally:
         if tier is not None:
-            cache.stop(tier)
+            tier.stop()
         origin.shutdown()
         shutil.rmtree(run, ignore_errors=True)
     out = {}
@@ -217,8 +219,9 @@ def measure_worker_hits(rounds: int, seconds: float) -> dict:
     worker_bench.CONFIGS = worker_bench.bench_configs()
     proc = tier = None
     try:
-        proc = worker_bench.WorkerProcess("tiny-wide")
-        tier, tier_url = cache.start_tier(run, "cluster", "--tier", "cluster", "--next", proc.url.split("//")[1])
+        proc = worker_bench.start_worker("tiny-wide")
+        tier = cache.start_tier(run, "cluster", "cluster", "--next", proc.address)
+        tier_url = tier.url("")
         request = run / "request.msgpack"
         request.write_bytes(msgpack.packb({"model": "tiny-wide", "data": image_bytes(natural_image(616, 644, seed=3),
                                                                                      "JPEG")}))
@@ -241,7 +244,7 @@ def measure_worker_hits(rounds: int, seconds: float) -> dict:
                 raw[t].append({"rps_c8": c8["rps"], "p50_c1_ms": c1["p50_ms"], "non2xx": c8["non2xx"] + c1["non2xx"]})
     finally:
         if tier is not None:
-            cache.stop(tier)
+            tier.stop()
         if proc is not None:
             proc.stop()
         shutil.rmtree(run, ignore_errors=True)

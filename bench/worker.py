@@ -2,8 +2,9 @@
 
     python -m bench.worker [--quick] [--rounds 2] [--json out.json]
 
-Starts the real worker (`python -m mm_encoder.worker`, model `tiny`) as a separate process and
-drives it from this process with aiohttp at a fixed concurrency, bounded in count and time:
+Starts the real worker (`python -m mm_encoder.encode_worker`, model `tiny`, through `harness.topology`)
+as a separate process and drives it from this process with aiohttp at a fixed concurrency, bounded in
+count and time:
 - alias hits: the same URL again and again (served from the URL-alias LRU, no download);
 - mm_hash hits: the same bytes in a msgpack body (hash, then the mm_hash LRU);
 - full encodes: a distinct image per request (decode, preprocess, forward, pack), at 448x448 and
@@ -23,7 +24,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,8 +33,9 @@ import msgpack
 from aiohttp import web
 
 from bench import stats
+from harness import topology
 from harness.media_factory import image_bytes, natural_image
-from harness.processes import Process
+from harness.topology import Tls, WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,24 +59,11 @@ def bench_configs() -> Path:
     return root
 
 
-class WorkerProcess:
-    """`python -m mm_encoder.worker` as a harness Process, once it prints its ready line (its HTTP port)."""
-
-    def __init__(self, model: str = "tiny", **settings):
-        env = {**os.environ, "MM_ENCODER_HTTP_PORT": "0", "MM_ENCODER_LOG_LEVEL": "WARNING",
-               "MM_ENCODER_CONFIGS": str(CONFIGS)}
-        env.update({f"MM_ENCODER_{k.upper()}": (json.dumps(v) if isinstance(v, list) else str(v))
-                    for k, v in settings.items()})
-        self.proc = Process([sys.executable, "-m", "mm_encoder.worker", "--model", model], name="worker", env=env)
-        try:
-            line = self.proc.wait_for("worker ready", 180)
-        except AssertionError as e:
-            self.proc.stop()
-            raise RuntimeError(f"worker did not start: {e}") from None
-        self.url = f"http://127.0.0.1:{int(line.split('http_port=')[1].split()[0])}"
-
-    def stop(self) -> None:
-        self.proc.stop(grace_s=30)
+def start_worker(model: str = "tiny", *, tls: Tls | None = None, **settings) -> WorkerProcess:
+    """The real worker (`harness.topology.start_worker`, its HTTP port a free one) as the benchmarks run
+    it: warnings only, `tiny-wide` among its models; `settings`: its options, given in its environment."""
+    env = {**os.environ, "MM_ENCODER_LOG_LEVEL": "WARNING", "MM_ENCODER_CONFIGS": str(CONFIGS)}
+    return topology.start_worker(model=model, tls=tls, env=env, settings=settings, timeout=180)
 
 
 async def drive(session, url: str, bodies, concurrency: int, max_requests: int, max_seconds: float) -> dict:
@@ -142,14 +130,14 @@ async def run(args) -> dict:
     try:
         for _ in range(args.rounds):
             for post in (1, 0):
-                worker = WorkerProcess(post_workers=post, fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
+                worker = start_worker(post_workers=post, fetch_allow_hosts=[f"127.0.0.1:{origin_port}"])
                 try:
                     await tiny_worker(worker, post, images, n_full, hit_png, origin_port, args.concurrency, scale,
                                       results)
                 finally:
                     worker.stop()
                 # the GPU-like case: one core plays the device, the pack is a large share
-                worker = WorkerProcess("tiny-wide", post_workers=post, torch_threads=1)
+                worker = start_worker("tiny-wide", post_workers=post, torch_threads=1)
                 try:
                     await wide_worker(worker, post, images["448x448"], n_full["448x448"], args.concurrency, scale,
                                       results)

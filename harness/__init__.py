@@ -10,9 +10,13 @@ benchmarks run as `python -m bench.<name>` from the root). Not shipped: the whee
 - reference / hf_reference: an independent fp32 eager vision tower; transformers' own model.
 - models: random-weight models and the reference's config for a spec.
 - processes: the one launcher of a single process (own session, ready line or URL, stopped by group).
+- topology: an encode worker and an nginx cache tier as `Process`es, with or without TLS (`Tls`: a
+  `certs.Certs` CA and an issued certificate): every stack of them a test or benchmark builds by hand;
+  the ports they take and nginx's presence.
 - serve_fixtures: whole graphs through `mm-encoder serve` (GraphRunner) as one `Process`; components
-  one by one (`Graph`); the requests they are sent and the prompt sizes expected of them.
-- nginx_fixtures, worker_fixtures: cache tiers as processes, an encode worker in-process.
+  one by one (`Graph`: its worker and tier through `topology`); the requests they are sent and the
+  prompt sizes expected of them.
+- worker_fixtures: an encode worker in-process (and the engine beside it, the processor in front).
 - dynamo_probe: a Dynamo client in its own process counting an endpoint's instances.
 - glm: a tiny GLM-4.1V for vLLM's GLM plugin (tests/vllm and bench/gpu_vllm.py).
 - k8s_schema: the DynamoGraphDeployment schema the manifests are checked against.

@@ -1,7 +1,8 @@
 """Certificates for tests: a deployment's CA and its components' certificates in a temporary
 directory, and the bad ones red-team tests present (another CA's, expired, not yet valid, the wrong
 role). Each is an `Issued` (`cert`, `key`, `identity`) from `mm_encoder.security.pki`; the bad ones
-live in their own folders, so a component's good files are never replaced by them.
+live in their own folders, so a component's good files are never replaced by them. `identity_of`
+reads back whom a certificate (a file's bytes, or a peer's in a handshake) names.
 
     certs = Certs(tmp_path)
     server = certs.issue("encoder", "encoder")
@@ -14,7 +15,21 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from mm_encoder.security.pki import DEFAULT_HOSTS, Authority, Identity, Issued
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from mm_encoder.security.pki import DEFAULT_HOSTS, Authority, Identity, Issued, PkiError
+
+
+def identity_of(cert: bytes) -> Identity:
+    """Whom a certificate names (its one CN and one OU), from PEM or DER bytes (what a handshake's
+    `getpeercert(binary_form=True)` gives): read with cryptography, not with the package's readers."""
+    c = x509.load_pem_x509_certificate(cert) if cert.lstrip().startswith(b"-----BEGIN") else \
+        x509.load_der_x509_certificate(cert)
+    cn, ou = (c.subject.get_attributes_for_oid(oid) for oid in (NameOID.COMMON_NAME, NameOID.ORGANIZATIONAL_UNIT_NAME))
+    if len(cn) != 1 or len(ou) != 1:
+        raise PkiError(f"certificate {c.subject.rfc4514_string()!r} names no component (it needs one CN and one OU)")
+    return Identity(str(cn[0].value), str(ou[0].value))
 
 
 class Certs:

@@ -21,8 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from harness.media_factory import k25_image_tokens
-from harness.nginx_fixtures import dynamo_system_port, free_port
 from harness.processes import Process
+from harness.topology import TierProcess, WorkerProcess, dynamo_system_port, free_port, start_tier, start_worker
 from mm_encoder.runtime.procfs import leftover_pids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,32 +217,56 @@ def serving(graphs: dict[str, str], tmp_path_factory, *extra: str, timeout: floa
 
 
 class Graph:
-    """Components started one by one (test_frontend_e2e), each a `Process`: ready when it prints its
-    ready line, stopped by PID and then its process group."""
+    """Components started one by one (test_frontend_e2e): the encode worker and its cache tier through
+    `topology` (`worker`, `tier`), the others as a `Process` ready when it prints its ready line
+    (`start`); each stopped by PID and then its process group."""
 
     def __init__(self, root: Path, checkpoint: Path):
         self.root, self.checkpoint = root, checkpoint
-        self.procs: dict[str, Process] = {}
+        self.procs: dict[str, Process | WorkerProcess | TierProcess] = {}
         self.ready_lines: dict[str, str] = {}
         self.env = {**os.environ, "DYN_FILE_KV": str(root / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
                     "DYN_LOG": "warn", "DYN_SELF_HOST_METADATA": "0"}
         self.count = PromptCount(checkpoint)
-        self.worker_port, self.tier_port, self.frontend_port = free_port(), free_port(), free_port()
+        self.worker_port = self.tier_port = 0  # known once started
+        self.frontend_port = free_port()
         self.system_port = dynamo_system_port()
+
+    def worker(self, *args: str, timeout: float = 120) -> WorkerProcess:
+        """The encode worker on the checkpoint (`start_worker`), on this graph's Dynamo runtime."""
+        w = start_worker(*args, model=str(self.checkpoint), env=self.env, log=self.root / "worker.log",
+                         timeout=timeout)
+        self.procs["worker"], self.ready_lines["worker"], self.worker_port = w, w.ready_line, w.http_port
+        return w
+
+    def tier(self, *args: str) -> TierProcess:
+        """The cluster tier in front of the worker (`start_tier`), once healthy."""
+        t = start_tier(self.root, "tier", "cluster", "--next", f"127.0.0.1:{self.worker_port}", *args, env=self.env)
+        self.procs["tier"], self.tier_port = t, t.port
+        return t
 
     def start(self, name: str, *args: str, ready: str | None = None, timeout: float = 120,
               env: dict | None = None) -> Process:
-        proc = self.procs[name] = Process([sys.executable, *args], name=name, env={**self.env, **(env or {})},
-                                          log=self.root / f"{name}.log")
+        proc = Process([sys.executable, *args], name=name, env={**self.env, **(env or {})},
+                       log=self.root / f"{name}.log")
+        self.procs[name] = proc
         if ready:
             self.ready_lines[name] = proc.wait_for(ready, timeout)
         return proc
 
-    def stop(self, name: str, sig=signal.SIGTERM) -> None:
-        """The process by PID; then its process group (its own session), so nothing it started stays."""
+    def stop(self, name: str, sig: int | None = None) -> None:
+        """The process by PID (`sig`, default SIGTERM); then its process group (its own session), so
+        nothing it started stays."""
         proc = self.procs.pop(name, None)
-        if proc is not None:
-            proc.stop(sig, grace_s=30)
+        if proc is not None and sig is None:
+            proc.stop()
+        elif proc is not None:
+            proc.stop(sig)
+
+    def stop_all(self) -> None:
+        """Every process, the last started first."""
+        for name in list(self.procs)[::-1]:
+            self.stop(name)
 
     def instance(self, name: str) -> str:
         """An engine's Dynamo instance id, from its ready line (`... instance=<id> inline=False`)."""

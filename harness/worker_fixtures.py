@@ -117,6 +117,16 @@ class ForwardGate:
         self._event.set()
 
 
+def metric(worker: Worker, name: str, labels: dict[str, str] | None = None) -> float:
+    """An in-process worker's metric sample by its own labels (0 when absent); a deprecated 0.2 name
+    reads its alias, as /metrics shows it."""
+    metrics = worker.service.metrics
+    found = metrics.own.get_sample_value(name, labels or {})
+    if found is None:
+        found = metrics.registry.get_sample_value(name, labels or {})
+    return found or 0.0
+
+
 def url_for(worker: Worker, path: str = "/v1/encode") -> str:
     return f"http://127.0.0.1:{worker.http_port}{path}"
 

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from harness.autoscale import Load, deciding
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import Served
+from harness.topology import free_port, require_nginx
 from mm_encoder.serve.status import collect, samples, total
 
 

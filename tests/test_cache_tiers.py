@@ -20,8 +20,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import require_nginx, tiers
-from harness.worker_fixtures import ForwardGate, run_worker, wait_for
+from harness.topology import require_nginx, tiers
+from harness.worker_fixtures import ForwardGate, metric, run_worker, wait_for
 from mm_encoder import wire
 from mm_encoder.cache_tiers import nginx as cache_tiers
 from mm_encoder.cache_tiers.config import TierConfig
@@ -46,11 +46,11 @@ async def post(session, url: str, body: bytes, **headers) -> tuple[int, dict, by
 
 
 def forwards(worker) -> float:
-    return worker.service.metrics.value("dynamo_component_encode_forward_items_total")
+    return metric(worker, "dynamo_component_encode_forward_items_total")
 
 
 def worker_requests(worker, outcome: str = "ok") -> float:
-    return worker.service.metrics.value("dynamo_component_encode_requests_total",
+    return metric(worker, "dynamo_component_encode_requests_total",
                                         {"transport": "http", "outcome": outcome})
 
 
@@ -231,7 +231,7 @@ async def test_adding_shards_moves_about_one_nth_of_keys_all_to_the_new_shard(tm
                 assert status == 200
                 where[k] = headers["X-Cache-Shard"]
             placement.append(where)
-            await router.stop()
+            await router.astop()
         for n, (before, after) in enumerate(itertools.pairwise(placement), start=2):
             moved = [k for k in keys if before[k] != after[k]]
             assert {after[k] for k in moved} == {shards[n - 1].address}  # all to the new shard
@@ -248,7 +248,7 @@ async def test_a_stopped_shard_makes_its_keys_miss_not_fail(tiny, tmp_path):
         assert (await post(s, router.url(), body))[1]["X-Cache-Status"] == "shared=HIT"
         owner = next(t for t in shards if t.address == first[1]["X-Cache-Shard"])
         survivor = next(t for t in shards if t is not owner)
-        await owner.stop()
+        await owner.astop()
         status, headers, out = await post(s, router.url(), body)
         assert status == 200 and out == first[2]
         assert headers["X-Cache-Status"] == "shared=MISS" and headers["X-Cache-Shard"].endswith(survivor.address)

@@ -23,10 +23,11 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from harness.nginx_fixtures import require_nginx, tiers
+from harness.ring import index_of, point_of, server_of
+from harness.topology import require_nginx, tiers
 from mm_encoder.cache_tiers.ring import HashRing, server_points
 from mm_encoder.capacity import cli as capacity_cli
-from mm_encoder.capacity.simulate import simulate, tier_entry_bytes
+from mm_encoder.capacity.simulate import PAGE, TIER_ENTRY_OVERHEAD, simulate
 from mm_encoder.capacity.traffic import Traffic, image_patches, make_trace, size_classes, zipf_ranks
 from mm_encoder.core.registry import get_spec
 
@@ -49,9 +50,9 @@ def test_ring_points_follow_nginx_rules():
     # the vectorised lookup is the scalar one
     keys = [f"k{i}" for i in range(2000)]
     vec = ring.indices_of_hashes(np.array([HashRing.key_hash(k) for k in keys], dtype=np.uint32))
-    assert vec.tolist() == [ring.index_of(k) for k in keys]
+    assert vec.tolist() == [index_of(ring, k) for k in keys]
     # a key past the last point wraps to the first point's server
-    assert ring.index_of(b"") == ring.owners[ring.point_of(0)]
+    assert index_of(ring, b"") == ring.owners[point_of(ring, 0)]
 
 
 async def _backend(name: str) -> web.AppRunner:
@@ -89,12 +90,12 @@ async def test_ring_predicts_the_real_routers_shard_for_every_key(tmp_path):
                     return r.headers["X-Cache-Shard"].split(",")[-1].strip()
 
             seen = [await shard_of(k) for k in keys]
-            assert seen == [ring.server_of(k) for k in keys]
+            assert seen == [server_of(ring, k) for k in keys]
             assert set(seen) == set(names)
             await runners[1].cleanup()  # a stopped shard: its keys go to the next point's shard
-            moved = [k for k in keys if ring.server_of(k) == names[1]][:100]
-            assert [await shard_of(k) for k in moved] == [ring.server_of(k, down=[names[1]]) for k in moved]
-            assert all(ring.server_of(k, down=[names[1]]) != names[1] for k in moved)
+            moved = [k for k in keys if server_of(ring, k) == names[1]][:100]
+            assert [await shard_of(k) for k in moved] == [server_of(ring, k, down=[names[1]]) for k in moved]
+            assert all(server_of(ring, k, down=[names[1]]) != names[1] for k in moved)
     finally:
         for r in runners:
             await r.cleanup()
@@ -185,6 +186,11 @@ def _reference_lru(items: list[int], sizes: dict[int, int], cap: int) -> tuple[i
             while sum(held.values()) > cap:
                 held.popitem(last=False)
     return hits, misses
+
+
+def tier_entry_bytes(body: int) -> int:
+    """A tier entry's bytes as the model counts them: the body and what nginx stores with it, in pages."""
+    return -(-(body + TIER_ENTRY_OVERHEAD) // PAGE) * PAGE
 
 
 def test_lru_levels_match_a_brute_force_lru():
@@ -360,8 +366,8 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
     hit ratio (0 when the tiers hold everything) within 0.1."""
     require_nginx()
     from harness.media_factory import image_bytes, natural_image
-    from harness.nginx_fixtures import free_port
     from harness.serve_fixtures import QUESTION, Served, chat, data_url
+    from harness.topology import free_port
     from mm_encoder.core.requests import EncodeRequest
     from mm_encoder.core.wire import CONTENT_TYPE
     from mm_encoder.families.model_card import ModelCard

@@ -37,11 +37,10 @@ VISION = {
 
 def _small_spec():
     spec = get_spec("kimi-k2.5-vision")
-    from mm_encoder.model.hf_config import tower_from_hf
+    from mm_encoder.model.hf_config import spec_from_hf_config
 
-    return spec.model_copy(
-        update={"tower": tower_from_hf(VISION), "projector": spec.projector.model_copy(update={"out_dim": 48})}
-    )
+    tower = spec_from_hf_config({"model_type": "kimi_k25", "vision_config": VISION}, spec, spec.revision).tower
+    return spec.model_copy(update={"tower": tower, "projector": spec.projector.model_copy(update={"out_dim": 48})})
 
 
 def _weights() -> dict[str, torch.Tensor]:

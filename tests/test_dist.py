@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import mm_encoder
-from harness.nginx_fixtures import free_port
 from harness.serve_fixtures import MODEL, Served, chat
+from harness.topology import free_port
 from mm_encoder import cli
 
 ROOT = Path(__file__).resolve().parents[1]

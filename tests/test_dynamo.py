@@ -8,15 +8,13 @@ import asyncio
 import base64
 import os
 import signal
-import sys
 
 import aiohttp
 import pytest
 
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import dynamo_system_port
-from harness.processes import Process
-from harness.worker_fixtures import ForwardGate, post_json, run_worker, wait_for
+from harness.topology import dynamo_system_port, start_worker
+from harness.worker_fixtures import ForwardGate, metric, post_json, run_worker, wait_for
 from mm_encoder import wire
 from mm_encoder.client import call_encode
 from mm_encoder.core.errors import RemoteError
@@ -54,7 +52,7 @@ async def test_dynamo_and_http_return_identical_bytes(tiny):
         assert reply.mm_hash == headers["X-MM-Hash"] == wire.decode(body).mm_hash
         assert set(reply.timings_ms) >= {"decode", "preprocess", "forward", "pack", "total"}
         ok = {"transport": "dynamo", "outcome": "ok"}
-        assert w.service.metrics.value("dynamo_component_encode_requests_total", ok) == 2
+        assert metric(w, "dynamo_component_encode_requests_total", ok) == 2
 
 
 @pytest.mark.parametrize(
@@ -92,13 +90,13 @@ async def test_dynamo_graceful_shutdown_finishes_inflight(tiny):
 
 async def test_worker_process_serves_both_transports_and_deregisters_on_sigterm(tmp_path):
     system_port = dynamo_system_port()
-    env = {**os.environ, "DYN_SYSTEM_PORT": str(system_port), "MM_ENCODER_HTTP_PORT": "0"}
-    proc = Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--dynamo", "--namespace", "t1"],
-                   name="worker", env=env, log=tmp_path / "worker.log")
+    env = {**os.environ, "DYN_SYSTEM_PORT": str(system_port)}
+    worker = await asyncio.to_thread(start_worker, "--dynamo", "--namespace", "t1", env=env,
+                                     log=tmp_path / "worker.log", timeout=120)
+    proc = worker.proc
     runtime = None
     try:
-        line = await asyncio.to_thread(proc.wait_for, "mm-encoder worker ready", 120)
-        http_port = int(line.split("http_port=")[1].split()[0])
+        http_port = worker.http_port
         runtime = make_runtime(asyncio.get_running_loop())
         client = await client_for(runtime, "t1")
         reply = await call_encode(client, {"model": "tiny", "data": PNG})
@@ -139,15 +137,15 @@ async def test_dynamo_caller_stopping_drops_queued_work(tiny):
                 pass
 
         task = asyncio.create_task(second())
-        depth = w.service.metrics.value
-        await wait_for(lambda: depth("dynamo_component_encode_queue_depth") == 1, what="the second item to be queued")
+        await wait_for(lambda: metric(w, "dynamo_component_encode_queue_depth") == 1,
+                       what="the second item to be queued")
         ctx.stop_generating()
         cancelled = {"transport": "dynamo", "outcome": "cancelled"}
-        await wait_for(lambda: w.service.metrics.value("dynamo_component_encode_requests_total", cancelled) == 1,
+        await wait_for(lambda: metric(w, "dynamo_component_encode_requests_total", cancelled) == 1,
                        what="the queued request to be cancelled")
         gate.release()
         assert (await first).body
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
-        await wait_for(lambda: w.service.metrics.value("dynamo_component_encode_queue_depth") == 0,
+        await wait_for(lambda: metric(w, "dynamo_component_encode_queue_depth") == 0,
                        what="the queue to empty")
-        assert w.service.metrics.value("dynamo_component_encode_forward_items_total") == 1
+        assert metric(w, "dynamo_component_encode_forward_items_total") == 1

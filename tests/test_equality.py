@@ -29,8 +29,8 @@ import torch
 
 from harness import released_processor as released
 from harness.hf_reference import Reference, content, write_hf_checkpoint
-from harness.nginx_fixtures import require_nginx
 from harness.serve_fixtures import chat_stream, frontend_stats, serving
+from harness.topology import require_nginx
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs of subprocesses

@@ -3,6 +3,7 @@ every fact checked against the part of the project that reads it: a family canno
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from pathlib import Path
@@ -35,9 +36,14 @@ FAMILY_MODULES = Path(families.__file__).parent
 NOT_FAMILIES = {"__init__", "base", "moonvit", "model_card"}  # registry, facets, MoonViT's shared parts, the card
 
 
+# Family's facets: every field but what names it
+FACETS = tuple(f.name for f in dataclasses.fields(Family) if f.name not in ("name", "title", "model_types"))
+
+
 def _facets(family: Family) -> tuple[set[str], dict[str, str]]:
-    provided = {k for k, v in family.provides().items() if not isinstance(v, NotServed)}
-    reasons = {k: v.reason for k, v in family.provides().items() if isinstance(v, NotServed)}
+    facets = {f: getattr(family, f) for f in FACETS}  # each its facts, or NotServed
+    provided = {k for k, v in facets.items() if not isinstance(v, NotServed)}
+    reasons = {k: v.reason for k, v in facets.items() if isinstance(v, NotServed)}
     return provided, reasons
 
 

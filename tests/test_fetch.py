@@ -20,7 +20,7 @@ import pydantic
 import pytest
 from aiohttp import web
 
-from mm_encoder.core.errors import FETCH_ERROR_STATUS, FetchError, MMEncoderError
+from mm_encoder.core.errors import FetchError, MMEncoderError
 from mm_encoder.fetch import Fetched, Fetcher, FetchPolicy, check_ip
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -181,7 +181,7 @@ async def refused(f: Fetcher, url: str, code: str) -> FetchError:
     with pytest.raises(FetchError) as info:
         await f.fetch(url)
     assert info.value.code in code.split("|"), str(info.value)
-    assert info.value.http_status == FETCH_ERROR_STATUS[info.value.code]
+    assert info.value.http_status == FetchError.codes[info.value.code]
     return info.value
 
 
@@ -287,7 +287,7 @@ def test_check_ip_public(addr: str) -> None:
 
 
 def test_error_codes_and_statuses() -> None:
-    assert FETCH_ERROR_STATUS == {
+    assert FetchError.codes == {
         "bad_url": 400,
         "forbidden_scheme": 400,
         "forbidden_address": 403,

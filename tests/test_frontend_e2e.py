@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 
 from harness.media_factory import image_bytes, natural_image, sampled_video_chunks, video_bytes
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, Graph, checkpoint_copy, data_url, image_rows
+from harness.topology import free_port, require_nginx
 from mm_encoder.runtime.dynamo import PLANES
 
 pytest.importorskip("dynamo.llm")
@@ -36,31 +36,20 @@ def graph(tmp_path_factory, checkpoint):
     g = Graph(tmp_path_factory.mktemp("graph"), checkpoint_copy(checkpoint, tmp_path_factory.mktemp("model"), CONTEXT))
     ckpt = str(g.checkpoint)
     try:
-        g.start("worker", "-m", "mm_encoder.worker", "--model", ckpt, "--dtype", "fp32", "--dynamo", "--http-port",
-                str(g.worker_port), ready="worker ready")
-        g.start("tier", "-m", "mm_encoder.cache_tiers", "up", "--tier", "cluster", "--listen",
-                f"127.0.0.1:{g.tier_port}", "--next", f"127.0.0.1:{g.worker_port}", "--run-dir",
-                str(g.root / "tier"), "--cache-dir", str(g.root / "tier-cache"), "--workers", "1")
+        g.worker("--dtype", "fp32", "--dynamo")
+        g.tier()
         for i in (1, 2):
             g.start(f"engine{i}", "-m", "mm_encoder.engines", "--checkpoint", ckpt, "--dtype", "fp32",
                     "--encoder-chain", f"http://127.0.0.1:{g.tier_port}", ready="engine ready")
-        g.start("frontend", "-m", "mm_encoder.frontend", "--model-dir", ckpt, "--http-port",
-                str(g.frontend_port), "--encoder-http", f"http://127.0.0.1:{g.tier_port}", "--encoder-route",
-                "cluster", ready="frontend ready", env={"DYN_SYSTEM_PORT": str(g.system_port)})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the frontend serves the model once an engine is discovered
-            try:
-                if [m["id"] for m in g.get_json(g.url("/v1/models"))["data"]] == [MODEL]:
-                    break
-            except (urllib.error.URLError, KeyError, ConnectionError):
-                pass
-            time.sleep(0.1)
-        else:
-            raise AssertionError("the frontend never listed the model")
+        frontend = g.start("frontend", "-m", "mm_encoder.frontend", "--model-dir", ckpt, "--http-port",
+                           str(g.frontend_port), "--encoder-http", f"http://127.0.0.1:{g.tier_port}",
+                           "--encoder-route", "cluster", ready="frontend ready",
+                           env={"DYN_SYSTEM_PORT": str(g.system_port)})
+        # the frontend serves the model once an engine is discovered
+        frontend.wait_url(g.url("/v1/models"), 60, lambda body: [m["id"] for m in json.loads(body)["data"]] == [MODEL])
         yield g
     finally:
-        for name in list(g.procs)[::-1]:
-            g.stop(name, signal.SIGQUIT if name == "tier" else signal.SIGTERM)
+        g.stop_all()
 
 
 def chat(g: Graph, content, *, stream: bool = False, max_tokens: int = 4, timeout: float = 60, **fields):

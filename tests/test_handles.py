@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import require_nginx, tiers
-from harness.worker_fixtures import run_origin, run_worker
+from harness.topology import require_nginx, tiers
+from harness.worker_fixtures import metric, run_origin, run_worker
 from mm_encoder import wire
 from mm_encoder.client import EncoderChain, HandleResolver
 from mm_encoder.core.errors import HandleError, RemoteError
@@ -25,7 +25,7 @@ OTHER = image_bytes(natural_image(112, 84, seed=32))
 
 
 def forwards(worker) -> float:
-    return worker.service.metrics.value("dynamo_component_encode_forward_items_total", {})
+    return metric(worker, "dynamo_component_encode_forward_items_total", {})
 
 
 async def tier_stats(tier) -> dict:

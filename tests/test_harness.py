@@ -10,11 +10,15 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from harness.certs import Certs
 from harness.processes import Process
+from harness.topology import Tls, require_nginx, start_tier, start_worker
 from harness.venvs import BuildFailed, wait_for_vllm_build
 from mm_encoder.runtime.procfs import leftover_pids
 from mm_encoder.serve.site import free_port
@@ -263,3 +267,32 @@ def test_stop_leaves_nothing_of_its_session():
     assert len(leftover_pids({proc.pid})) == 2
     proc.stop(grace_s=10)
     assert leftover_pids({proc.pid}) == []
+
+
+# --- harness.topology: a worker and a tier as processes, with or without TLS ------------------------------------------
+
+
+def test_a_tier_is_ready_where_its_status_answers_and_stops_leaving_nothing(tmp_path):
+    """Plaintext: health on its own port. TLS: HTTPS only on its port (plaintext gets nginx's typed 403),
+    health on the plaintext ops listener. Stopped: nothing of its session is left."""
+    require_nginx()
+    certs = Certs(tmp_path / "pki")
+    with start_tier(tmp_path, "plain", "cluster", "--next", "127.0.0.1:9") as plain, \
+            start_tier(tmp_path, "tls", "cluster", "--next", plain.address,
+                       tls=Tls.issue(certs, "cluster", "cache-cluster")) as tls:
+        assert plain.url() == f"http://127.0.0.1:{plain.port}/v1/encode"
+        assert plain.ops_url() == plain.url("/_cache/health")  # plaintext: its status on its own port
+        assert tls.url().startswith("https://") and tls.ops_port not in (None, tls.port)
+        assert tls.stats() == {}  # nothing counted yet: the health checks are not
+        with pytest.raises(urllib.error.HTTPError) as plaintext:
+            urllib.request.urlopen(f"http://127.0.0.1:{tls.port}/_cache/health", timeout=10)
+        assert plaintext.value.code == 403 and plaintext.value.headers["X-MM-Error-Code"] == "https_required"
+        sessions = {plain.pid, tls.pid}
+        assert len(leftover_pids(sessions)) >= 4  # each nginx's master and worker
+    assert leftover_pids(sessions) == []
+
+
+def test_a_worker_that_does_not_start_is_stopped_with_its_output(tmp_path):
+    with pytest.raises(AssertionError, match="exited with 2") as info:
+        start_worker("--no-such-option", log=tmp_path / "worker.log", timeout=120)
+    assert "no-such-option" in str(info.value)

@@ -23,7 +23,7 @@ import yaml
 
 from harness.k8s_schema import CERTIFICATE, DYNAMO_GRAPH_DEPLOYMENT, NETWORK_POLICY, errors
 from mm_encoder.core.errors import GraphError
-from mm_encoder.dashboards.grafana import FLEET, fleet_dashboard
+from mm_encoder.dashboards.grafana import FLEET
 from mm_encoder.graph.schema import Graph, load_graph
 from mm_encoder.k8s import dgd as dgd_objects
 from mm_encoder.k8s import names as k8s_names
@@ -526,7 +526,7 @@ def test_the_encoder_fleet_dashboard_is_a_configmap_for_grafanas_sidecar(epd_doc
     assert cm["apiVersion"] == "v1" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["metadata"]["labels"]["mm-encoder/graph"] == "epd"
     assert list(cm["data"]) == ["mm-encoder-fleet.json"]
-    assert json.loads(cm["data"]["mm-encoder-fleet.json"]) == fleet_dashboard()
+    assert json.loads(cm["data"]["mm-encoder-fleet.json"]) == json.loads(FLEET.read_text())
     assert cm["data"]["mm-encoder-fleet.json"] == FLEET.read_text()  # byte for byte what the wheel ships
     assert not [d for d in docs_of(agg) if d["kind"] == "ConfigMap"]
     doc = yaml.safe_load((GRAPHS / "epd.yaml").read_text())

@@ -22,7 +22,7 @@ from PIL import Image
 
 from harness.media_factory import image_bytes, natural_image, video_bytes
 from mm_encoder import Encoder
-from mm_encoder.core.errors import MEDIA_ERROR_CODES, MediaError
+from mm_encoder.core.errors import MediaError
 from mm_encoder.core.spec import MediaLimits, PreprocessConfig
 from mm_encoder.model.media import (
     VideoChunk,
@@ -57,7 +57,7 @@ def media_error(fn, *args) -> MediaError:
     """Run fn(*args) and return the MediaError it raised; any other outcome fails the test."""
     with pytest.raises(MediaError) as info:
         fn(*args)
-    assert info.value.code in MEDIA_ERROR_CODES
+    assert info.value.code in MediaError.codes
     return info.value
 
 
@@ -768,7 +768,7 @@ def _decodes_or_media_error_image(data: bytes) -> None:
     try:
         out = decode_image(data, LIMITS)
     except MediaError as e:
-        assert e.code in MEDIA_ERROR_CODES
+        assert e.code in MediaError.codes
     else:
         assert_rgb(out)
 
@@ -777,7 +777,7 @@ def _decodes_or_media_error_video(data: bytes) -> None:
     try:
         chunks = decode_video(data, CFG, LIMITS)
     except MediaError as e:
-        assert e.code in MEDIA_ERROR_CODES
+        assert e.code in MediaError.codes
     else:
         assert_chunks(chunks)
 

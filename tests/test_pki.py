@@ -22,9 +22,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from harness.certs import Certs
+from harness.certs import Certs, identity_of
 from mm_encoder.security import pki
-from mm_encoder.security.pki import ROLES, Authority, Identity, PkiError, describe, identity_of
+from mm_encoder.security.pki import ROLES, Authority, Identity, PkiError, describe
 
 ENCODER = Identity("encoder", "encoder")
 

@@ -21,8 +21,8 @@ import pytest
 
 from harness.dynamo_probe import Probe
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, Served, chat, sample_tokens
+from harness.topology import free_port, require_nginx
 from mm_encoder.core.errors import GraphError
 from mm_encoder.serve import infra
 

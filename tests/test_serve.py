@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 
 from harness.media_factory import k25_image_tokens
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.procfs import listeners
 from harness.serve_fixtures import MODEL, ROOT, SAMPLE, Served, chat, frontend_stats, sample_tokens
+from harness.topology import free_port, require_nginx
 from mm_encoder.core.errors import GraphError
 from mm_encoder.graph.schema import load_graph
 from mm_encoder.serve.status import collect

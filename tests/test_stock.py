@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from harness.media_factory import sampled_video_chunks, video_bytes
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, QUESTION, SAMPLE, PromptCount, Served, checkpoint_copy, data_url, image_rows
+from harness.topology import free_port, require_nginx
 
 pytest.importorskip("dynamo.frontend")
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

@@ -19,9 +19,9 @@ import urllib.request
 
 import pytest
 
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.otlp import Receiver, Span
 from harness.serve_fixtures import MODEL, Served, sample_content
+from harness.topology import free_port, require_nginx
 from mm_encoder.serve.status import collect
 
 FRONTEND = ["template", "admission", "encode", "splice+tokenize", "route", "engine"]

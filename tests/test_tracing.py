@@ -11,15 +11,14 @@ import itertools
 import json
 import os
 import secrets
-import sys
 import urllib.request
 
 import pytest
 
 from harness.media_factory import image_bytes, natural_image
 from harness.otlp import Receiver
-from harness.processes import Process
 from harness.serve_fixtures import data_url
+from harness.topology import start_worker
 from mm_encoder.runtime import tracing
 
 PNG = image_bytes(natural_image(120, 90, seed=11))
@@ -47,12 +46,9 @@ def test_tracing_is_off_unless_an_endpoint_is_named():
 
 def test_the_worker_continues_the_callers_trace_over_otlp(tmp_path):
     with Receiver() as receiver:
-        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50",
-               "MM_ENCODER_HTTP_PORT": "0"}
-        with Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny"], name="worker", env=env,
-                     log=tmp_path / "worker.log") as proc:
-            line = proc.wait_for("mm-encoder worker ready", 120)
-            port = int(line.split("http_port=")[1].split()[0])
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+        with start_worker(env=env, log=tmp_path / "worker.log", timeout=120) as worker:
+            port = worker.http_port
             trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
             _encode(port, f"00-{trace_id}-{caller}-01")
             spans = receiver.wait(trace_id, {"mm_encoder.encode", *STAGES})
@@ -80,7 +76,7 @@ def test_the_worker_continues_the_callers_trace_over_otlp(tmp_path):
             # no traceparent: a trace of its own, with no parent
             before = {s.trace_id for s in receiver.spans}
             _encode(port, None)
-            proc.stop()  # SIGTERM: what is still batched is flushed on the way out
+            worker.stop()  # SIGTERM: what is still batched is flushed on the way out
             new = [s for s in receiver.spans if s.trace_id not in before and s.name == "mm_encoder.encode"]
             assert len(new) == 1 and new[0].parent_span_id == ""
 

@@ -33,8 +33,8 @@ import pytest
 
 from harness.hf_reference import Reference, content, write_hf_checkpoint
 from harness.media_factory import image_bytes, natural_image, video_bytes
-from harness.nginx_fixtures import require_nginx
 from harness.serve_fixtures import chat, chat_stream, data_url, frontend_stats, serving
+from harness.topology import require_nginx
 
 pytest.importorskip("dynamo.llm")
 pytestmark = pytest.mark.slow  # two whole graphs, one of them vLLM's engine

@@ -15,6 +15,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness import wire_raw
 from mm_encoder import wire
 from mm_encoder.core.errors import MMEncoderError, WireError
 
@@ -99,7 +100,7 @@ def test_map_is_canonical_msgpack(tokens: int) -> None:
     body = wire.encode(mm_hash="h", model="m", modality="image", embeds=x, grid_thws=[(1, 2, 2 * tokens)])
     raw = zstandard.ZstdDecompressor().decompress(body)
     assert msgpack.packb(msgpack.unpackb(raw)) == raw
-    assert wire._pack(mm_hash="h", model="m", modality="image", embeds=x, grid_thws=[(1, 2, 2 * tokens)]) == raw
+    assert wire_raw.pack(mm_hash="h", model="m", modality="image", embeds=x, grid_thws=[(1, 2, 2 * tokens)]) == raw
 
 
 # bf16: 1.0 = 0x3F80, -2.0 = 0xC000, 0.5 = 0x3F00 (little-endian: 80 3F, 00 C0, 00 3F)

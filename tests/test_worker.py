@@ -15,6 +15,7 @@ import torch
 
 from harness.media_factory import image_bytes, natural_image, video_bytes
 from harness.worker_fixtures import ForwardGate, post_json, run_canary, run_origin, run_worker, url_for, wait_for
+from harness.worker_fixtures import metric as worker_metric
 from mm_encoder import wire
 from mm_encoder.encode_worker.load import CapacityMeter
 from mm_encoder.model.loading import default_device, default_dtype
@@ -38,7 +39,7 @@ REQUESTS = "dynamo_component_encode_requests_total"
 
 
 def metric(worker, name: str, **labels) -> float:
-    return worker.service.metrics.value(name, labels)
+    return worker_metric(worker, name, labels)
 
 
 @pytest.fixture

@@ -16,14 +16,14 @@ so the capacity model places keys exactly as the router does:
   the request to the next point's server, and so on around the ring.
 
 crc32 is zlib's (the IEEE polynomial, what nginx's `ngx_crc32_*` compute). A test starts the real
-router and checks this ring's choice for every key it sends (tests/test_capacity.py).
+router and checks this ring's choice for every key it sends, and with a shard down
+(tests/test_capacity.py, through `harness/ring.py`: the same ring read key by key).
 """
 
 from __future__ import annotations
 
-import bisect
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -81,27 +81,9 @@ class HashRing:
         """crc32 of the key's bytes: what the router hashes (`$cache_key`)."""
         return zlib.crc32(key.encode() if isinstance(key, str) else key)
 
-    def point_of(self, key_hash: int) -> int:
-        """Index of the first point >= key_hash (wrapping to 0 past the last)."""
-        return bisect.bisect_left(self.hashes, key_hash) % len(self.hashes)
-
-    def index_of(self, key: str | bytes, down: Iterable[int] = ()) -> int:
-        """The shard index for `key`; shards in `down` pass it on to the next point's shard."""
-        skip = set(down)
-        if len(skip) >= len(self.servers):
-            raise ValueError("every shard is down")
-        at = self.point_of(self.key_hash(key))
-        while self.owners[at] in skip:
-            at = (at + 1) % len(self.hashes)
-        return self.owners[at]
-
-    def server_of(self, key: str | bytes, down: Iterable[str] = ()) -> str:
-        """The shard's name for `key`, as the router's `X-Cache-Shard` reports it."""
-        gone = {self.servers.index(s) for s in down}
-        return self.servers[self.index_of(key, gone)]
-
     def indices_of_hashes(self, key_hashes: npt.NDArray[np.uint32]) -> npt.NDArray[np.int32]:
-        """`index_of` for many key hashes at once (no shard down)."""
+        """Each key hash's shard index: its point is the first >= it (wrapping to the first past the
+        last); no shard down."""
         at = np.searchsorted(self._hashes, key_hashes, side="left") % len(self._hashes)
         owners: npt.NDArray[np.int32] = self._owners[at]
         return owners

@@ -41,10 +41,6 @@ def _lru(max_bytes: int) -> cachetools.LRUCache[int, int]:
     return cachetools.LRUCache(max(max_bytes, 1), getsizeof=int)
 
 
-def tier_entry_bytes(body: int) -> int:
-    return -(-(body + TIER_ENTRY_OVERHEAD) // PAGE) * PAGE
-
-
 def synthetic_key(rank: int, seed: int) -> str:
     """A catalogue item's tier key in the frontend's form (64 hex digits of sha256)."""
     return hashlib.sha256(f"mm-encoder-capacity:{seed}:{rank}".encode()).hexdigest()

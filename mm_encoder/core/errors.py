@@ -5,8 +5,8 @@ HTTP status its transport answers. Callers map errors to responses by reading `c
     MMEncoderError                       code, http_status, message
     ├── BadRequest            400        the request itself is malformed
     │   └── ContextOverflow   400        the prompt (media expanded) does not fit the model
-    ├── MediaError            413/422    the media bytes (codes: MEDIA_ERROR_CODES)
-    ├── FetchError            400-504    a media URL refused or not fetched (codes: FETCH_ERROR_STATUS)
+    ├── MediaError            413/422    the media bytes (codes: MediaError.codes)
+    ├── FetchError            400-504    a media URL refused or not fetched (codes: FetchError.codes)
     ├── UnknownModelError     404
     ├── RevisionMismatch, DtypeMismatch   409   the caller expects another checkpoint or row dtype
     ├── RequestTooLarge       413        above a transport's message limit
@@ -154,10 +154,6 @@ class FetchError(_Coded):
         "upstream_status": 422,  # the origin answered >= 400 (or a 3xx without Location)
         "fetch_failed": 502,  # connection refused/reset, TLS error, broken HTTP, unreadable allowed file
     }
-
-
-MEDIA_ERROR_CODES = frozenset(MediaError.codes)
-FETCH_ERROR_STATUS = dict(FetchError.codes)
 
 
 # --- retry later or elsewhere (503, with Retry-After over HTTP) -----------------------------

@@ -38,8 +38,3 @@ def exposed_name(family: Metric) -> str:
     """The name a family's samples are queried by: a counter's with `_total`, else the family's own
     (a histogram's `_bucket`, `_sum` and `_count` hang off it)."""
     return f"{family.name}_total" if family.type == "counter" else family.name
-
-
-def exposed_names(source: Source) -> dict[str, str]:
-    """Every family `source` exports: its exposed name -> its type (counter, gauge, histogram)."""
-    return {exposed_name(f): f.type for f in source.collect()}

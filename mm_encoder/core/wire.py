@@ -173,12 +173,6 @@ def to_json(body: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> bytes:
                        grid_thws=m.grid_thws, timestamps=m.timestamps, dtype=m.dtype)
 
 
-def _pack(**fields: Any) -> bytes:
-    """The uncompressed msgpack map (what the zstd frame holds); takes encode's arguments but `level`."""
-    head, data = _map_parts(_fields(**fields))
-    return b"".join((head, data))
-
-
 def _map_parts(fields: dict[str, Any]) -> tuple[bytes, memoryview]:
     """`_fields`' map, embeds last, split before the tensor bytes: (everything before them, them).
 

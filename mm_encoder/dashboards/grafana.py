@@ -8,18 +8,12 @@ package exports. kube-prometheus-stack's Grafana sidecar loads every ConfigMap l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 FLEET = Path(__file__).parent / "encoder-fleet.json"
 SIDECAR_LABEL = {"grafana_dashboard": "1"}
 DATA_KEY = "mm-encoder-fleet.json"  # one file name, whatever the graph: two graphs' ConfigMaps are one dashboard
-
-
-def fleet_dashboard() -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads(FLEET.read_text())
-    return loaded
 
 
 def config_map(name: str, labels: dict[str, str]) -> dict[str, Any]:

@@ -28,9 +28,6 @@ from .admission import Admission
 from .caches import AliasCache, BodyCache
 from .load import CapacityMeter
 
-# Dynamo's own component metrics carry these; a request's endpoint is the worker's one encode endpoint
-# whichever transport brought it (the `transport` label tells HTTP from Dynamo RPC)
-DYNAMO_LABELS = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "worker_type")
 PREFIX = "dynamo_component_encode"
 CACHE_PREFIX = "dynamo_component_embedding_cache"  # Dynamo's multimodal embedding cache metrics, per `level`
 STAGES = ("fetch", "decode", "preprocess", "queue", "forward", "pack", "total")
@@ -75,9 +72,11 @@ class _CacheCollector(Collector):
 class ServiceMetrics:
     def __init__(self, alias: AliasCache, body: BodyCache, admission: Admission, *, inflight: Callable[[], int],
                  queued: Callable[[], int], capacity: CapacityMeter | None = None, namespace: str = NAMESPACE):
-        # `own`: the metrics with their own labels only (what `load` and `value` read); `registry`: what
-        # /metrics shows, `own` with Dynamo's labels, and 0.2's names until 0.4
+        # `own`: the metrics with their own labels only (what `load` reads); `registry`: what /metrics
+        # shows, `own` with Dynamo's labels, and 0.2's names until 0.4
         self.own = r = CollectorRegistry(auto_describe=True)
+        # Dynamo's component labels: a request's endpoint is the worker's one encode endpoint whichever
+        # transport brought it (the `transport` label tells HTTP from Dynamo RPC)
         self.dynamo = {"dynamo_namespace": namespace, "dynamo_component": ENCODER_COMPONENT,
                        "dynamo_endpoint": ENCODE_ENDPOINT, "worker_type": "encode"}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -168,11 +167,3 @@ class ServiceMetrics:
             "capacity_pps": None if math.isnan(capacity) else capacity,
             "draining": draining,
         }
-
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """A sample's current value by its own labels (0 when absent), for tests and benchmarks; a
-        deprecated 0.2 name reads its alias."""
-        found = self.own.get_sample_value(name, labels or {})
-        if found is None:
-            found = self.registry.get_sample_value(name, labels or {})
-        return found or 0.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from ..core.spec import PreprocessConfig, PromptConfig, TowerConfig
 
@@ -227,10 +227,3 @@ class Family:
     transformers: TransformersFacts | NotServed
     vllm: tuple[VllmInput, ...] | NotServed
     checkpoint: CheckpointWriter | NotServed
-
-    FACETS: ClassVar[tuple[str, ...]] = ("spec", "vision_config", "preprocess", "prompt", "transformers", "vllm",
-                                         "checkpoint")
-
-    def provides(self) -> dict[str, Any]:
-        """Each facet by name: its facts, or NotServed."""
-        return {f: getattr(self, f) for f in self.FACETS}

@@ -84,12 +84,6 @@ def _vision_updates(vision: dict[str, Any], model_type: str) -> dict[str, dict[s
     return updates
 
 
-def tower_from_hf(vision: dict[str, Any], base: TowerConfig | None = None, model_type: str = "kimi_k25") -> TowerConfig:
-    """The tower a vision_config states; keys it does not state keep `base`'s values."""
-    update = _vision_updates(vision, model_type)["tower"]
-    return TowerConfig.model_validate({**(base or TowerConfig()).model_dump(), **update})
-
-
 def spec_from_hf_config(config: dict[str, Any], base: ModelSpec, revision: str) -> ModelSpec:
     """Overlay the tower/projector facts of a checkpoint's config.json on a registry spec.
 

@@ -31,10 +31,6 @@ def resize_target(width: int, height: int, patch_limit: int, cfg: PreprocessConf
     return size
 
 
-# Measured bound of `resize_uint8` against Pillow 13's BICUBIC on uint8 images (tests/test_fidelity.py).
-PIL_MAX_DIFF = 2
-
-
 def resize_uint8(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Bicubic + antialias resize of uint8 [t, 3, H, W], close to PIL BICUBIC: at most 2 grey levels
     apart, and more than 1 on under 1 value in 10^5.

@@ -11,8 +11,6 @@ from pydantic_settings import SettingsConfigDict, SettingsError
 
 from ..runtime.dynamo import DynamoOptions
 
-CONNECTORS = ("virtual", "kubernetes")
-
 
 class PlannerSettings(DynamoOptions):
     """The encode planner: keeps the encoder fleet's demanded patches per second at a target

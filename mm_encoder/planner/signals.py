@@ -15,8 +15,6 @@ from typing import Any
 
 from ..core.quantiles import from_buckets
 
-COUNTERS = ("forward_seconds", "patches_admitted", "patches_encoded", "rejected")
-
 
 @dataclass(frozen=True)
 class Snapshot:

@@ -181,15 +181,6 @@ class Authority:
         return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
 
-def identity_of(cert_pem: bytes) -> Identity:
-    """Whom a certificate names (its CN and OU), from PEM or DER bytes (`getpeercert(binary_form=True)`)."""
-    cert = _load_cert(cert_pem, None)
-    name, role = _attribute(cert, NameOID.COMMON_NAME), _attribute(cert, NameOID.ORGANIZATIONAL_UNIT_NAME)
-    if name is None or role is None:
-        raise PkiError(f"certificate {cert.subject.rfc4514_string()!r} names no component (it needs one CN and one OU)")
-    return Identity(name, role)
-
-
 def describe(cert: Path) -> dict[str, str]:
     """A certificate file's facts for logs and status: subject, role, validity, hosts, SHA-256 fingerprint."""
     c = _load_cert(_read(Path(cert)), Path(cert))

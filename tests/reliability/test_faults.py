@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import MODEL, Served, chat, sample_tokens
+from harness.topology import free_port, require_nginx
 from mm_encoder.runtime.procfs import leftover_pids
 
 pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import require_nginx, tiers
+from harness.topology import require_nginx, tiers
 from harness.worker_fixtures import SPEC, run_origin, run_worker
 from mm_encoder.client import EncoderChain
 from mm_encoder.core.errors import RemoteError

@@ -3,11 +3,17 @@ the run directory and a certificate per replica. The README's request answers ov
 ready line names the CA to pass); every internal serving port in state.json (the encoder's and
 every tier's) refuses plaintext and a client without a certificate, the frontend's OpenAI port
 serves HTTPS only; each component's status is on its plaintext ops port; every private key is 0600
-in a 0700 directory and no log holds key material. Real processes throughout."""
+in a 0700 directory and no log holds key material. Then, on SIGHUP, serve replaces every
+certificate (the CA kept) and the graph keeps answering on the new ones. Real processes throughout.
+
+One graph for the module; the rotation test runs last (it replaces the certificates the others
+read), and the graph stops cleanly at the end (`Served.stop`: exit 0, no process left)."""
 
 from __future__ import annotations
 
 import http.client
+import os
+import signal
 import ssl
 import stat
 import urllib.error
@@ -16,8 +22,21 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import Served, chat
+from harness.topology import free_port, require_nginx
+from mm_encoder.serve.status import collect
+
+pytestmark = pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`mm-encoder serve graphs/epd.yaml --tls`, ready; stopped (and checked) after the module's last test."""
+    require_nginx()
+    run = tmp_path_factory.mktemp("tls-graph") / "run"
+    with Served("graphs/epd.yaml", run, free_port(), "--tls") as served:
+        served.wait_for("ready: OpenAI base URL", 240)
+        yield served
 
 
 def _refuses_plaintext(url: str) -> None:
@@ -47,33 +66,46 @@ def _refuses_no_certificate(url: str, ca: str) -> None:
         conn.close()
 
 
-@pytest.mark.slow  # a whole graph of subprocesses; `make test-quick` skips it
-def test_serve_tls_answers_over_https_and_every_internal_port_refuses_strangers(tmp_path):
-    require_nginx()
-    port = free_port()
-    run = tmp_path / "run"
-    with Served("graphs/epd.yaml", run, port, "--tls") as served:
-        out = served.wait_for("ready: OpenAI base URL", 240)
-        ca = str(run / "tls" / "ca.pem")
-        assert f"OpenAI base URL https://127.0.0.1:{port}/v1" in out and f"curl --cacert {ca}" in out
-        assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
-        state = served.state
-        assert state["base_url"].startswith("https://") and state["tls"]["ca"] == ca
-        internal = [c for c in state["components"] if c["url"] and c["kind"] != "frontend"]
-        assert {c["kind"] for c in internal} == {"encoder", "cache-shared", "cache-router", "cache-cluster"}
-        for c in internal:
-            assert c["url"].startswith("https://") and c["ops_url"].startswith("http://127.0.0.1:")
-            _refuses_plaintext(c["url"])
-            _refuses_no_certificate(c["url"], ca)
-            health = "/ready" if c["kind"] == "encoder" else "/_cache/health"
-            with urllib.request.urlopen(c["ops_url"] + health, timeout=10) as r:
-                assert r.status == 200
-        _refuses_plaintext(f"https://127.0.0.1:{port}")  # the frontend: HTTPS only
-        # keys: 0600 in a 0700 directory; no log holds key material
-        tls_dir = run / "tls"
-        assert stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
-        keys = sorted(tls_dir.rglob("*.key"))
-        assert len(keys) >= len(state["components"]) + 1  # every replica's, the CA's (and the launcher's)
-        assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys)
-        logs = [p for p in run.glob("*.log")]
-        assert logs and not any("PRIVATE KEY" in p.read_text(errors="replace") for p in logs)
+def test_serve_tls_answers_over_https_and_every_internal_port_refuses_strangers(served):
+    port, run = served.port, served.run_dir
+    out = served.text  # its output so far: the ready line among it
+    ca = str(run / "tls" / "ca.pem")
+    assert f"OpenAI base URL https://127.0.0.1:{port}/v1" in out and f"curl --cacert {ca}" in out
+    assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
+    state = served.state
+    assert state["base_url"].startswith("https://") and state["tls"]["ca"] == ca
+    internal = [c for c in state["components"] if c["url"] and c["kind"] != "frontend"]
+    assert {c["kind"] for c in internal} == {"encoder", "cache-shared", "cache-router", "cache-cluster"}
+    for c in internal:
+        assert c["url"].startswith("https://") and c["ops_url"].startswith("http://127.0.0.1:")
+        _refuses_plaintext(c["url"])
+        _refuses_no_certificate(c["url"], ca)
+        health = "/ready" if c["kind"] == "encoder" else "/_cache/health"
+        with urllib.request.urlopen(c["ops_url"] + health, timeout=10) as r:
+            assert r.status == 200
+    _refuses_plaintext(f"https://127.0.0.1:{port}")  # the frontend: HTTPS only
+    # keys: 0600 in a 0700 directory; no log holds key material
+    tls_dir = run / "tls"
+    assert stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
+    keys = sorted(tls_dir.rglob("*.key"))
+    assert len(keys) >= len(state["components"]) + 1  # every replica's, the CA's (and the launcher's)
+    assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys)
+    logs = [p for p in run.glob("*.log")]
+    assert logs and not any("PRIVATE KEY" in p.read_text(errors="replace") for p in logs)
+
+
+def _file_serial(path) -> int:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+
+
+def test_serve_rotates_every_certificate_on_sighup(served):
+    """Last in the module: the graph's certificates are new afterwards."""
+    port, run = served.port, served.run_dir
+    before = _file_serial(run / "tls" / "encoder.pem")
+    os.kill(served.proc.pid, signal.SIGHUP)
+    served.wait_for("rotation: new certificates for", 30)
+    assert _file_serial(run / "tls" / "encoder.pem") != before
+    assert chat(port, ca=str(run / "tls" / "ca.pem"))["usage"]["prompt_tokens"] == 1223  # on the new ones
+    assert all(c["up"] for c in collect(run)["components"])

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from harness.nginx_fixtures import free_port, require_nginx
 from harness.serve_fixtures import Served, chat
+from harness.topology import free_port, require_nginx
 
 
 def _nats_refuses_without_certificate(address: str, ca: str) -> None:

@@ -2,17 +2,15 @@
 engine fetching bodies through the tier on keep-alive connections without pause; mid-load every
 certificate is replaced (new keys, the CA kept) and each process gets SIGHUP (the worker reads its
 files again, nginx reloads gracefully). Every request answers 200; new handshakes at both servers
-present the new certificates. Then `mm-encoder serve graphs/epd.yaml --tls` does the same for the
-whole graph on SIGHUP, and the graph keeps answering."""
+present the new certificates. (`mm-encoder serve --tls` doing the same for a whole graph on SIGHUP:
+tests/reliability/test_tls_graph.py, on that module's graph.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import ssl
-import sys
 import threading
 import time
 
@@ -20,13 +18,11 @@ import pytest
 
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import free_port, require_nginx
-from harness.processes import Process
-from harness.serve_fixtures import Served, chat, data_url
+from harness.serve_fixtures import data_url
+from harness.topology import TierProcess, Tls, WorkerProcess, require_nginx, start_tier, start_worker, stop_all
 from mm_encoder.client.chain import EncoderChain
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.security.tls import TlsOptions
-from mm_encoder.serve.status import collect
 
 SOURCE = EncodeRequest(model="tiny", url=data_url(image_bytes(natural_image(64, 40, seed=9))))
 
@@ -80,23 +76,16 @@ def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
     require_nginx()
     certs = Certs(tmp_path / "pki")
     ca = str(certs.ca_file)
-    procs: list[Process] = []
+    started: list[WorkerProcess | TierProcess] = []
     try:
-        enc = certs.issue("encoder", "encoder")
-        worker = Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--tls-cert", str(enc.cert),
-                          "--tls-key", str(enc.key), "--tls-ca", ca, "--tls-allow", "cache-cluster"],
-                         name="tls worker", env={**os.environ, "MM_ENCODER_HTTP_PORT": "0"}, log=tmp_path / "w.log")
-        procs.append(worker)
-        wport = int(worker.wait_for("mm-encoder worker ready", 120).split("http_port=")[1].split()[0])
+        worker = start_worker("--tls-allow", "cache-cluster", tls=Tls.issue(certs, "encoder", "encoder"),
+                              name="tls worker", log=tmp_path / "w.log", timeout=120)
+        started.append(worker)
+        wport = worker.http_port
         cl = certs.issue("cluster", "cache-cluster")
-        port, ops = free_port(), free_port()
-        tier = Process([sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", "cluster", "--listen",
-                        f"127.0.0.1:{port}", "--next", f"127.0.0.1:{wport}", "--ops-listen", f"127.0.0.1:{ops}",
-                        "--run-dir", str(tmp_path / "nginx"), "--cache-dir", str(tmp_path / "cache"), "--workers", "1",
-                        "--tls-cert", str(cl.cert), "--tls-key", str(cl.key), "--tls-ca", ca],
-                       name="nginx cluster", log=tmp_path / "cluster.log")
-        procs.append(tier)
-        tier.wait_url(f"http://127.0.0.1:{ops}/_cache/health", 15)
+        tier = start_tier(tmp_path, "cluster", "cluster", "--next", worker.address, tls=Tls(certs, cl))
+        started.append(tier)
+        port = tier.port
         engine = certs.issue("engine-0", "engine")
         load = Load(f"https://127.0.0.1:{port}", TlsOptions(tls_cert=engine.cert, tls_key=engine.key,
                                                             tls_ca=certs.ca_file).client_context())
@@ -106,8 +95,8 @@ def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
             time.sleep(0.05)
         old = (_served_serial(wport, ca, cl), _served_serial(port, ca, engine))
         enc, cl = certs.issue("encoder", "encoder", replace=True), certs.issue("cluster", "cache-cluster", replace=True)
-        worker.send_signal(signal.SIGHUP)
-        tier.send_signal(signal.SIGHUP)  # nginx's master: a graceful reload (new workers, then the old ones go)
+        worker.proc.send_signal(signal.SIGHUP)
+        tier.proc.send_signal(signal.SIGHUP)  # nginx's master: a graceful reload (new workers, then the old ones go)
         want = (_file_serial(enc.cert), _file_serial(cl.cert))
         assert want[0] != old[0] and want[1] != old[1]
         deadline = time.monotonic() + 20
@@ -120,22 +109,7 @@ def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
         load.done.set()
         load.join(40)
         assert load.failed == [] and load.ok >= before + 50, (load.ok, load.failed[:3])
-        assert worker.poll() is None and tier.poll() is None
+        assert worker.proc.poll() is None and tier.proc.poll() is None
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(started)
 
-
-@pytest.mark.slow
-def test_serve_rotates_every_certificate_on_sighup(tmp_path):
-    require_nginx()
-    port = free_port()
-    run = tmp_path / "run"
-    with Served("graphs/epd.yaml", run, port, "--tls") as served:
-        served.wait_for("ready: OpenAI base URL", 240)
-        before = _file_serial(run / "tls" / "encoder.pem")
-        os.kill(served.proc.pid, signal.SIGHUP)
-        served.wait_for("rotation: new certificates for", 30)
-        assert _file_serial(run / "tls" / "encoder.pem") != before
-        assert chat(port, ca=str(run / "tls" / "ca.pem"))["usage"]["prompt_tokens"] == 1223  # on the new ones
-        assert all(c["up"] for c in collect(run)["components"])

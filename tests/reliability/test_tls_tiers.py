@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import ssl
-import sys
 import urllib.error
 import urllib.request
 
@@ -23,9 +21,8 @@ import pytest
 
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
-from harness.nginx_fixtures import free_port, require_nginx
-from harness.processes import Process
 from harness.serve_fixtures import data_url
+from harness.topology import TierProcess, Tls, WorkerProcess, require_nginx, start_tier, start_worker, stop_all
 from mm_encoder.client.chain import EncoderChain
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.security.pki import Identity
@@ -76,35 +73,23 @@ def chain(tmp_path_factory):
     require_nginx()
     tmp = tmp_path_factory.mktemp("tls-tiers")
     certs = Certs(tmp / "pki")
-    ca = str(certs.ca_file)
-    procs: list[Process] = []
-
-    def tls(name: str, role: str) -> list[str]:
-        issued = certs.issue(name, role)
-        return ["--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--tls-ca", ca]
-
+    started: list[WorkerProcess | TierProcess] = []
     try:
-        worker = Process([sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--ops-port", "0",
-                          *tls("encoder", "encoder")], name="tls worker", log=tmp / "worker.log",
-                         env={**os.environ, "MM_ENCODER_HTTP_PORT": "0"})
-        procs.append(worker)
-        fields = dict(f.split("=", 1) for f in worker.wait_for("mm-encoder worker ready", 120).split() if "=" in f)
-        ports = {"worker": int(fields["http_port"]), "worker_ops": int(fields["ops_port"])}
-        for tier, upstream in (("shared", "worker"), ("router", "shared"), ("cluster", "router")):
-            name, port, ops = tier, free_port(), free_port()
-            nxt = ["--shard" if tier == "router" else "--next", f"127.0.0.1:{ports[upstream]}"]
-            cache = [] if tier == "router" else ["--cache-dir", str(tmp / f"cache-{name}")]
-            proc = Process([sys.executable, "-m", "mm_encoder.cache_tiers", "up", "--tier", tier,
-                            "--listen", f"127.0.0.1:{port}", *nxt, *cache, "--ops-listen", f"127.0.0.1:{ops}",
-                            "--run-dir", str(tmp / f"nginx-{name}"), "--workers", "1", *tls(name, f"cache-{tier}")],
-                           name=f"nginx {name}", log=tmp / f"{name}.log")
-            procs.append(proc)
-            proc.wait_url(f"http://127.0.0.1:{ops}/_cache/health", 15)
-            ports[name], ports[f"{name}_ops"] = port, ops
-        yield certs, ports, tmp
+        worker = start_worker(tls=Tls.issue(certs, "encoder", "encoder"), name="tls worker", log=tmp / "worker.log",
+                              timeout=120)
+        started.append(worker)
+        ports = {"worker": worker.http_port, "worker_ops": worker.ops_port}
+        logs = {}
+        upstream = worker.address
+        for tier in ("shared", "router", "cluster"):
+            nxt = ["--shard" if tier == "router" else "--next", upstream]
+            t = start_tier(tmp, tier, tier, *nxt, tls=Tls.issue(certs, tier, f"cache-{tier}"))
+            started.append(t)
+            ports[tier], ports[f"{tier}_ops"], logs[tier] = t.port, t.ops_port, t.log
+            upstream = t.address
+        yield certs, ports, logs
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(started)
 
 
 def _describe(port: int, issued, ca) -> str:
@@ -132,9 +117,9 @@ def test_the_frontends_way_in_answers_then_hits(chain):
 @pytest.mark.parametrize("tier", ["cluster", "router", "shared"])
 def test_unauthenticated_or_unadmitted_callers_get_nothing_from_a_tier(chain, tier):
     """Each bad caller asks for the entry the test above cached (and would fill it otherwise)."""
-    certs, ports, tmp = chain
+    certs, ports, logs = chain
     port = ports[tier]
-    before = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), (tmp / f"{tier}.log").read_text())
+    before = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), logs[tier].read_text())
     # plaintext to the HTTPS port
     with pytest.raises(urllib.error.HTTPError) as plain:
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/encode", method="POST",
@@ -155,5 +140,5 @@ def test_unauthenticated_or_unadmitted_callers_get_nothing_from_a_tier(chain, ti
         status, headers = _head(port, _client(certs.wrong_role(name, role), certs.ca_file))
         assert status == 403 and headers["X-MM-Error-Code"] == "forbidden_peer", (status, headers)
         assert "X-Cache-Status" not in headers
-    after = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), (tmp / f"{tier}.log").read_text())
+    after = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), logs[tier].read_text())
     assert after == before  # no request reached the cache location: no read, no fill, no log line, no encode

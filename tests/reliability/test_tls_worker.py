@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import ssl
-import sys
 import urllib.error
 import urllib.request
 
@@ -21,8 +19,8 @@ import pytest
 
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
-from harness.processes import Process
 from harness.serve_fixtures import data_url
+from harness.topology import Tls, start_worker
 from mm_encoder.client.chain import EncoderChain
 from mm_encoder.core.errors import EncoderUnavailable
 from mm_encoder.core.requests import EncodeRequest
@@ -70,14 +68,9 @@ def _metric(ops_port: int, name: str) -> float:
 def worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tls-worker")
     certs = Certs(tmp / "pki")
-    server = certs.issue("encoder", "encoder")
-    env = {**os.environ, "MM_ENCODER_HTTP_PORT": "0"}
-    argv = [sys.executable, "-m", "mm_encoder.worker", "--model", "tiny", "--tls-cert", str(server.cert),
-            "--tls-key", str(server.key), "--tls-ca", str(certs.ca_file), "--ops-port", "0"]
-    with Process(argv, name="tls worker", env=env, log=tmp / "worker.log") as proc:
-        line = proc.wait_for("mm-encoder worker ready", 120)
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        yield certs, int(fields["http_port"]), int(fields["ops_port"])
+    with start_worker(tls=Tls.issue(certs, "encoder", "encoder"), name="tls worker", log=tmp / "worker.log",
+                      timeout=120) as w:
+        yield certs, w.http_port, w.ops_port
 
 
 def test_an_admitted_role_is_answered_through_the_packages_own_client(worker):
