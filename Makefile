@@ -61,13 +61,16 @@ worker: venv
 # `vllm_venv` fixture, which fails with the log's tail if the build fails), then tests/vllm/ on vLLM's
 # code in vLLM's own venv. --durations: the slowest tests, printed at the end of each run.
 VLLM_BUILD := $(VLLM_VENV)/build
+# Two pytest workers (pytest-xdist), a test module at a time on each (module-scoped graphs are started
+# once): most tests wait on processes they started, so one worker leaves a core idle much of the time.
+PYTEST_PARALLEL ?= -n 2 --dist loadscope
 test: venv system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc && echo "building $(VLLM_VENV) in the background (log: $(VLLM_BUILD).log)"
 	@{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; } & echo $$! > $(VLLM_BUILD).pid; \
-	echo "$(BIN)/python -m pytest -q --durations=20"; \
-	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) $(BIN)/python -m pytest -q --durations=20; rc=$$?; \
+	echo "$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20"; \
+	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20; rc=$$?; \
 	wait; \
 	if [ "$$(cat $(VLLM_BUILD).rc)" != 0 ]; then \
 	  echo "error: building $(VLLM_VENV) failed; $(VLLM_BUILD).log:"; cat $(VLLM_BUILD).log; exit 1; fi; \

@@ -212,7 +212,10 @@ class GraphRunner:
             "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.pid} for s in self.servers]},
             **({"scaling": self.scaling} if self.scaling else {}),
         }
-        (self.run_dir / "state.json").write_text(json.dumps(state, indent=2))
+        # whole or not at all: `mm-encoder status` and the tests read it while serve rewrites it (a scale)
+        tmp = self.run_dir / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.run_dir / "state.json")
 
     def stop(self) -> list[int]:
         """Reverse order; whole sessions; returns PIDs of the graph still alive afterwards (none)."""
