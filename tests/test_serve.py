@@ -150,3 +150,32 @@ def test_graph_errors_name_their_path(tmp_path):
         load_graph(tmp_path / "missing.yaml")
     for g in ("epd", "agg", "epd-stock"):
         assert load_graph(ROOT / "graphs" / f"{g}.yaml").name == g
+
+
+def test_a_replica_planned_after_start_gets_its_certificate_before_it_starts(tmp_path):
+    """Under `--tls`, the planner's scale-up plans encoder-1, which the start-up issue did not cover:
+    serve issues its certificate (CN encoder-1, OU encoder, from the run directory's CA) before the
+    process starts, and leaves the others' certificates as they were."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from mm_encoder.security.pki import Identity
+    from mm_encoder.serve.fleet import Proc
+    from mm_encoder.serve.runner import GraphRunner
+
+    graph = load_graph(ROOT / "graphs" / "epd-autoscale.yaml")
+    graph = graph.model_copy(update={"tls": graph.tls.model_copy(update={"enabled": True})})
+    runner = GraphRunner(graph, tmp_path / "run")
+    assert runner.site.issuer is not None
+    runner.site.issuer.issue([Identity("encoder-0", "encoder")])  # what start-up issued
+    first = (tmp_path / "run" / "tls" / "encoder-0.pem").read_bytes()
+    encoder = runner._planned("encoder", 2)["encoder"]
+    added = Proc(encoder, encoder.replicas[1])
+    assert added.replica.tls is not None and not os.path.exists(added.replica.tls.cert)
+    runner.launch.prepare(added)
+    cert = x509.load_pem_x509_certificate(open(added.replica.tls.cert, "rb").read())
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "encoder-1"
+    assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "encoder"
+    ca = x509.load_pem_x509_certificate(runner.site.issuer.ca_file.read_bytes())
+    assert cert.issuer == ca.subject
+    assert (tmp_path / "run" / "tls" / "encoder-0.pem").read_bytes() == first

@@ -50,15 +50,17 @@ class Issuer:
         d = self.dir / "servers"
         return {s: (str(d / f"{s}.pem"), str(d / f"{s}.key"), str(self.ca_file)) for s in SERVERS}
 
-    def issue(self, identities: Iterable[Identity]) -> None:
-        """A new certificate for each identity (and for the launcher and the servers), the CA kept."""
+    def issue(self, identities: Iterable[Identity], *, site: bool = True) -> None:
+        """A new certificate for each identity, the CA kept; with `site`, the launcher's and the servers'
+        too (a start, a rotation), without only those named (a replica added to a running deployment)."""
         try:
             authority = self._authority()
             for identity in identities:
                 authority.issue(identity, self.dir, replace=True)
-            authority.issue(Identity(LAUNCHER, "client"), self.dir / "launcher", replace=True)
-            for server in SERVERS:  # Dynamo's etcd and NATS, when the graph's runtime runs them
-                authority.issue(Identity(server, server), self.dir / "servers", replace=True)
+            if site:
+                authority.issue(Identity(LAUNCHER, "client"), self.dir / "launcher", replace=True)
+                for server in SERVERS:  # Dynamo's etcd and NATS, when the graph's runtime runs them
+                    authority.issue(Identity(server, server), self.dir / "servers", replace=True)
         except PkiError as e:
             raise GraphError(f"TLS certificates: {e.message}") from None
 

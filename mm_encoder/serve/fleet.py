@@ -147,13 +147,14 @@ class Fleet:
             self._procs = [p for p in self._procs if p.name != r.name]  # a dead one of that name: replaced
             p = Proc(target, r)
             self._procs.append(p)
-            self._spawn(p)
             try:
+                self._spawn(p)
                 self._wait_healthy(p)
-            except GraphError as e:
-                self._kill(p)
+            except (GraphError, OSError) as e:  # its certificate, its process, its health
+                if p.popen is not None:
+                    self._kill(p)
                 self._procs.remove(p)
-                return started, f"{r.name} failed to start: {e.message.splitlines()[0]}"
+                return started, f"{r.name} failed to start: {str(getattr(e, 'message', e)).splitlines()[0]}"
             started.append(r.name)
         return started, ""
 

@@ -106,7 +106,7 @@ class GraphRunner:
     def _certify(self, p: Proc) -> None:
         """A replica planned after start-up (the planner's scale-up) gets its certificate before it starts."""
         if self.site.issuer is not None and p.replica.tls is not None and not Path(p.replica.tls.cert).is_file():
-            self.site.issuer.issue([Identity(p.name, p.kind)])
+            self.site.issuer.issue([Identity(p.name, p.kind)], site=False)
 
     def supervise(self, scaler: Scaler | None = None, status_interval: float = 0.0,
                   stop: threading.Event | None = None) -> None:
