@@ -11,6 +11,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -173,7 +174,7 @@ def test_a_replica_planned_after_start_gets_its_certificate_before_it_starts(tmp
     added = Proc(encoder, encoder.replicas[1])
     assert added.replica.tls is not None and not os.path.exists(added.replica.tls.cert)
     runner.launch.prepare(added)
-    cert = x509.load_pem_x509_certificate(open(added.replica.tls.cert, "rb").read())
+    cert = x509.load_pem_x509_certificate(Path(added.replica.tls.cert).read_bytes())
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "encoder-1"
     assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "encoder"
     ca = x509.load_pem_x509_certificate(runner.site.issuer.ca_file.read_bytes())
