@@ -56,26 +56,34 @@ demo: venv
 worker: venv
 	$(BIN)/python -m mm_encoder.encode_worker
 
-# Lint, then the project's suite while vLLM's virtualenv builds in the background (its log and exit
-# status in $(VLLM_VENV)/build.*; the few tests that run vLLM's engine wait for it through the
-# `vllm_venv` fixture, which fails with the log's tail if the build fails), then tests/vllm/ on vLLM's
-# code in vLLM's own venv. --durations: the slowest tests, printed at the end of each run.
+# Lint, then the project's suite on two workers while, in the background, vLLM's virtualenv builds and
+# tests/vllm/ runs in it on vLLM's code (logs and exit statuses: $(VLLM_VENV)/build.* and tests.*; the
+# few tests of the suite that run vLLM's engine wait for the build through the `vllm_venv` fixture,
+# which fails with the log's tail if the build fails). --durations: the slowest tests of each run.
+# The suite: two pytest workers (pytest-xdist), a test module at a time on each (a module's graphs start
+# once), in the order tests/conftest.py gives (the modules that start whole graphs first): one worker
+# alone leaves a core idle while its tests wait on the processes they started.
 VLLM_BUILD := $(VLLM_VENV)/build
-# Two pytest workers (pytest-xdist), a test module at a time on each (module-scoped graphs are started
-# once): most tests wait on processes they started, so one worker leaves a core idle much of the time.
-PYTEST_PARALLEL ?= -n 2 --dist loadscope
+VLLM_TESTS := $(VLLM_VENV)/tests
+PYTEST_PARALLEL ?= -n 2 --dist loadscope --no-loadscope-reorder
 test: venv system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc && echo "building $(VLLM_VENV) in the background (log: $(VLLM_BUILD).log)"
-	@{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; } & echo $$! > $(VLLM_BUILD).pid; \
+	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc $(VLLM_TESTS).rc && \
+	  echo "building $(VLLM_VENV), then tests/vllm in it, in the background (logs: $(VLLM_BUILD).log, $(VLLM_TESTS).log)"
+	@{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; \
+	   if [ "$$(cat $(VLLM_BUILD).rc)" = 0 ]; then \
+	     $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm > $(VLLM_TESTS).log 2>&1; \
+	     echo $$? > $(VLLM_TESTS).rc; fi; } & \
 	echo "$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20"; \
 	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20; rc=$$?; \
 	wait; \
 	if [ "$$(cat $(VLLM_BUILD).rc)" != 0 ]; then \
 	  echo "error: building $(VLLM_VENV) failed; $(VLLM_BUILD).log:"; cat $(VLLM_BUILD).log; exit 1; fi; \
+	echo "$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm (ran beside the suite)"; \
+	cat $(VLLM_TESTS).log; \
+	if [ "$$(cat $(VLLM_TESTS).rc)" != 0 ]; then echo "error: tests/vllm failed"; exit 1; fi; \
 	exit $$rc
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm
 
 # Only what runs vLLM: the adapter's unit tests, the EPD graph with vLLM as its engine, tests/vllm/.
 test-vllm: venv system-deps vllm-venv

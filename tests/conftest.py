@@ -51,3 +51,12 @@ def vllm_venv():
         return wait_for_vllm_build()
     except BuildFailed as e:
         pytest.fail(str(e), pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules that start whole graphs (a `slow` test) first, each module's tests kept together and in
+    order: with two workers (`make test`: pytest-xdist, a module at a time) the long modules are spread
+    over both from the start and the short ones fill the gaps at the end, instead of one worker running
+    the last long module alone."""
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)  # stable: the collection's order within each group

@@ -55,7 +55,7 @@ async def test_encode_data_url_matches_direct_encoder(tiny, session):
     assert headers["Content-Type"] == wire.CONTENT_TYPE
     msg = wire.decode(body)
     direct = tiny.encode([PNG])[0]
-    assert tiny.dtype == DEFAULT_DTYPE
+    assert tiny.steps.dtype == DEFAULT_DTYPE
     assert msg.mm_hash == headers["X-MM-Hash"] == direct.mm_hash
     assert msg.model == "tiny" and msg.modality == "image" and msg.dtype == DEFAULT_WIRE
     assert msg.grid_thws == (tuple(direct.grid_thw),) and msg.shape == (direct.num_tokens, 256)
