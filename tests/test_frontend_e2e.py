@@ -358,7 +358,9 @@ def test_an_engine_killed_mid_stream_gives_a_5xx_and_later_requests_work(graph):
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.readline().startswith(b"data: {")  # the first chunk: routed and generating
-    worker = graph.stats()["recent"][-1]["worker_id"]
+    in_flight = graph.stats()["in_flight"]  # this request, routed and answering (`recent` lists ended ones)
+    assert len(in_flight) == 1 and in_flight[0]["prompt_tokens"] > 0
+    worker = in_flight[0]["worker_id"]
     name = next(n for n in ("engine1", "engine2") if graph.instance(n) == str(worker))
     graph.procs[name].kill()
     rest = resp.read().decode()

@@ -84,6 +84,9 @@ async def test_the_record_is_written_once_complete_before_the_last_chunk(tok):
     gen = proc.generate(HI)
     await gen.__anext__()
     assert not proc.stats.recent  # the answer is not done: no record yet
+    (live,) = proc.snapshot()["in_flight"]  # listed in flight instead: where it went
+    assert (live["worker_id"], live["media"], live["trace_id"]) == (WORKER, [], None) and live["ms"] >= 0
+    assert set(live) == {"request_id", "trace_id", "worker_id", "prompt_tokens", "media", "ms"}
     last = await gen.__anext__()
     assert last["choices"][0]["finish_reason"] == "length"
     (record,) = proc.stats.recent  # there before the client has read past the last chunk
@@ -98,6 +101,8 @@ async def test_the_record_is_written_once_complete_before_the_last_chunk(tok):
     with pytest.raises(StopAsyncIteration):
         await gen.__anext__()
     assert list(proc.stats.recent) == [seen] and proc.snapshot()["recent"] == [seen]  # never changed after
+    assert live["request_id"] == seen["request_id"] and live["prompt_tokens"] == seen["prompt_tokens"]
+    assert proc.snapshot()["in_flight"] == []  # ended: no longer in flight
     await asyncio.sleep(0)  # the router's bookkeeping is not waited for (`_router_note`)
     assert proc.capacity.inflight == 0 and proc.router.freed == [record["request_id"]]
     assert "trace" not in engine.payloads[0]  # tracing off: the engine request carries none
@@ -129,6 +134,7 @@ async def test_a_request_that_ends_otherwise_after_routing_is_recorded_as_it_end
     await gen.aclose()  # the client went away after its first chunk
     (cancelled,) = proc.stats.recent
     assert "first_token_ms" in cancelled["timings"] and proc.capacity.inflight == 0
+    assert proc.snapshot()["in_flight"] == []
 
 
 async def test_a_request_never_routed_has_no_record(tok):

@@ -63,6 +63,7 @@ class Stats:
     errors: Counter[str] = field(default_factory=Counter)
     routed: Counter[str] = field(default_factory=Counter)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
+    live: dict[str, FrontendRequest] = field(default_factory=dict)  # routed and not ended: `in_flight`
 
 
 @dataclass
@@ -147,7 +148,7 @@ class MultimodalProcessor:
             with tracing.within(root):
                 self._admit()
             hold = Hold(self.capacity, rid, lambda rid: self._router_note(self.router.free, rid))
-            with FrontendRequest(rid, hold, root, self.stats.recent) as state:
+            with FrontendRequest(rid, hold, root, self.stats.recent, self.stats.live) as state:
                 with tracing.within(root):  # no yield inside: the steps' spans are children of the request's
                     params, stream = await self._dispatch(request, state)
                 async for chunk in self._answer(state, params, stream, context):
@@ -225,7 +226,7 @@ class MultimodalProcessor:
             worker_id, overlap = await self._route(state.hold, spliced.token_ids, infos)
             span.set_attributes({"mm_frontend.worker_id": str(worker_id), "mm_frontend.overlap_blocks": overlap})
         timings["route_ms"] = ms_since(t_route)
-        state.routed = Routed(worker_id, overlap, prompt_tokens, [m.mm_hash for m in items])
+        state.route(Routed(worker_id, overlap, prompt_tokens, [m.mm_hash for m in items]))
         req = EngineRequest(state.rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
                             sampling=params.to_dict(), stream=interim)
         return await self._send(req, state)
@@ -322,7 +323,7 @@ class MultimodalProcessor:
         asked = params.max_tokens or self.limits.default_max_tokens
         worker_id, overlap = await self._route(state.hold, flat)
         self.stats.media_items += len(media)
-        state.routed = Routed(worker_id, overlap, None, [m.url[:64] for m in media])
+        state.route(Routed(worker_id, overlap, None, [m.url[:64] for m in media]))
         req = InlineRequest(state.rid, [], int(asked), self.eos_token_ids, sampling=params.to_dict(), stream=interim,
                             prompt=text, media_refs=[{"url": m.url, "modality": m.modality} for m in media])
         return await self._send(req, state)
@@ -374,6 +375,7 @@ class MultimodalProcessor:
             "routed": dict(s.routed),
             "media_requests_in_flight": self.capacity.waiting,
             "recent": list(s.recent),
+            "in_flight": [r.in_flight() for r in s.live.values()],
         }
 
 

@@ -33,7 +33,8 @@ class Routed:
 class FrontendRequest:
     """One request's state; as a `with` block, ended (`close`) whichever way the request ends."""
 
-    def __init__(self, rid: str, hold: Hold, root: Span, recent: deque[dict[str, Any]]) -> None:
+    def __init__(self, rid: str, hold: Hold, root: Span, recent: deque[dict[str, Any]],
+                 live: dict[str, FrontendRequest]) -> None:
         self.rid, self.hold, self.root = rid, hold, root  # root: the request's span (`generate`'s)
         self.t0 = time.perf_counter()  # admitted, before the dispatch: what first_token_ms counts from
         # encode_ms and route_ms (by handle), then the answer's: first_token_ms, the engine's
@@ -42,7 +43,20 @@ class FrontendRequest:
         self.routed: Routed | None = None  # set once the router has chosen an engine
         self.engine: tracing.Stretch | None = None  # the engine call's span: from the send to its stream's end
         self._recent = recent  # the processor's /mm/stats records
+        self._live = live  # the processor's routed requests in flight, by id (/mm/stats `in_flight`)
         self._recorded = False
+
+    def route(self, routed: Routed) -> None:
+        """The router's choice: from now on the request is listed in flight (where it went) until it ends."""
+        self.routed = routed
+        self._live[self.rid] = self
+
+    def in_flight(self) -> dict[str, Any]:
+        """What /mm/stats says of it while the answer is on its way: where it went, not yet its timings."""
+        assert self.routed is not None
+        r = self.routed
+        return {"request_id": self.rid, "trace_id": tracing.trace_id(self.root), "worker_id": r.worker_id,
+                "prompt_tokens": r.prompt_tokens, "media": r.media, "ms": round(ms_since(self.t0), 3)}
 
     def first_item(self, usage: Usage | None) -> int:
         """The engine's first item: its time and the engine's figures (each stage's time, the
@@ -78,6 +92,7 @@ class FrontendRequest:
 
     def close(self) -> None:
         """The request has ended, however: its record written if not yet, its hold given back."""
+        self._live.pop(self.rid, None)
         try:
             self.record()
         finally:
