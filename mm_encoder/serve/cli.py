@@ -32,6 +32,7 @@ class ServeOptions:
     preset: str | None = None
     tls: bool = False
     tls_dir: Path | None = None
+    start_timeout_s: float = 180.0
 
     def apply(self, graph: Graph) -> Graph:
         """The graph as this run serves it: the options over the file's settings."""
@@ -68,7 +69,8 @@ def serve(options: ServeOptions) -> int:
     except GraphError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
-    runner = GraphRunner(graph, options.run_dir or Path(f"/tmp/mm-encoder-{graph.name}"), restart=options.restart)
+    runner = GraphRunner(graph, options.run_dir or Path(f"/tmp/mm-encoder-{graph.name}"), restart=options.restart,
+                         start_timeout_s=options.start_timeout_s)
     return runner.run(str(source), options.status_interval)
 
 
@@ -89,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action="store_true", help="TLS with client certificates on every hop, from a "
                    "throwaway CA in the run directory (the graph's `tls`; docs/security.md)")
     p.add_argument("--tls-dir", type=Path, help="with --tls: the operator's CA (its ca.pem and ca.key) instead")
+    p.add_argument("--start-timeout-s", type=float, default=180.0, help="how long each replica may take to become "
+                   "healthy (loading a real checkpoint's shards takes longer than the tiny model's)")
     return p
 
 
