@@ -70,7 +70,7 @@ test: venv system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	@# Compiled once here: the suite starts hundreds of processes, and where PYTHONDONTWRITEBYTECODE is set
-	@# (as on CI's machines) each would compile every module of ours it imports again (~0.4 s CPU each).
+	@# (as on this project's machines) each would compile every module of ours it imports (~0.4 s CPU each).
 	@$(BIN)/python -m compileall -q -j 2 mm_encoder harness tests bench > /dev/null
 	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc $(VLLM_TESTS).rc && \
 	  echo "building $(VLLM_VENV), then tests/vllm in it, in the background (logs: $(VLLM_BUILD).log, $(VLLM_TESTS).log)"
