@@ -13,7 +13,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.cache_tiers.nginx import check_install; from mm_encoder.serve import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv vllm-venv test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-deps clean
+.PHONY: venv vllm-venv vllm-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-deps clean
 
 # The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md):
 # constraints.txt, constraints-vllm.txt and the pins here. tools/venv.sh holds both install recipes
@@ -56,31 +56,37 @@ demo: venv
 worker: venv
 	$(BIN)/python -m mm_encoder.encode_worker
 
-# Lint, then the project's suite on two workers while, in the background, vLLM's virtualenv builds and
-# tests/vllm/ runs in it on vLLM's code (logs and exit statuses: $(VLLM_VENV)/build.* and tests.*; the
-# few tests of the suite that run vLLM's engine wait for the build through the `vllm_venv` fixture,
-# which fails with the log's tail if the build fails). --durations: the slowest tests of each run.
-# The suite: two pytest workers (pytest-xdist), a test module at a time on each (a module's graphs start
-# once), in the order tests/conftest.py gives (the modules that start whole graphs first): one worker
-# alone leaves a core idle while its tests wait on the processes they started.
+# vLLM's virtualenv builds, then tests/vllm/ runs in it on vLLM's code, in the background from the
+# start (on the core `make venv` leaves idle); `test` waits for both at its end (the lock they hold).
+# Logs and exit statuses: $(VLLM_VENV)/build.* and tests.*. The few tests of the suite that run vLLM's
+# engine wait for the build through the `vllm_venv` fixture (which fails with the log's tail if it fails).
 VLLM_BUILD := $(VLLM_VENV)/build
 VLLM_TESTS := $(VLLM_VENV)/tests
+VLLM_LOCK := $(VLLM_VENV)/background.lock
+vllm-background:
+	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc $(VLLM_TESTS).rc && \
+	  echo "building $(VLLM_VENV), then tests/vllm in it, in the background (logs: $(VLLM_BUILD).log, $(VLLM_TESTS).log)"
+	@# the lock is taken here and held by the background group alone (its commands get no copy: 9>&-)
+	@exec 9>$(VLLM_LOCK); flock 9; \
+	{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1 9>&-; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; \
+	  if [ "$$(cat $(VLLM_BUILD).rc)" = 0 ]; then \
+	    $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm > $(VLLM_TESTS).log 2>&1 9>&-; \
+	    echo $$? > $(VLLM_TESTS).rc; fi; } > /dev/null 2>&1 &
+
+# Lint, then the project's suite: two pytest workers (pytest-xdist), a test module at a time on each (a
+# module's graphs start once), in the order tests/conftest.py gives (the modules that start whole graphs
+# first): one worker alone leaves a core idle while its tests wait on the processes they started.
+# --durations: the slowest tests of each run.
 PYTEST_PARALLEL ?= -n 2 --dist loadscope --no-loadscope-reorder
-test: venv system-deps
+test: vllm-background venv system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	@# Compiled once here: the suite starts hundreds of processes, and where PYTHONDONTWRITEBYTECODE is set
 	@# (as on this project's machines) each would compile every module of ours it imports (~0.4 s CPU each).
 	@$(BIN)/python -m compileall -q -j 2 mm_encoder harness tests bench > /dev/null
-	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc $(VLLM_TESTS).rc && \
-	  echo "building $(VLLM_VENV), then tests/vllm in it, in the background (logs: $(VLLM_BUILD).log, $(VLLM_TESTS).log)"
-	@{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; \
-	   if [ "$$(cat $(VLLM_BUILD).rc)" = 0 ]; then \
-	     $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm > $(VLLM_TESTS).log 2>&1; \
-	     echo $$? > $(VLLM_TESTS).rc; fi; } & \
-	echo "$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20"; \
+	@echo "$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20"; \
 	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20; rc=$$?; \
-	wait; \
+	flock $(VLLM_LOCK) true; \
 	if [ "$$(cat $(VLLM_BUILD).rc)" != 0 ]; then \
 	  echo "error: building $(VLLM_VENV) failed; $(VLLM_BUILD).log:"; cat $(VLLM_BUILD).log; exit 1; fi; \
 	echo "$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm (ran beside the suite)"; \

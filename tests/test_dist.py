@@ -56,11 +56,14 @@ def dist(tmp_path_factory) -> Path:
 def venv(dist, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A fresh virtualenv outside the checkout with the wheel and its extras; the environment to run it in."""
     home = tmp_path_factory.mktemp("operator")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    # Python's defaults, as on an operator's machine: bytecode is written as modules are first imported
+    # (so pip need not compile every file of torch and transformers first: --no-compile below)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")}
     _run([sys.executable, "-m", "venv", str(home / "venv")], timeout=120, cwd=home, env=env)
     bin_ = home / "venv" / "bin"
     env["PATH"] = f"{bin_}{os.pathsep}{env.get('PATH', '')}"
-    pip = [str(bin_ / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [str(bin_ / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
     _run([*pip, "torch==2.13.0"], timeout=900, cwd=home, env=env)  # the CPU build, as the Makefile pins it
     wheel = dist / f"mm_encoder-{VERSION}-py3-none-any.whl"
     _run([*pip, "-c", str(ROOT / "constraints.txt"), f"{wheel}[{EXTRAS}]"], timeout=900, cwd=home, env=env)

@@ -180,8 +180,6 @@ def test_vllm_on_a_transformers_written_checkpoint_answers_what_transformers_gen
     reply = send(hf_graph, parts, model=HF_NAME, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=True,
                  top_logprobs=1)  # min_tokens: EOS masked, as generate(min_new_tokens=...) masks it
     entries = reply["choices"][0]["logprobs"]["content"]
-    import json as _j
-    print("REPLY", _j.dumps(reply), "EXPECTED", tokens, logprobs, hf_reference.token_bytes(tokens))
     assert reply["usage"]["prompt_tokens"] == prompt_len
     assert reply["usage"]["completion_tokens"] == MAX_TOKENS
     assert [bytes(e["bytes"]) for e in entries] == hf_reference.token_bytes(tokens)
