@@ -54,9 +54,11 @@ def vllm_venv():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules that start whole graphs (a `slow` test) first, each module's tests kept together and in
-    order: with two workers (`make test`: pytest-xdist, a module at a time) the long modules are spread
-    over both from the start and the short ones fill the gaps at the end, instead of one worker running
-    the last long module alone."""
+    """The modules that start whole graphs (a `slow` test) first, the longest of them (vLLM's graphs, whose
+    virtualenv `make test` builds first) at the head, each module's tests kept together and in order: with
+    two workers (`make test`: pytest-xdist, a module at a time) the long modules are spread over both from
+    the start and the short ones fill the gaps at the end, instead of one worker running the last long
+    module alone."""
     slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in slow)  # stable: the collection's order within each group
+    vllm = {item.module for item in items if "vllm_venv" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: (item.module not in slow, item.module not in vllm))  # stable within each group
