@@ -64,14 +64,14 @@ VLLM_BUILD := $(VLLM_VENV)/build
 VLLM_TESTS := $(VLLM_VENV)/tests
 VLLM_LOCK := $(VLLM_VENV)/background.lock
 vllm-background:
-	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc $(VLLM_TESTS).rc && \
+	@mkdir -p $(VLLM_VENV) && rm -f $(VLLM_BUILD).rc $(VLLM_BUILD).pid $(VLLM_TESTS).rc && \
 	  echo "building $(VLLM_VENV), then tests/vllm in it, in the background (logs: $(VLLM_BUILD).log, $(VLLM_TESTS).log)"
 	@# the lock is taken here and held by the background group alone (its commands get no copy: 9>&-)
 	@exec 9>$(VLLM_LOCK); flock 9; \
 	{ $(VENV_SH) vllm > $(VLLM_BUILD).log 2>&1 9>&-; echo $$? > $(VLLM_BUILD).rc.tmp; mv $(VLLM_BUILD).rc.tmp $(VLLM_BUILD).rc; \
 	  if [ "$$(cat $(VLLM_BUILD).rc)" = 0 ]; then \
 	    $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm > $(VLLM_TESTS).log 2>&1 9>&-; \
-	    echo $$? > $(VLLM_TESTS).rc; fi; } > /dev/null 2>&1 &
+	    echo $$? > $(VLLM_TESTS).rc; fi; } > /dev/null 2>&1 & echo $$! > $(VLLM_BUILD).pid
 
 # Lint, then the project's suite: two pytest workers (pytest-xdist), a test module at a time on each (a
 # module's graphs start once), in the order tests/conftest.py gives (the modules that start whole graphs

@@ -29,9 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
-import socket
 import ssl
 import sys
 import urllib.request
@@ -61,15 +59,12 @@ def require_nginx() -> None:
 
 
 def dynamo_system_port() -> int:
-    """A free port below 32768: Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer."""
-    for port in random.Random().sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
+    """A free port below 32768 (Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer), from the
+    ports this test run picks from (`serve.site.port_range`, below the kernel's ephemeral range)."""
+    for _ in range(100):
+        if (port := free_port()) < 32768:
             return port
-    raise RuntimeError("no free port below 32768")
+    raise RuntimeError("no free port below 32768 in MM_ENCODER_PORTS' range")
 
 
 @dataclass(frozen=True)

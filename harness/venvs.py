@@ -1,6 +1,6 @@
 """vLLM's virtualenv (.venv-vllm), which `make test` builds in the background while the suite runs.
 
-The Makefile starts `tools/venv.sh vllm` with its output in `<build>.log`, its PID in `<build>.pid`
+The Makefile starts `tools/venv.sh vllm` with its output in `<build>.log`, the background job's PID in `<build>.pid`
 and, once it is done, its exit status in `<build>.rc`; it names `<build>` in MM_ENCODER_VLLM_BUILD.
 Without that variable nothing is building and the virtualenv is what is on disk.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -11,6 +12,15 @@ from harness.venvs import BuildFailed, wait_for_vllm_build
 from mm_encoder import Encoder
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# `make test` runs two workers (pytest-xdist): each picks its processes' ports from a range of its own
+# (`mm_encoder.serve.site.port_range`, which serve reads too), so two graphs starting at once on the two
+# workers never choose one port.
+_worker, _workers = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _worker.startswith("gw") and "MM_ENCODER_PORTS" not in os.environ:
+    _span = (32000 - 10000) // _workers
+    _low = 10000 + int(_worker[2:]) * _span
+    os.environ["MM_ENCODER_PORTS"] = f"{_low}-{_low + _span - 1}"
 
 # tests/vllm/ runs on vLLM's code, in vLLM's own virtualenv (`make test-vllm`); the project's venv has no vLLM.
 # (tests/ is on sys.path, pytest's rootdir-relative import of this conftest: tests/vllm/ itself would be found as a

@@ -180,3 +180,20 @@ def test_a_replica_planned_after_start_gets_its_certificate_before_it_starts(tmp
     ca = x509.load_pem_x509_certificate(runner.site.issuer.ca_file.read_bytes())
     assert cert.issuer == ca.subject
     assert (tmp_path / "run" / "tls" / "encoder-0.pem").read_bytes() == first
+
+
+def test_serve_picks_ports_outside_the_kernels_ephemeral_range(monkeypatch):
+    """A component's port is chosen seconds before it binds it: below the ephemeral range no client
+    connection's local port can take it meanwhile; MM_ENCODER_PORTS sets the range (refused by name if bad)."""
+    from mm_encoder.serve.site import free_port, port_range
+
+    monkeypatch.delenv("MM_ENCODER_PORTS", raising=False)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert port_range().start == 10000 and port_range().stop == low
+    assert all(10000 <= free_port() < low for _ in range(20))
+    monkeypatch.setenv("MM_ENCODER_PORTS", "23000-23009")
+    assert port_range() == range(23000, 23010) and {free_port() for _ in range(50)} <= set(range(23000, 23010))
+    for bad in ("23000", "9-10", "30000-20000", "a-b"):
+        monkeypatch.setenv("MM_ENCODER_PORTS", bad)
+        with pytest.raises(GraphError, match="MM_ENCODER_PORTS"):
+            port_range()

@@ -21,19 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.errors import GraphError
+from .site import free_port
 
 if TYPE_CHECKING:
     from ..graph.schema import Runtime
 
 LOOPBACK = "127.0.0.1"
 PACKAGES = {"etcd": "etcd-server", "nats-server": "nats-server"}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def check_install(binary: str) -> str:
@@ -112,7 +106,7 @@ def etcd(data_dir: Path, client_port: int | None = None, tls: ServerTls | None =
     """A one-member etcd cluster on loopback; the same data dir and port restart it as it was. With
     `tls`, clients reach it over HTTPS with a certificate from the CA; its health is probed on the
     plaintext metrics listener (loopback), which serves nothing else."""
-    client, peer, metrics = client_port or _port(), _port(), _port()
+    client, peer, metrics = client_port or free_port(), free_port(), free_port()
     url = f"{'https' if tls else 'http'}://{LOOPBACK}:{client}"
     cmd = [check_install("etcd"), "--name", "mm", "--data-dir", str(data_dir), "--listen-client-urls", url,
            "--advertise-client-urls", url, "--listen-peer-urls", f"http://{LOOPBACK}:{peer}",
@@ -127,7 +121,7 @@ def etcd(data_dir: Path, client_port: int | None = None, tls: ServerTls | None =
 def nats(data_dir: Path, port: int | None = None, tls: ServerTls | None = None) -> Server:
     """nats-server with JetStream (Dynamo's planes use it), on loopback; with `tls`, clients need a
     certificate from the CA (NATS still greets in plaintext, then upgrades: the probe is the same)."""
-    port = port or _port()
+    port = port or free_port()
     cmd = [check_install("nats-server"), "-a", LOOPBACK, "-p", str(port), "-js", "-sd", str(data_dir)]
     if tls:
         cert, key, ca = tls

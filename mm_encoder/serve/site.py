@@ -5,10 +5,12 @@ with TLS a certificate per replica from the run directory's CA (`security.issuin
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..core.errors import GraphError
 from ..core.topology import Kind
 from ..graph.planned import Address, Site, TlsFiles
 from ..graph.schema import Graph
@@ -17,11 +19,43 @@ from ..security.issuing import Issuer
 LOOPBACK = "127.0.0.1"
 
 
+PORTS_ENV = "MM_ENCODER_PORTS"  # LOW-HIGH: where serve picks its components' ports (a firewall's, a test worker's)
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def port_range() -> range:
+    """The ports serve gives its components: `$MM_ENCODER_PORTS` (`LOW-HIGH`), else those below the
+    kernel's ephemeral range. A port is chosen seconds before its component binds it: outside the
+    ephemeral range, no client connection's local port takes it meanwhile (one did: two graphs on one
+    machine, a frontend port taken by a test's own connection)."""
+    given = os.environ.get(PORTS_ENV)
+    if given:
+        low, _, high = given.partition("-")
+        try:
+            if 1024 <= int(low) < int(high) <= 65535:
+                return range(int(low), int(high) + 1)
+        except ValueError:
+            pass
+        raise GraphError(f"{PORTS_ENV}={given!r}: a range LOW-HIGH of ports between 1024 and 65535")
+    try:
+        ephemeral_low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    return range(10000, max(ephemeral_low, 11000))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port of `port_range()` that nothing listens on now, at random (two graphs starting at once
+    rarely pick one port; the bind check catches one already taken)."""
+    ports = port_range()
+    for port in random.sample(ports, min(len(ports), 512)):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise GraphError(f"no free port in {ports.start}-{ports.stop - 1} ({PORTS_ENV} sets the range)")
 
 
 class LocalSite(Site):
