@@ -27,6 +27,7 @@ from ..cache_tiers.reload import reload_tier
 from ..core.errors import GraphError
 from ..graph.plan import READY_LINE
 from ..graph.planned import ComponentPlan, Replica
+from ..runtime import procfs
 from .site import LOOPBACK
 
 
@@ -224,11 +225,12 @@ class Fleet:
         tls = self.launch.client_context() if p.ops_url is None else None
         try:
             with urllib.request.urlopen(f"{p.ops_url or p.url}{p.plan.health_path}", timeout=2, context=tls) as r:
-                if r.status != 200:
+                if r.status != 200 or (p.kind == "frontend" and not json.loads(r.read()).get("data")):
                     return False
-                return bool(json.loads(r.read()).get("data")) if p.kind == "frontend" else True
         except (urllib.error.URLError, OSError, ValueError):
             return False
+        return _listens(p, p.replica.ops_port or p.replica.port)  # the answer was this replica's own
+
 
     def _wait_healthy(self, p: Proc) -> None:
         assert p.popen is not None
@@ -245,6 +247,15 @@ class Fleet:
         assert p.popen is not None
         _signal_group(p.popen.pid, signal.SIGKILL)
         p.popen.wait(10)
+
+
+def _listens(p: Proc, port: int | None) -> bool:
+    """Whether a process of the replica's session listens on `port`: a health answer from another
+    process that holds the port (another graph's, after this replica failed to bind it) is not its."""
+    if p.popen is None or port is None:
+        return False
+    ours = {inode for inode, (_, bound) in procfs.tcp_sockets(procfs.LISTEN).items() if bound == port}
+    return any(inode in ours for pid in procfs.leftover_pids({p.popen.pid}) for inode in procfs.socket_fds(pid))
 
 
 def _signal_group(pgid: int, sig: int) -> None:
