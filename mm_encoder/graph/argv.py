@@ -97,8 +97,9 @@ def _planner(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:
 
 def _tls(g: Graph, cp: ComponentPlan, r: Replica) -> list[str]:
     """With TLS: the replica's certificate; an encoder's callers and plaintext status port; the
-    frontend's HTTPS. A tier's are part of its configuration."""
-    if r.tls is None or cp.kind.startswith("cache-"):
+    frontend's HTTPS. A tier's are part of its configuration; the planner's certificate is for Dynamo's
+    planes only (its /status stays plaintext)."""
+    if r.tls is None or cp.kind.startswith("cache-") or cp.kind == "planner":
         return []
     argv = ["--tls-cert", r.tls.cert, "--tls-key", r.tls.key, "--tls-ca", r.tls.ca]
     if cp.kind == "encoder":

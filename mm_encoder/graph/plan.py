@@ -37,7 +37,7 @@ DYNAMO_KINDS: tuple[Kind, ...] = ("encoder", "engine", "frontend", "planner")  #
 BODY_KINDS: tuple[Kind, ...] = ("encoder", "engine")  # send or receive embedding bodies; the frontend only handles
 READY_LINE = "engine ready"  # what an engine prints once registered (it serves no HTTP)
 OPS_KINDS: tuple[Kind, ...] = ("encoder", *CACHE_TIERS)  # with TLS: status and health on a plaintext ops port
-TLS_KINDS: tuple[Kind, ...] = tuple(k for k in ORDER if k != "planner")  # with TLS: a certificate each
+TLS_KINDS: tuple[Kind, ...] = tuple(k for k in ORDER if k != "planner")  # with TLS: their HTTP hop is HTTPS
 HEALTH: dict[Kind, str | None] = {"encoder": "/ready", "cache-shared": "/_cache/health",
                                   "cache-router": "/_cache/health", "cache-cluster": "/_cache/health",
                                   "engine": None, "frontend": "/v1/models", "planner": "/healthz"}
@@ -91,7 +91,7 @@ class _Planner:
 
     def _component(self, name: str, c: Component) -> ComponentPlan:
         g, kind = self.g, c.kind
-        tls = g.tls.enabled and kind in TLS_KINDS
+        tls = g.tls.enabled  # a certificate each: for its HTTPS hop (TLS_KINDS) and to Dynamo's planes
         scaled = kind == "encoder" and g.planner is not None  # names that stay as the count moves
         options = self._tier_options(name, c) if kind in CACHE_TIERS else {}
         replicas = []
