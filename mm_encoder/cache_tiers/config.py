@@ -5,11 +5,13 @@ the defaults here the only ones. A graph's plan builds each tier replica's confi
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -169,18 +171,20 @@ class TierConfig(TlsOptions):
         return base / "mm-encoder-cache" / f"{self.tier}-{self.port}"
 
 
-def tier_options(args: Sequence[str]) -> dict[str, Any]:
+@functools.lru_cache(maxsize=64)
+def tier_options(args: tuple[str, ...]) -> Mapping[str, Any]:
     """The options a tier's command-line `args` set, by field name, as its own parser reads them (no
-    environment); a ValueError naming the problem otherwise (a graph's `args`, checked before anything starts)."""
+    environment); a ValueError naming the problem otherwise (a graph's `args`, checked before anything
+    starts). Parsed once per graph component: the plan types them, the argv rendering leaves them out."""
     if not args:
-        return {}
+        return MappingProxyType({})
     try:
         values: dict[str, Any] = CliSettingsSource(TierConfig, cli_parse_args=list(args), cli_exit_on_error=False,
                                                    **_CLI)()  # type: ignore[arg-type]
     except SettingsError as e:
         raise ValueError(str(e)) from None
     names = {info.alias: name for name, info in TierConfig.model_fields.items() if info.alias}
-    return {names.get(k, k): v for k, v in values.items()}
+    return MappingProxyType({names.get(k, k): v for k, v in values.items()})
 
 
 def tier_flags(cfg: TierConfig, exclude: Collection[str] = ()) -> list[str]:

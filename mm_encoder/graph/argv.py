@@ -52,7 +52,7 @@ def _encoder(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:
 def _cache(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:
     """The tier's configuration but what the graph's `args` set (they follow, as given)."""
     assert r.tier is not None
-    return ["up", *tier_flags(r.tier, exclude=set(tier_options(cp.component.args)))]
+    return ["up", *tier_flags(r.tier, exclude=tier_options(cp.component.args).keys())]
 
 
 def _engine(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:

@@ -10,6 +10,7 @@ which order) is written here only; every default comes from the component's own 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -122,14 +123,14 @@ class _Planner:
             env["DYN_TCP_MAX_MESSAGE_SIZE"] = str(MAX_MESSAGE_SIZE)
         return env
 
-    def _tier_options(self, name: str, c: Component) -> dict[str, Any]:
+    def _tier_options(self, name: str, c: Component) -> Mapping[str, Any]:
         """The graph's own `args` for a tier, as its settings read them, checked before anything starts."""
         try:
             return tier_options(c.args)
         except ValueError as e:
             raise GraphError(f"components.{name}.args: {e}") from None
 
-    def _tier(self, name: str, kind: Kind, r: Replica, options: dict[str, Any]) -> TierConfig:
+    def _tier(self, name: str, kind: Kind, r: Replica, options: Mapping[str, Any]) -> TierConfig:
         """A tier replica's configuration: its address, directories and levels, its TLS, then the graph's options."""
         assert r.http is not None
         tier = kind.removeprefix("cache-")

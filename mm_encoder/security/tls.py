@@ -60,8 +60,7 @@ class TlsOptions(BaseSettings):
         """A client's context: the server's certificate checked against the CA and the host dialled;
         this component's own certificate presented."""
         assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
-        _require({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca})
-        return tls_client(self.tls_ca, self.tls_cert, self.tls_key)
+        return tls_client(self.tls_ca, self.tls_cert, self.tls_key, names=("--tls-ca", "--tls-cert", "--tls-key"))
 
     def client_tls(self) -> ssl.SSLContext | None:
         """The client context with TLS configured, else None (plaintext)."""
@@ -83,10 +82,11 @@ class TlsOptions(BaseSettings):
                 time.sleep(0.05)
 
 
-def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path | None = None) -> ssl.SSLContext:
+def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path | None = None, *,
+               names: tuple[str, str, str] = ("the CA certificate", "the certificate", "its key")) -> ssl.SSLContext:
     """A client of the deployment's HTTPS ports from outside it (the launcher, `mm-encoder status`):
     its CA trusted, and a certificate presented where one is given."""
-    _require({"the CA certificate": ca, **({"the certificate": cert, "its key": key} if cert and key else {})})
+    _require({names[0]: ca, **({names[1]: cert, names[2]: key} if cert and key else {})})  # as the caller names them
     ctx = ssl.create_default_context(cafile=str(ca))  # the server checked, for the host dialled; TLS 1.2+
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if cert is not None and key is not None:
