@@ -101,10 +101,17 @@ class DtypeMismatch(MMEncoderError):
 
 
 class ForbiddenPeer(MMEncoderError):
-    """A peer with a valid certificate whose role may not call this hop (`security.tls.allowed`)."""
+    """A peer with a valid certificate whose identity may not call this hop (`security.identity.admit`)."""
 
     code = "forbidden_peer"
     http_status = 403
+
+
+class PkiError(MMEncoderError, ValueError):
+    """A certificate, key, identity or directory the operator must fix; the message says what."""
+
+    code = "bad_pki"
+    http_status = 500
 
 
 class RequestTooLarge(MMEncoderError):

@@ -94,6 +94,13 @@ class Tls(_Strict):
     enabled: bool = False
     ca_dir: str | None = None
     client_auth: bool = False
+    # every certificate's URI, spiffe://<trust_domain>/<graph>/<role>/<name>: what each hop admits
+    trust_domain: str = Field("mm-encoder.local", pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    # lifetimes (serve's CA and certificates): the CA's, and each component's, renewed at two thirds of it
+    ca_lifetime_days: int = Field(3650, ge=1, le=36500)
+    cert_lifetime_s: float = Field(86400.0, ge=2.0, le=366 * 86400.0)
+    # Dynamo's planes read a certificate once: theirs live longer, renewed by a rolling restart
+    dynamo_cert_lifetime_s: float = Field(7 * 86400.0, ge=30.0, le=366 * 86400.0)
     # render-k8s: the cert-manager Issuer (`name`, or `ClusterIssuer/name`) that issues each component's
     # Secret through a Certificate; without it the Secrets are the operator's to create (docs/kubernetes.md)
     issuer: str | None = Field(None, pattern=r"^((Issuer|ClusterIssuer)/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")

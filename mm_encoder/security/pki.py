@@ -1,10 +1,14 @@
 """The deployment's certificate authority and each component's certificate (TLS on every HTTP hop).
 
-One CA per deployment signs one certificate per component. Its subject says who the component is:
-CN its name (`frontend`, `shared-0`, `engine-1`), OU its role (one of `ROLES`; the role is what
-authorization reads: nginx from `$ssl_client_s_dn`, Python from `getpeercert()['subject']`), O
-`mm-encoder`. Keys are EC P-256. A component's certificate serves both ends of a handshake
-(serverAuth and clientAuth): every component calls the next hop, and most are called too.
+One CA per deployment signs one certificate per component. What authorization reads is its one
+URI subjectAltName, `spiffe://<trust domain>/<graph>/<role>/<name>` (`security.identity`); the
+subject says the same for people and logs: CN its name (`frontend`, `shared-0`, `engine-1`), OU its
+role (one of `ROLES`), O `mm-encoder`. Keys are EC P-256. A component's certificate serves both ends
+of a handshake (serverAuth and clientAuth): every component calls the next hop, and most are called.
+
+Lifetimes, as workload PKIs keep them: the CA for years (`CA_LIFETIME`), each certificate for hours
+(`LEAF_LIFETIME`), never past the CA's own end, and renewed at about two thirds of its life
+(`renew_at`) without a restart: a short life is what revokes a certificate (docs/security.md).
 
 Files, in one directory (made 0700; refused if group- or other-writable): `ca.pem`, `ca.key`,
 `<name>.pem` (the certificate alone) and `<name>.key` (PKCS8 PEM, unencrypted). A key file is
@@ -33,7 +37,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ..core.errors import MMEncoderError
+from ..core.errors import PkiError
+from .identity import TRUST_DOMAIN, SpiffeId
 
 ROLES: tuple[str, ...] = ("frontend", "cache-cluster", "cache-router", "cache-shared", "encoder", "engine",
                           "planner", "client", "etcd", "nats")  # the last two: Dynamo's servers, on one machine
@@ -41,6 +46,10 @@ ORGANIZATION = "mm-encoder"  # every certificate's O
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 DEFAULT_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1")
 SKEW = timedelta(minutes=5)  # a new certificate is valid from a little before now: clocks differ
+CA_LIFETIME = timedelta(days=10 * 365)  # a throwaway CA outlives any deployment that keeps its run directory
+LEAF_LIFETIME = timedelta(hours=24)  # each component's certificate: renewed at two thirds, about every 16 h
+RENEW_AT = 2 / 3  # of a certificate's life: renewal leaves a third for retries before it ends
+CA_WARNING = timedelta(days=30)  # a CA this close to its end is warned about at start-up
 
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label (Kubernetes' names)
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?")
@@ -48,19 +57,15 @@ _IssuerKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519Pri
 _PEM = serialization.Encoding.PEM
 
 
-class PkiError(MMEncoderError, ValueError):
-    """A certificate, key, identity or directory the operator must fix; the message says what."""
-
-    code = "bad_pki"
-    http_status = 500
-
-
 @dataclass(frozen=True)
 class Identity:
-    """Who a certificate says a component is: CN `name` (a DNS-1123 label), OU `role` (one of ROLES)."""
+    """Who a certificate says a component is: CN `name` (a DNS-1123 label), OU `role` (one of ROLES),
+    and the URI `spiffe://<trust_domain>/<graph>/<role>/<name>` that authorization reads."""
 
     name: str
     role: str
+    graph: str = "mm-encoder"
+    trust_domain: str = TRUST_DOMAIN
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -68,6 +73,11 @@ class Identity:
         if not _LABEL.fullmatch(self.name):
             raise PkiError(f"name {self.name!r} is not a DNS-1123 label (at most 63 of a-z, 0-9 and '-', "
                            "starting and ending with a letter or digit)")
+        self.spiffe  # noqa: B018 - the graph and trust domain checked here too
+
+    @property
+    def spiffe(self) -> SpiffeId:
+        return SpiffeId(self.trust_domain, self.graph, self.role, self.name)
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,8 @@ class Authority:
         return f"Authority({str(self.cert_path)!r})"
 
     @classmethod
-    def create(cls, directory: Path, *, name: str = ORGANIZATION, days: int = 30) -> Authority:
-        """A new CA in `directory` (`ca.pem`, `ca.key`); refused if either file is there already."""
+    def create(cls, directory: Path, *, name: str = ORGANIZATION, lifetime: timedelta = CA_LIFETIME) -> Authority:
+        """A new CA in `directory` (`ca.pem`, `ca.key`), valid for `lifetime`; refused if either file is there."""
         directory = _private_dir(directory)
         cert_path, key_path = directory / CA_CERT, directory / CA_KEY
         _refuse_existing(cert_path, key_path)
@@ -117,7 +127,7 @@ class Authority:
         cert = (x509.CertificateBuilder()
                 .subject_name(subject).issuer_name(subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(now - SKEW).not_valid_after(now + _days(days))
+                .not_valid_before(now - SKEW).not_valid_after(now + _lifetime(lifetime))
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                 .add_extension(_key_usage(key_cert_sign=True, crl_sign=True), critical=True)
                 .add_extension(ski, critical=False)
@@ -132,13 +142,33 @@ class Authority:
         directory = Path(directory)
         return cls(directory / CA_CERT, directory / CA_KEY)
 
+    @property
+    def not_after(self) -> datetime:
+        return self._cert.not_valid_after_utc
+
+    def check(self, now: datetime | None = None) -> str | None:
+        """The CA refused by name if expired or not yet valid; a warning (text) within CA_WARNING of its end."""
+        now = now or _now()
+        start, end = self._cert.not_valid_before_utc, self._cert.not_valid_after_utc
+        if now < start:
+            raise PkiError(f"the CA {self.cert_path} is not valid before {start.isoformat()} (now {now.isoformat()}): "
+                           "check this machine's clock or the CA")
+        if now >= end:
+            raise PkiError(f"the CA {self.cert_path} expired at {end.isoformat()}: every certificate it signed is "
+                           "refused; give a new CA (tls.ca_dir) or remove the run directory's tls/ for a new one")
+        if end - now <= CA_WARNING:
+            return (f"the CA {self.cert_path} ends at {end.isoformat()}, in {(end - now).days} days: replace it "
+                    "before then (no certificate it signs outlives it)")
+        return None
+
     def issue(self, identity: Identity, directory: Path | None = None, *, hosts: Sequence[str] = DEFAULT_HOSTS,
-              days: int = 30, not_before: datetime | None = None, not_after: datetime | None = None,
-              replace: bool = False) -> Issued:
+              lifetime: timedelta = LEAF_LIFETIME, not_before: datetime | None = None,
+              not_after: datetime | None = None, replace: bool = False) -> Issued:
         """`identity`'s certificate and a new key, as `<name>.pem` and `<name>.key` in `directory` (the
-        CA's own by default). `hosts` are its subjectAltNames (IP addresses as such, the rest DNS
-        names); valid from `not_before` (a few minutes ago) to `not_after` (`days` after that).
-        Existing files are refused unless `replace` (rotation)."""
+        CA's own by default). Its subjectAltNames: the identity's URI and DNS name (`security.identity`),
+        then `hosts` (IP addresses as such, the rest DNS names: the site's names Dynamo's planes check).
+        Valid from `not_before` (a few minutes ago) to `not_after` (`lifetime` after now), never past the
+        CA's own end. Existing files are refused unless `replace` (rotation)."""
         directory = _private_dir(directory if directory is not None else self.cert_path.parent)
         cert_path, key_path = directory / f"{identity.name}.pem", directory / f"{identity.name}.key"
         if {cert_path.resolve(), key_path.resolve()} & {self.cert_path.resolve(), self.key_path.resolve()}:
@@ -148,7 +178,8 @@ class Authority:
         now = _now()
         start = _utc(not_before, "not_before") if not_before is not None else now - SKEW
         end = _utc(not_after, "not_after") if not_after is not None else (
-            start if not_before is not None else now) + _days(days)
+            start if not_before is not None else now) + _lifetime(lifetime)
+        end = min(end, self.not_after)  # a certificate never outlives the CA that vouches for it
         if end <= start:
             raise PkiError(f"not_after ({end.isoformat()}) is not after not_before ({start.isoformat()})")
         key = ec.generate_private_key(ec.SECP256R1())
@@ -165,9 +196,9 @@ class Authority:
                                                          ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                    .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
                    .add_extension(self._authority_key_identifier(), critical=False))
-        names = _alt_names(hosts)
-        if names:
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        spiffe = identity.spiffe
+        names = [x509.UniformResourceIdentifier(spiffe.uri), *_alt_names([spiffe.host, *hosts])]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         hash_ = None if isinstance(self._key, ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey) else hashes.SHA256()
         cert = builder.sign(self._key, hash_)
         _write([(key_path, _key_pem(key), 0o600), (cert_path, cert.public_bytes(_PEM), 0o644)], replace=replace)
@@ -182,16 +213,17 @@ class Authority:
 
 
 def describe(cert: Path) -> dict[str, str]:
-    """A certificate file's facts for logs and status: subject, role, validity, hosts, SHA-256 fingerprint."""
+    """A certificate file's facts for logs and status: subject, identity, validity, hosts, SHA-256 fingerprint."""
     c = _load_cert(_read(Path(cert)), Path(cert))
     try:
         san = c.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         hosts = [*san.get_values_for_type(x509.DNSName), *map(str, san.get_values_for_type(x509.IPAddress))]
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
     except x509.ExtensionNotFound:
-        hosts = []
+        hosts, uris = [], []
     return {"path": str(cert), "subject": c.subject.rfc4514_string(), "issuer": c.issuer.rfc4514_string(),
             "name": _attribute(c, NameOID.COMMON_NAME) or "",
-            "role": _attribute(c, NameOID.ORGANIZATIONAL_UNIT_NAME) or "",
+            "role": _attribute(c, NameOID.ORGANIZATIONAL_UNIT_NAME) or "", "uri": ",".join(uris),
             "serial": f"{c.serial_number:x}", "not_before": c.not_valid_before_utc.isoformat(),
             "not_after": c.not_valid_after_utc.isoformat(), "hosts": ",".join(hosts),
             "fingerprint_sha256": c.fingerprint(hashes.SHA256()).hex(":").upper()}
@@ -210,10 +242,10 @@ def _utc(when: datetime, what: str) -> datetime:
     return when.astimezone(timezone.utc)
 
 
-def _days(days: int) -> timedelta:
-    if days < 1:
-        raise PkiError(f"days={days}: a certificate is valid for at least one day")
-    return timedelta(days=days)
+def _lifetime(lifetime: timedelta) -> timedelta:
+    if lifetime < timedelta(seconds=1):
+        raise PkiError(f"lifetime {lifetime}: a certificate is valid for at least a second")
+    return lifetime
 
 
 def _key_usage(*, digital_signature: bool = False, key_cert_sign: bool = False,
