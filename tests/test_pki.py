@@ -107,7 +107,8 @@ def test_ip_addresses_are_ip_sans_and_other_hosts_are_refused(certs: Certs):
         _handshake(server, _client(certs.ca_file, None), "localhost")
     san = x509.load_pem_x509_certificate(certs.ca.cert_path.with_name("encoder.pem").read_bytes()).extensions \
         .get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.DNSName) == ["encoder.svc"]
+    assert san.get_values_for_type(x509.DNSName) == ["encoder.mm-encoder.mm-encoder.local", "encoder.svc"]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://mm-encoder.local/mm-encoder/encoder/encoder"]
     assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.1.2.3", "::1"]
 
 
@@ -249,14 +250,16 @@ def test_identity_of_and_describe_read_back_what_was_issued(certs: Certs):
     pem = issued.cert.read_bytes()
     assert identity_of(pem) == issued.identity == Identity("cluster", "cache-cluster")
     info = describe(issued.cert)
-    assert (info["name"], info["role"], info["hosts"]) == ("cluster", "cache-cluster", "localhost,127.0.0.1")
+    assert (info["name"], info["role"], info["hosts"]) == \
+        ("cluster", "cache-cluster", "cache-cluster.mm-encoder.mm-encoder.local,localhost,127.0.0.1")
+    assert info["uri"] == "spiffe://mm-encoder.local/mm-encoder/cache-cluster/cluster"
     assert info["subject"] == "CN=cluster,OU=cache-cluster,O=mm-encoder"
     assert info["issuer"] == "CN=mm-encoder,O=mm-encoder"
     der = ssl.PEM_cert_to_DER_cert(pem.decode())
     assert identity_of(der) == issued.identity
     assert info["fingerprint_sha256"] == hashlib.sha256(der).digest().hex(":").upper()
     not_after = datetime.fromisoformat(info["not_after"])
-    assert timedelta(days=29) < not_after - datetime.now(timezone.utc) <= timedelta(days=30)
+    assert timedelta(hours=23) < not_after - datetime.now(timezone.utc) <= timedelta(hours=24)  # LEAF_LIFETIME
     for facts in (info, describe(certs.ca_file)):
         assert "PRIVATE" not in json.dumps(facts)
     with pytest.raises(PkiError, match="names no component"):

@@ -71,10 +71,14 @@ class TierConfig(TlsOptions):
     workers: str = Field("auto", description="nginx worker processes: a number or auto")
     drop_client_key: bool = Field(False, description="ignore a client's X-Cache-Key (the outermost tier)")
     log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
-    tls_allow: ROLES = Field((), description="with TLS: a role (certificate OU) that may call this tier, "
+    tls_allow: ROLES = Field((), description="with TLS: a role (of the caller's spiffe:// ID) that may call this tier, "
                                        "once per role (none: the tier's callers, core/topology.py)")
     tls_server_name: str = Field("localhost", pattern=r"^[A-Za-z0-9.-]+$",
-                                 description="with TLS: the name the next level's certificate must carry")
+                                 description="with TLS: the DNS name the next level's certificate must carry "
+                                 "(serve: its role's, <role>.<graph>.<trust domain>)")
+    tls_direct_server_name: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+$",
+                                               description="with TLS: the name the encoders of a cluster tier's "
+                                               "direct route must carry (null: --tls-server-name)")
     ops_listen: HOST_PORT | None = Field(None, description="with TLS: where /_cache/stats, /_cache/health and "
                                        "/_cache/status answer in plaintext (loopback or the pod network)")
     user: str = Field(

@@ -7,7 +7,6 @@ file (`configs/nginx/cache_key.lua`); why each directive is set the way it is: d
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import string
 import subprocess
@@ -41,10 +40,13 @@ def snippets(cfg: TierConfig) -> dict[str, str]:
     run_dir = str(cfg.resolved_run_dir().resolve())
     out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier})}
     if cfg.tls:
+        own = cfg.identity  # the tier's trust domain and graph are its callers'
         fields = {"tier": cfg.tier, "run_dir": run_dir, "tls_cert": str(cfg.tls_cert), "tls_key": str(cfg.tls_key),
                   "tls_ca": str(cfg.tls_ca), "server_name": cfg.tls_server_name,
-                  "allowed_roles": "|".join(re.escape(r) for r in cfg.callers),
-                  "allowed_list": ", ".join(cfg.callers), "ops_listen": cfg.ops_listen or ""}
+                  "direct_server_name": cfg.tls_direct_server_name or cfg.tls_server_name,
+                  "peer_prefix": f"spiffe://{own.trust_domain}/{own.graph}/",
+                  "allowed_roles": " ".join(cfg.callers), "allowed_list": ",".join(cfg.callers),
+                  "ops_listen": cfg.ops_listen or ""}
         out["tls-http.conf"] = _snippet("tls-http.conf", fields)
         out["tls-server.conf"] = _snippet("tls-server.conf", fields)
         if cfg.ops_listen is not None:
@@ -142,7 +144,8 @@ def prepare(cfg: TierConfig) -> tuple[list[str], Path]:
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     if cfg.tier != "router":
         cfg.resolved_cache_dir().mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(config_dir() / "nginx" / "cache_key.lua", run_dir / "cache_key.lua")
+    for lua in ("cache_key.lua", "peer_id.lua"):
+        shutil.copyfile(config_dir() / "nginx" / lua, run_dir / lua)
     for name, text in snippets(cfg).items():
         (run_dir / name).write_text(text)
     conf = run_dir / "nginx.conf"

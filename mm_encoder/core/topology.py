@@ -34,3 +34,8 @@ def callers(kind: str, graph_kinds: Collection[str] = ()) -> frozenset[str]:
     if kind == "encoder" and "cache-cluster" in graph_kinds:
         out |= {"cache-cluster"}
     return out
+
+
+def callees(role: str) -> frozenset[str]:
+    """The kinds whose HTTP port a `role` calls (what its client accepts as a server), in any graph."""
+    return frozenset(k for k in _CALLERS if role in callers(k, ("cache-cluster",)))

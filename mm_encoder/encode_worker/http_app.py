@@ -34,7 +34,6 @@ from ..core import wire
 from ..core.errors import BadRequest, MMEncoderError, UnsupportedEncoding, code_for_status
 from ..core.requests import EncodeRequest, unique_keys
 from ..runtime import tracing
-from ..security.tls import allowed
 from .pipeline import EncodeService
 
 log = logging.getLogger(__name__)
@@ -61,9 +60,11 @@ def _header_text(text: str, limit: int = 512) -> str:
 
 @web.middleware
 async def _peers(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With TLS: the caller's certificate names a role this worker admits, else 403 before any work."""
+    """With TLS: the caller's certificate names this deployment and a role this worker admits, else 403
+    before any work (`security.identity`)."""
     callers: frozenset[str] = request.app[CALLERS_KEY]
-    allowed(request.transport.get_extra_info("ssl_object") if request.transport else None, callers)
+    request.app[SERVICE_KEY].settings.allowed(
+        request.transport.get_extra_info("ssl_object") if request.transport else None, callers)
     return await handler(request)
 
 

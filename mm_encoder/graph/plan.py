@@ -19,6 +19,7 @@ from ..core.dtypes import TorchName, torch_name
 from ..core.errors import GraphError
 from ..core.topology import CACHE_TIERS, ORDER, Kind, callers
 from ..runtime.dynamo import MAX_MESSAGE_SIZE
+from ..security.identity import server_host
 from . import argv
 from .planned import Chain, ComponentPlan, Replica, Site
 from .schema import Component, Graph
@@ -148,9 +149,10 @@ class _Planner:
             facts |= {"tls_cert": r.tls.cert, "tls_key": r.tls.key, "tls_ca": r.tls.ca,
                       "tls_allow": tuple(sorted(callers(kind, {c.kind for c in self.g.components.values()}))),
                       "ops_listen": ":".join(map(str, r.ops))}
-            upstream = tier_upstreams(self.g, kind)[0]
-            if (server := self.site.server_name(upstream, self.g.components[upstream].kind)) is not None:
-                facts["tls_server_name"] = server
+            td, upstreams = self.g.tls.trust_domain, tier_upstreams(self.g, kind)  # each checked by its role's name
+            facts["tls_server_name"] = server_host(td, self.g.name, self.g.components[upstreams[0]].kind)
+            if tier == "cluster":
+                facts["tls_direct_server_name"] = server_host(td, self.g.name, "encoder")
         try:
             return TierConfig.model_validate({**facts, **options})
         except ValueError as e:

@@ -17,11 +17,19 @@ Address = tuple[str, int]
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """A replica's certificate and key, and the deployment's CA, as the replica sees them."""
+    """A replica's certificate and key, and the deployment's CA, as the replica sees them; and where a site
+    gives Dynamo's planes (which read a certificate once) one of their own, that one's files."""
 
     cert: str
     key: str
     ca: str
+    plane_cert: str = ""
+    plane_key: str = ""
+
+    @property
+    def plane(self) -> TlsFiles:
+        """The files Dynamo's planes read: their own where the site gives them, else the replica's."""
+        return TlsFiles(self.plane_cert or self.cert, self.plane_key or self.key, self.ca)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class Authority:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
                              x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = _now()
+        now = utc_now()
         ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
         cert = (x509.CertificateBuilder()
                 .subject_name(subject).issuer_name(subject).public_key(key.public_key())
@@ -148,7 +148,7 @@ class Authority:
 
     def check(self, now: datetime | None = None) -> str | None:
         """The CA refused by name if expired or not yet valid; a warning (text) within CA_WARNING of its end."""
-        now = now or _now()
+        now = now or utc_now()
         start, end = self._cert.not_valid_before_utc, self._cert.not_valid_after_utc
         if now < start:
             raise PkiError(f"the CA {self.cert_path} is not valid before {start.isoformat()} (now {now.isoformat()}): "
@@ -175,7 +175,7 @@ class Authority:
             raise PkiError(f"a certificate named {identity.name!r} would overwrite the CA's files in {directory}")
         if not replace:
             _refuse_existing(cert_path, key_path)
-        now = _now()
+        now = utc_now()
         start = _utc(not_before, "not_before") if not_before is not None else now - SKEW
         end = _utc(not_after, "not_after") if not_after is not None else (
             start if not_before is not None else now) + _lifetime(lifetime)
@@ -232,7 +232,8 @@ def describe(cert: Path) -> dict[str, str]:
 # --- certificates and keys -------------------------------------------------------------------
 
 
-def _now() -> datetime:
+def utc_now() -> datetime:
+    """Now, in UTC, to the second (what certificates say)."""
     return datetime.now(timezone.utc).replace(microsecond=0)
 
 

@@ -1,17 +1,19 @@
 """TLS with client certificates on the package's own HTTP hops: the options every component takes
 and the standard library's SSL contexts from them (who may call whom: `core.topology`).
 
-Every component has a certificate from the deployment's one CA (`security.pki`) whose subject's OU
-is its role. A server requires a client certificate that chains to the CA (the handshake refuses
-plaintext, none, another CA's, an expired one), then `allowed` checks the caller's role against
-the hop's list before any work (a 403 `forbidden_peer`). A client verifies the server the same way
-(its certificate, for the host it dialled) and presents its own."""
+Every component has a certificate from the deployment's one CA (`security.pki`) whose URI names it
+(`security.identity`). A server requires a client certificate that chains to the CA (the handshake
+refuses plaintext, none, another CA's, an expired one), then `allowed` checks the caller's ID (this
+deployment, a role the hop admits) before any work (a 403 `forbidden_peer`). A client verifies the
+server's chain and ID inside the handshake (a server of its own deployment, of a role it calls) and
+presents its own certificate."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,9 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 from typing_extensions import TypeAliasType
 
-from ..core.errors import ForbiddenPeer
-from .pki import PkiError
+from ..core.errors import PkiError
+from ..core.topology import callees
+from .identity import SpiffeId, admit, check_servers, of_file
 
 PATH = TypeAliasType("PATH", Path)  # what --help shows for a file's path
 
@@ -45,6 +48,17 @@ class TlsOptions(BaseSettings):
     def tls(self) -> bool:
         return self.tls_cert is not None
 
+    @functools.cached_property
+    def identity(self) -> SpiffeId:
+        """Who this component's own certificate says it is: its trust domain and graph are those of its peers."""
+        assert self.tls_cert is not None
+        _require({"--tls-cert": self.tls_cert})
+        return of_file(self.tls_cert)
+
+    def allowed(self, ssl_object: Any, roles: Collection[str]) -> SpiffeId:
+        """The caller's ID if it may call this hop (this deployment, one of `roles`); ForbiddenPeer (403)."""
+        return admit(ssl_object, self.identity, roles)
+
     def server_context(self) -> ssl.SSLContext:
         """A server's context: its certificate, and a client certificate required, chaining to the CA."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -57,10 +71,12 @@ class TlsOptions(BaseSettings):
         return ctx
 
     def client_context(self) -> ssl.SSLContext:
-        """A client's context: the server's certificate checked against the CA and the host dialled;
-        this component's own certificate presented."""
+        """A client's context: the server's certificate checked against the CA, and its ID for a server
+        of this deployment in a role this component calls (`core.topology.callees`); this component's
+        own certificate presented."""
         assert self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
-        return tls_client(self.tls_ca, self.tls_cert, self.tls_key, names=("--tls-ca", "--tls-cert", "--tls-key"))
+        ctx = tls_client(self.tls_ca, self.tls_cert, self.tls_key, names=("--tls-ca", "--tls-cert", "--tls-key"))
+        return check_servers(ctx, self.identity, callees(self.identity.role))
 
     def client_tls(self) -> ssl.SSLContext | None:
         """The client context with TLS configured, else None (plaintext)."""
@@ -92,26 +108,6 @@ def tls_client(ca: str | Path, cert: str | Path | None = None, key: str | Path |
     if cert is not None and key is not None:
         ctx.load_cert_chain(cert, key)
     return ctx
-
-
-def peer_role(ssl_object: Any) -> str | None:
-    """The role (the subject's OU) of the certificate the peer presented, or None."""
-    cert = ssl_object.getpeercert() if ssl_object is not None else None
-    for rdn in (cert or {}).get("subject", ()):
-        for key, value in rdn:
-            if key == "organizationalUnitName":
-                return str(value)
-    return None
-
-
-def allowed(ssl_object: Any, roles: Iterable[str]) -> str:
-    """The peer's role if it may call this hop; ForbiddenPeer (403) otherwise."""
-    role = peer_role(ssl_object)
-    roles = frozenset(roles)
-    if role is None or role not in roles:
-        raise ForbiddenPeer(f"a {role or 'certificate without a role'} may not call this hop "
-                            f"(it admits: {', '.join(sorted(roles))})")
-    return role
 
 
 def _require(files: dict[str, str | Path]) -> None:

@@ -41,6 +41,7 @@ class Proc:
     log: Path | None = None
     restarts: int = 0
     state: str = "new"  # new, starting, up, down, draining, stopped
+    renew_by: float | None = None  # monotonic: when the certificate it read once (Dynamo's planes) is due
 
     @property
     def name(self) -> str:
@@ -189,6 +190,25 @@ class Fleet:
             p.plan, p.replica = plan, new
         self.plan = plan
         return done
+
+    def restart(self, p: Proc) -> str:
+        """`p` drained (SIGTERM: it refuses new work, finishes what it holds, leaves discovery) and started
+        again, waited on until healthy: what a process that reads its certificate once needs to renew it."""
+        assert p.popen is not None
+        p.state = "draining"
+        _signal_group(p.popen.pid, signal.SIGTERM)
+        try:
+            p.popen.wait(self.launch.grace_s + 15)
+        except subprocess.TimeoutExpired:
+            self._kill(p)
+        p.restarts += 1
+        try:
+            self._spawn(p)
+            self._wait_healthy(p)
+        except (GraphError, OSError) as e:
+            p.state = "down"
+            return f"{p.name}: restart for its new certificate failed: {str(getattr(e, 'message', e)).splitlines()[0]}"
+        return f"{p.name} restarted with a new certificate for Dynamo's planes, pid {p.popen.pid}"
 
     def signal(self, sig: int) -> list[int]:
         """`sig` to each live replica's process (SIGHUP: read its certificates again); their PIDs."""

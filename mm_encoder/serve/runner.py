@@ -27,7 +27,8 @@ from ..graph.planned import ComponentPlan, TlsFiles
 from ..graph.schema import Graph
 from ..runtime import tracing
 from ..runtime.procfs import leftover_pids
-from ..security.pki import Identity
+from ..security.issuing import LAUNCHER
+from ..security.pki import RENEW_AT, describe
 from . import infra
 from .fleet import Fleet, Launch, Proc
 from .scaler import Scaler
@@ -70,7 +71,9 @@ class GraphRunner:
             raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
         plans = plan(self.graph, self.site)
         if self.site.issuer is not None:  # every start-up replica's certificate, new on each start
-            self.site.issuer.issue(Identity(r.name, cp.kind) for cp in plans for r in cp.replicas if r.tls)
+            self.site.issuer.issue((r.name, cp.kind) for cp in plans for r in cp.replicas if r.tls)
+            if self.site.issuer.warning:
+                print(f"warning: {self.site.issuer.warning}", file=sys.stderr, flush=True)
         self.fleets = [Fleet(cp, self.launch) for cp in plans]
 
     def start(self) -> None:
@@ -98,15 +101,22 @@ class GraphRunner:
         dynamo = p.kind in DYNAMO_KINDS
         env = {**os.environ, **(self.runtime_env if dynamo else {}), **p.plan.env}
         if p.replica.tls is not None and dynamo:
-            env |= dynamo_tls_env(p.replica.tls, self.runtime_env, self.graph.runtime.request_plane)
+            env |= dynamo_tls_env(p.replica.tls.plane, self.runtime_env, self.graph.runtime.request_plane)
         # tracing on: one service each, Dynamo's spans beside ours, one protocol (observability.md)
         service = p.plan.env.get("OTEL_SERVICE_NAME", f"{self.graph.name}/{p.plan.name}")
         return env | tracing.component_env(env, service, p.name)
 
     def _certify(self, p: Proc) -> None:
-        """A replica planned after start-up (the planner's scale-up) gets its certificate before it starts."""
-        if self.site.issuer is not None and p.replica.tls is not None and not Path(p.replica.tls.cert).is_file():
-            self.site.issuer.issue([Identity(p.name, p.kind)], site=False)
+        """Before a replica starts: its certificate if it has none yet (the planner's scale-up), and a new one
+        for Dynamo's planes, which its runtime reads once (renewed by restarting it: `supervise`)."""
+        issuer = self.site.issuer
+        if issuer is None or p.replica.tls is None:
+            return
+        if not Path(p.replica.tls.cert).is_file():
+            issuer.issue([(p.name, p.kind)], site=False)
+        if p.kind in DYNAMO_KINDS:
+            issuer.issue_planes([(p.name, p.kind)])
+            p.renew_by = time.monotonic() + RENEW_AT * issuer.plane_lifetime.total_seconds()
 
     def supervise(self, scaler: Scaler | None = None, status_interval: float = 0.0,
                   stop: threading.Event | None = None) -> None:
@@ -115,9 +125,14 @@ class GraphRunner:
         stop = stop or threading.Event()
         last = time.monotonic()
         while not stop.is_set():
-            if self.rotations.is_set():
+            issuer = self.site.issuer
+            if self.rotations.is_set() or (issuer is not None and issuer.due is not None
+                                           and time.monotonic() >= issuer.due):
                 self.rotations.clear()
                 say(self.rotate())
+            if (due := self._plane_due()) is not None:  # one at a time: the others keep serving
+                say(next(f for f in self.fleets if due in f.procs).restart(due))
+                self.write_state()
             events = [e for f in self.fleets for e in f.check(self.restart)]
             for event in events:
                 say(event)
@@ -173,18 +188,26 @@ class GraphRunner:
         return f"{fleet.name}: {running} running ({what or 'no change'}){late}{'; ' + failed if failed else ''}", \
             running
 
+    def _plane_due(self) -> Proc | None:
+        """A running replica whose certificate for Dynamo's planes is due for renewal (the earliest)."""
+        now = time.monotonic()
+        due = [p for p in self.procs if p.state == "up" and p.renew_by is not None and p.renew_by <= now]
+        return min(due, key=lambda p: p.renew_by or 0.0) if due else None
+
     def rotate(self) -> str:
         """New certificates for every replica running now (the CA kept), each process told to read its own
         again (SIGHUP: nginx reloads gracefully, our processes reload their SSL contexts; nats-server
-        reloads; etcd reads its files at each handshake), with no request dropped (docs/security.md)."""
+        reloads; etcd reads its files at each handshake), with no request dropped (docs/security.md).
+        Run on SIGHUP and whenever the certificates are two thirds through their life."""
         if self.site.issuer is None:
             return "rotation: this graph runs without TLS"
-        self.site.issuer.issue(Identity(p.name, p.kind) for p in self.procs if p.replica.tls and p.alive)
+        self.site.issuer.issue((p.name, p.kind) for p in self.procs if p.replica.tls and p.alive)
         told = [pid for f in self.fleets for pid in f.signal(signal.SIGHUP)]
         for server in self.servers:
             if server.name == "nats" and server.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(server.pid, signal.SIGHUP)
+        self.write_state()
         return f"rotation: new certificates for {len(told)} processes, each told to read them again"
 
     def executor(self) -> Scaler | None:
@@ -194,11 +217,24 @@ class GraphRunner:
             return None
         running = sum(1 for p in self.procs if p.kind == "encoder" and p.state == "up")
         issuer = self.site.issuer
-        tls = dynamo_tls_env(TlsFiles(*issuer.launcher, str(issuer.ca_file)), self.runtime_env,
+        if issuer:  # its Dynamo client reads the certificate once: one for the planes' lifetime
+            issuer.issue_planes([(LAUNCHER, "client")])
+        tls = dynamo_tls_env(TlsFiles(*issuer.plane_files(LAUNCHER)), self.runtime_env,
                              self.graph.runtime.request_plane) if issuer else {}
         scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.plan.env, **tls}, running)
         scaler.start()
         return scaler
+
+    @staticmethod
+    def _certificates(p: Proc) -> dict[str, str]:
+        """When the replica's certificates end (`mm-encoder status` shows the time left)."""
+        out, tls = {}, p.replica.tls
+        if tls is not None:
+            for key, path in (("cert_not_after", tls.cert), ("plane_cert_not_after", tls.plane_cert)):
+                if path and Path(path).is_file():
+                    with contextlib.suppress(MMEncoderError):
+                        out[key] = describe(Path(path))["not_after"]
+        return out
 
     def write_state(self) -> None:
         state = {
@@ -207,8 +243,8 @@ class GraphRunner:
             **({"tls": self.site.issuer.state()} if self.site.issuer else {}),
             "supervisor_pid": os.getpid(),
             "components": [{"name": p.name, "kind": p.kind, "pid": p.popen.pid if p.popen else None,
-                            "url": p.url, **({"ops_url": p.ops_url} if p.ops_url else {}), "log": str(p.log)}
-                           for p in self.procs],
+                            "url": p.url, **({"ops_url": p.ops_url} if p.ops_url else {}), "log": str(p.log),
+                            **self._certificates(p)} for p in self.procs],
             "runtime": {**self.runtime_env, "servers": [{"name": s.name, "pid": s.pid} for s in self.servers]},
             **({"scaling": self.scaling} if self.scaling else {}),
         }

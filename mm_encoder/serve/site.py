@@ -8,6 +8,7 @@ import os
 import random
 import socket
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 
 from ..core.errors import GraphError
@@ -66,11 +67,15 @@ class LocalSite(Site):
         self.checkpoint_dir = (str(Path(graph.llm.checkpoint).resolve()) if graph.llm.checkpoint
                                else str(run_dir / "checkpoint" / f"kimi-k2.5-{graph.llm.preset}"))
         self._ports: dict[tuple[str, int], int] = {}
-        self.issuer = Issuer(run_dir / "tls", graph.tls.ca_dir) if graph.tls.enabled else None
+        t = graph.tls
+        self.issuer = Issuer(run_dir / "tls", t.ca_dir, graph=graph.name, trust_domain=t.trust_domain,
+                             lifetime=timedelta(seconds=t.cert_lifetime_s),
+                             plane_lifetime=timedelta(seconds=t.dynamo_cert_lifetime_s),
+                             ca_lifetime=timedelta(days=t.ca_lifetime_days)) if t.enabled else None
 
     def tls_files(self, replica: str) -> TlsFiles:
         assert self.issuer is not None  # the plan asks only with the graph's TLS on
-        return TlsFiles(*self.issuer.files(replica))
+        return TlsFiles(*self.issuer.files(replica), *self.issuer.plane_files(replica)[:2])
 
     def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
         return self.listen(f"{name}:ops", kind, replica)

@@ -2,7 +2,7 @@
 per level, encodes, p50 and p95 latency, the frontend's slowest recent request. Reads `state.json`
 from the graph's run directory and asks each component (frontend `/mm/stats`, encoder `/metrics`,
 cache tiers `/_cache/stats`, the encode planner `/status`: encoders wanted and running, its last
-decision and why)."""
+decision and why), and with TLS how long each component's certificates have left."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import ssl
 import sys
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     tls = state.get("tls")
     context = tls_client(tls["ca"], tls.get("cert"), tls.get("key")) if tls else None
     for c in state["components"]:
-        row = {"name": c["name"], "kind": c["kind"], "up": _alive(c.get("pid"))}
+        row = {"name": c["name"], "kind": c["kind"], "up": _alive(c.get("pid")), **_expiry(c)}
         url = c.get("ops_url") or c.get("url")
         if row["up"] and url and c["kind"] == "encoder":
             text = _get(f"{url}/metrics")
@@ -117,6 +118,13 @@ def collect(run_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _expiry(component: dict[str, Any]) -> dict[str, float]:
+    """Seconds until the component's certificates end (its own, and Dynamo's planes' where it has one)."""
+    now = time.time()
+    return {key.replace("not_after", "expires_in_s"): datetime.fromisoformat(component[key]).timestamp() - now
+            for key in ("cert_not_after", "plane_cert_not_after") if component.get(key)}
+
+
 def _recent(procs: list[dict[str, Any]]) -> dict[str, Any]:
     """The frontend's recent requests (its /mm/stats, up to 256 per processor): the p50 and p95 of
     the time before the engine (encode + route, ms), and the slowest of them by request id (and its
@@ -151,12 +159,22 @@ def format_lines(status: dict[str, Any]) -> list[str]:
                          + (f", trace {slow['trace_id']})" if slow.get("trace_id") else ")"))
         if r.get("routed"):
             parts.append("routed=" + ",".join(str(v) for v in r["routed"].values()))
+        for key, label in (("cert_expires_in_s", "cert"), ("plane_cert_expires_in_s", "dynamo cert")):
+            if key in r:
+                parts.append(f"{label} {'EXPIRED' if r[key] <= 0 else 'ends in ' + _duration(r[key])}")
         if r.get("kind") == "planner" and r.get("wanted") is not None:
             parts.append(f"encoders wanted={r['wanted']} running={r['running']}")
             if d := r.get("decision"):
                 parts.append(f"last: {d['action']} {d['from']}->{d['replicas']} ({d['reason']})")
         lines.append("  " + "  ".join(parts))
     return lines
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def main(argv: list[str] | None = None) -> int:
