@@ -160,7 +160,7 @@ def chats(run: Path, n: int) -> dict:
     try:
         for s in served.values():
             s.wait_for("ready: OpenAI base URL", 600)
-        ctx = {"plaintext": None, "tls": tls_client(run / "graph-tls" / "tls" / "ca.pem")}
+        ctx = {"plaintext": None, "tls": tls_client(run / "graph-tls" / "tls" / "ca" / "ca.pem")}
         cold: dict[str, list[float]] = {name: [] for name in graphs}
         warm: dict[str, list[float]] = {name: [] for name in graphs}
         same = jpeg(7, 640, 480)

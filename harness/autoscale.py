@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import sys
 import threading
 import time
@@ -33,13 +34,14 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 
 
 @contextlib.contextmanager
-def deciding(namespace: str, count: int, runtime_env: dict[str, str]) -> Iterator[None]:
+def deciding(namespace: str, count: int, runtime_env: dict[str, str],
+             tls_env: dict[str, str] | None = None) -> Iterator[None]:
     """`count` encoders for `namespace`, published as a running planner publishes it, for the block's
     length: the decision lives in etcd under the publisher's lease, so it stays up until the
     executor has acted (a restarted coordinator's decision may even look acknowledged already:
     its ids start from 0 again)."""
     env = {**runtime_env, "DYN_DISCOVERY_BACKEND": "etcd", "DYN_REQUEST_PLANE": "tcp", "DYN_LOG": "error",
-           "PATH": "/usr/bin:/bin"}
+           "PATH": "/usr/bin:/bin", **(tls_env or {})}
     proc = Process([sys.executable, "-c", DECIDE, namespace, str(count)], name=f"decide {count}", env=env)
     try:
         proc.wait_for("published", 120)
@@ -76,6 +78,7 @@ class Load:
     max_tokens: int = 2
     active: int | None = None
     answers: list[Answer] = field(default_factory=list)
+    tls: ssl.SSLContext | None = None  # a TLS graph's frontend: HTTPS with this context
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -127,7 +130,8 @@ class Load:
             {"type": "text", "text": "what is it?"}]}]}
         if self.stream:
             body.update(stream=True, stream_options={"include_usage": True})
-        return urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
+        scheme = "https" if self.tls is not None else "http"
+        return urllib.request.Request(f"{scheme}://127.0.0.1:{self.port}/v1/chat/completions",
                                       data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
 
     def _client(self, index: int) -> None:
@@ -135,7 +139,7 @@ class Load:
             req = self._request(n)
             t0 = time.monotonic()
             try:
-                with urllib.request.urlopen(req, timeout=300) as r:
+                with urllib.request.urlopen(req, timeout=300, context=self.tls) as r:
                     ttft = _first_token(r, t0) if self.stream else None
                     if not self.stream:
                         r.read()

@@ -11,12 +11,15 @@ reads back whom a certificate (a file's bytes, or a peer's in a handshake) names
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mm_encoder.security.pki import DEFAULT_HOSTS, Authority, Identity, Issued, PkiError
 
@@ -83,6 +86,46 @@ class Certs:
         now = datetime.now(timezone.utc)
         return self.ca.issue(self._identity(who), self.root / "not-yet-valid", not_before=now + timedelta(days=1),
                              not_after=now + timedelta(days=10), replace=True)
+
+    def forged(self, name: str, role: str, uris: Sequence[str] = ()) -> Issued:
+        """From the deployment's CA, OU `role` but exactly the URI SANs `uris` (none, another graph's, two):
+        what a certificate request that names its own subject gets. Built here with cryptography, not by
+        the package's issuer, which never makes one (`root/forged`)."""
+        ca_key = serialization.load_pem_private_key(self.ca.key_path.read_bytes(), password=None)
+        ca_cert = x509.load_pem_x509_certificate(self.ca.cert_path.read_bytes())
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.now(timezone.utc)
+        names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
+        names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "mm-encoder"),
+                                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                                         x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(hours=1))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
+                .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+        folder = self.root / "forged"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return Issued(cert_path, key_path, Identity(name, role))
+
+    def forgeries(self, role: str) -> dict[str, Issued]:
+        """The forged certificates of `role` every hop must refuse, by what is wrong with each."""
+        own = f"spiffe://mm-encoder.local/mm-encoder/{role}/x"
+        return {"no URI": self.forged("no-uri", role),
+                "another graph's URI": self.forged("other-graph", role, [f"spiffe://mm-encoder.local/other/{role}/x"]),
+                "another trust domain's URI": self.forged("other-domain", role, [f"spiffe://example.org/mm-encoder/{role}/x"]),
+                "two URIs": self.forged("two-uris", role, [own, f"spiffe://mm-encoder.local/mm-encoder/{role}/y"]),
+                "a URI that is not an ID": self.forged("not-an-id", role, [own + "/extra"])}
 
     def wrong_role(self, name: str, role: str) -> Issued:
         """From the deployment's CA, for `name` but with `role` in its OU (`root/wrong-role`)."""

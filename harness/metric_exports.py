@@ -31,7 +31,8 @@ class Family:
 
 def service_metrics() -> ServiceMetrics:
     admission = Admission(max_receiving_bytes=1 << 20, max_pending=4, retry_after_s=1, limits=MediaLimits())
-    m = ServiceMetrics(AliasCache(8, 60), BodyCache(1 << 20), admission, inflight=lambda: 0, queued=lambda: 0)
+    m = ServiceMetrics(AliasCache(8, 60), BodyCache(1 << 20), admission, inflight=lambda: 0, queued=lambda: 0,
+                       certificates=lambda: {"http": 3600.0})
     # one sample of every labelled family, so its labels show
     m.served("http", "forward", {"total": 1.0}, 10)
     m.refused("http", "overloaded")

@@ -160,7 +160,6 @@ def test_a_replica_planned_after_start_gets_its_certificate_before_it_starts(tmp
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
-    from mm_encoder.security.pki import Identity
     from mm_encoder.serve.fleet import Proc
     from mm_encoder.serve.runner import GraphRunner
 
@@ -168,7 +167,7 @@ def test_a_replica_planned_after_start_gets_its_certificate_before_it_starts(tmp
     graph = graph.model_copy(update={"tls": graph.tls.model_copy(update={"enabled": True})})
     runner = GraphRunner(graph, tmp_path / "run")
     assert runner.site.issuer is not None
-    runner.site.issuer.issue([Identity("encoder-0", "encoder")])  # what start-up issued
+    runner.site.issuer.issue([("encoder-0", "encoder")])  # what start-up issued
     first = (tmp_path / "run" / "tls" / "encoder-0.pem").read_bytes()
     encoder = runner._planned("encoder", 2)["encoder"]
     added = Proc(encoder, encoder.replicas[1])
@@ -177,6 +176,11 @@ def test_a_replica_planned_after_start_gets_its_certificate_before_it_starts(tmp
     cert = x509.load_pem_x509_certificate(Path(added.replica.tls.cert).read_bytes())
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "encoder-1"
     assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "encoder"
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == \
+        [f"spiffe://mm-encoder.local/{graph.name}/encoder/encoder-1"]
+    plane = x509.load_pem_x509_certificate(Path(added.replica.tls.plane_cert).read_bytes())  # Dynamo's, apart
+    assert plane.serial_number != cert.serial_number
     ca = x509.load_pem_x509_certificate(runner.site.issuer.ca_file.read_bytes())
     assert cert.issuer == ca.subject
     assert (tmp_path / "run" / "tls" / "encoder-0.pem").read_bytes() == first

@@ -69,9 +69,25 @@ class _CacheCollector(Collector):
         yield size
 
 
+class _CertificateCollector(Collector):
+    """Seconds until each of the worker's certificates ends, by which (`http`: its HTTPS port's, renewed
+    in place; `dynamo`: the one Dynamo's planes read at start). None without TLS."""
+
+    def __init__(self, certificates: Callable[[], dict[str, float]]):
+        self.certificates = certificates
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(f"{PREFIX}_tls_certificate_expiry_seconds", "Seconds until the certificate ends "
+                              "(negative: ended); alert well before 0", labels=["certificate"])
+        for which, seconds in self.certificates().items():
+            g.add_metric([which], seconds)
+        yield g
+
+
 class ServiceMetrics:
     def __init__(self, alias: AliasCache, body: BodyCache, admission: Admission, *, inflight: Callable[[], int],
-                 queued: Callable[[], int], capacity: CapacityMeter | None = None, namespace: str = NAMESPACE):
+                 queued: Callable[[], int], capacity: CapacityMeter | None = None, namespace: str = NAMESPACE,
+                 certificates: Callable[[], dict[str, float]] = dict):
         # `own`: the metrics with their own labels only (what `load` reads); `registry`: what /metrics
         # shows, `own` with Dynamo's labels, and 0.2's names until 0.4
         self.own = r = CollectorRegistry(auto_describe=True)
@@ -129,6 +145,7 @@ class ServiceMetrics:
         Gauge(f"{PREFIX}_inflight_requests", "Requests being served", registry=r).set_function(inflight)
         Gauge(f"{PREFIX}_queue_depth", "Items waiting for the device", registry=r).set_function(queued)
         r.register(_CacheCollector(alias, body))
+        r.register(_CertificateCollector(certificates))
 
     def served(self, transport: str, source: str, timings_ms: dict[str, float], body_bytes: int) -> None:
         self.requests.labels(transport, "ok").inc()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,7 @@ from ..core.timing import ms_since
 from ..fetch import Fetcher
 from ..model.steps import EncodeSteps, Prepared
 from ..runtime import tracing
+from ..security.pki import seconds_left
 from .admission import Admission
 from .batcher import DeviceBatcher
 from .caches import AliasCache, BodyCache, SingleFlight
@@ -81,6 +83,12 @@ class EncodeResult:
         return EncodeReply(self.body, self.mm_hash, self.source, self.timings_ms)
 
 
+def certificates(settings: WorkerSettings) -> dict[str, float]:
+    """Seconds left on the worker's certificates: its HTTPS port's, and the one Dynamo's planes read."""
+    paths = {"http": settings.tls_cert, "dynamo": os.environ.get("DYN_TCP_TLS_CERT_PATH")}
+    return {which: left for which, path in paths.items() if path and (left := seconds_left(path)) is not None}
+
+
 class EncodeService:
     def __init__(self, encoder: EncodeSteps, settings: WorkerSettings, fetcher: Fetcher | None = None):
         self.encoder = encoder
@@ -99,7 +107,7 @@ class EncodeService:
         self.served_names = {n.lower() for n in encoder.spec.served_names}
         self.metrics = ServiceMetrics(self.alias, self.bodies, self.admission,
                                       inflight=lambda: self._inflight, queued=lambda: len(self.batcher),
-                                      namespace=settings.namespace)
+                                      namespace=settings.namespace, certificates=lambda: certificates(settings))
         self.batcher = DeviceBatcher(encoder, settings, self.metrics)
 
     # --- lifecycle ---------------------------------------------------------------------------

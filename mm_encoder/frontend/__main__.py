@@ -22,7 +22,7 @@ async def serve(s: FrontendSettings) -> None:
     async with Lifecycle("mm-encoder frontend") as life:
         factory = ProcessorFactory(s, life.runtime)
         life.on_exit(factory.close)  # once the runtime is down and the HTTP server has stopped
-        life.on_reload(factory.reload_tls)  # its client certificate; the HTTPS port's needs a restart (Dynamo's)
+        life.on_reload(factory.reload_tls)  # its client certificate; the HTTPS port's: a restart (Dynamo's)
         await factory.parts()  # fail fast (a bad model dir) before serving
 
         def stats(_ctx: object) -> dict[str, list[dict[str, Any]]]:  # _ctx: Dynamo's request context, unused
@@ -31,7 +31,8 @@ async def serve(s: FrontendSettings) -> None:
         # appended to Dynamo's system server /metrics (DYN_SYSTEM_PORT); no endpoint needs serving for it
         life.runtime.endpoint(f"{s.namespace}.frontend.mm_processor").metrics.register_prometheus_expfmt_callback(
             exposition(factory.snapshots))
-        https = (str(s.tls_cert), str(s.tls_key), str(s.tls_ca) if s.https_client_auth else None) if s.https else None
+        https = (str(s.https_cert or s.tls_cert), str(s.https_key or s.tls_key),
+                 str(s.tls_ca) if s.https_client_auth else None) if s.https else None
         life.serve(await http_frontend(life.runtime, factory, host=s.http_host, port=s.http_port,
                                        namespace=s.namespace, routes={"/mm/stats": stats}, https=https))
         life.ready(f"{'https' if s.https else 'http'}://{s.http_host}:{s.http_port}", model_dir=s.model_dir)

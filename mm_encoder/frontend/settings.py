@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from ..core.wire_schema import WireDtype
 from ..runtime.dynamo import ENGINE_COMPONENT, KvOptions
-from ..security.tls import TlsOptions
+from ..security.tls import PATH, TlsOptions
 from .processor import Limits
 
 
@@ -26,6 +26,9 @@ class FrontendSettings(KvOptions, TlsOptions):
     http_port: int = Field(8000, ge=1, le=65535)
     https: bool = Field(False, description="serve the OpenAI port over HTTPS with --tls-cert/--tls-key")
     https_client_auth: bool = Field(False, description="with --https: clients need a certificate from --tls-ca")
+    https_cert: PATH | None = Field(None, description="with --https: the OpenAI port's certificate, read once at "
+                                    "start (unset: --tls-cert; serve gives the longer-lived one it renews by restart)")
+    https_key: PATH | None = Field(None, description="with --https-cert: its key")
     engine_component: str = Field(ENGINE_COMPONENT, description="engines serve <namespace>.<component>.generate")
     encoder_http: str | None = Field(None, description="cache chain URL (the cluster tier); unset: RPC only")
     encoder_route: str = Field("cluster,shared", description="X-Cache-Route for the chain")
@@ -68,6 +71,8 @@ class FrontendSettings(KvOptions, TlsOptions):
             raise ValueError("--https serves this frontend's certificate: it needs --tls-cert, --tls-key, --tls-ca")
         if self.https_client_auth and not self.https:
             raise ValueError("--https-client-auth goes with --https")
+        if (self.https_cert is None) != (self.https_key is None) or (self.https_cert and not self.https):
+            raise ValueError("--https-cert and --https-key go together, with --https")
         return self
 
 

@@ -107,6 +107,8 @@ def _tls(g: Graph, cp: ComponentPlan, r: Replica) -> list[str]:
         argv += ["--tls-allow", ",".join(sorted(cp.callers)), "--ops-port", str(r.ops[1])]
     elif cp.kind == "frontend":
         argv += ["--https", *(["--https-client-auth"] if g.tls.client_auth else [])]
+        if r.tls.plane_cert:  # read once by Dynamo's HTTP server: the certificate serve renews by a restart
+            argv += ["--https-cert", r.tls.plane_cert, "--https-key", r.tls.plane_key]
     return argv
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..core.errors import GraphError, PkiError
 from .identity import TRUST_DOMAIN, SpiffeId, check_servers
-from .pki import CA_CERT, CA_KEY, CA_LIFETIME, LEAF_LIFETIME, RENEW_AT, Authority, Identity, utc_now
+from .pki import CA_CERT, CA_KEY, CA_LIFETIME, LEAF_LIFETIME, RENEW_AT, Authority, Identity, private_dir, utc_now
 from .tls import tls_client
 
 SERVERS = ("etcd", "nats")
@@ -110,6 +110,7 @@ class Issuer:
             raise GraphError(f"TLS certificates: {e.message}") from None
 
     def _authority(self) -> Authority:
+        private_dir(self.dir)  # 0700 before anything is made in it (the CA's own folder included)
         if (self.ca_dir / CA_CERT).is_file() and (self.ca_dir / CA_KEY).is_file():
             authority = Authority.load(self.ca_dir)
         elif not self.own_ca:

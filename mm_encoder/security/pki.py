@@ -114,7 +114,7 @@ class Authority:
     @classmethod
     def create(cls, directory: Path, *, name: str = ORGANIZATION, lifetime: timedelta = CA_LIFETIME) -> Authority:
         """A new CA in `directory` (`ca.pem`, `ca.key`), valid for `lifetime`; refused if either file is there."""
-        directory = _private_dir(directory)
+        directory = private_dir(directory)
         cert_path, key_path = directory / CA_CERT, directory / CA_KEY
         _refuse_existing(cert_path, key_path)
         if not name or len(name) > 64:
@@ -169,7 +169,7 @@ class Authority:
         then `hosts` (IP addresses as such, the rest DNS names: the site's names Dynamo's planes check).
         Valid from `not_before` (a few minutes ago) to `not_after` (`lifetime` after now), never past the
         CA's own end. Existing files are refused unless `replace` (rotation)."""
-        directory = _private_dir(directory if directory is not None else self.cert_path.parent)
+        directory = private_dir(directory if directory is not None else self.cert_path.parent)
         cert_path, key_path = directory / f"{identity.name}.pem", directory / f"{identity.name}.key"
         if {cert_path.resolve(), key_path.resolve()} & {self.cert_path.resolve(), self.key_path.resolve()}:
             raise PkiError(f"a certificate named {identity.name!r} would overwrite the CA's files in {directory}")
@@ -227,6 +227,16 @@ def describe(cert: Path) -> dict[str, str]:
             "serial": f"{c.serial_number:x}", "not_before": c.not_valid_before_utc.isoformat(),
             "not_after": c.not_valid_after_utc.isoformat(), "hosts": ",".join(hosts),
             "fingerprint_sha256": c.fingerprint(hashes.SHA256()).hex(":").upper()}
+
+
+def seconds_left(cert: str | Path) -> float | None:
+    """Seconds until the certificate in `cert` ends (negative: ended); None if it cannot be read. Read
+    each time: a renewal replaces the file."""
+    try:
+        c = _load_cert(_read(Path(cert)), Path(cert))
+    except PkiError:
+        return None
+    return (c.not_valid_after_utc - datetime.now(timezone.utc)).total_seconds()
 
 
 # --- certificates and keys -------------------------------------------------------------------
@@ -324,7 +334,7 @@ def _read(path: Path) -> bytes:
         raise PkiError(f"{path}: {e.strerror or e}") from None
 
 
-def _private_dir(directory: Path) -> Path:
+def private_dir(directory: Path) -> Path:
     """`directory`, made 0700 if absent; refused if it is not a directory or others may write in it."""
     directory = Path(directory)
     if not directory.exists():

@@ -32,7 +32,7 @@ from ..security.pki import RENEW_AT, describe
 from . import infra
 from .fleet import Fleet, Launch, Proc
 from .scaler import Scaler
-from .site import LOOPBACK, LocalSite, dynamo_tls_env, ready_note
+from .site import LOOPBACK, LocalSite, dynamo_tls_env, private_run_dir, ready_note
 from .status import collect, format_lines
 
 
@@ -51,6 +51,9 @@ class GraphRunner:
         self.launch = Launch(self.run_dir, self._env, self._certify, lambda: issuer.client_context if issuer else None,
                              start_timeout_s, grace_s)
         self.rotations = threading.Event()  # set (SIGHUP): new certificates, taken up by `supervise`
+        # what every process starts from: taken now, before the scaling executor's thread sets Dynamo's
+        # planes (the launcher's etcd key among them) in this process's own environment
+        self.environ = dict(os.environ)
 
     @property
     def procs(self) -> list[Proc]:
@@ -63,7 +66,7 @@ class GraphRunner:
 
     def prepare(self) -> None:
         """The run directory, the generated checkpoint (if the graph names none), the fleets."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_run_dir(self.run_dir)
         generated = GeneratedCheckpoint.of(self.graph)
         if generated is not None and not (Path(self.site.checkpoint_dir) / "config.json").is_file():
             generated.write(self.site.checkpoint_dir)
@@ -99,7 +102,7 @@ class GraphRunner:
     def _env(self, p: Proc) -> dict[str, str]:
         """A replica's environment: ours, how Dynamo's planes are reached (with its certificate), then tracing."""
         dynamo = p.kind in DYNAMO_KINDS
-        env = {**os.environ, **(self.runtime_env if dynamo else {}), **p.plan.env}
+        env = {**self.environ, **(self.runtime_env if dynamo else {}), **p.plan.env}
         if p.replica.tls is not None and dynamo:
             env |= dynamo_tls_env(p.replica.tls.plane, self.runtime_env, self.graph.runtime.request_plane)
         # tracing on: one service each, Dynamo's spans beside ours, one protocol (observability.md)

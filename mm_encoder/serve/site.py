@@ -4,9 +4,11 @@ with TLS a certificate per replica from the run directory's CA (`security.issuin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
+import stat
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -59,6 +61,24 @@ def free_port() -> int:
     raise GraphError(f"no free port in {ports.start}-{ports.stop - 1} ({PORTS_ENV} sets the range)")
 
 
+def private_run_dir(path: Path) -> Path:
+    """The run directory, made 0700 if absent; refused if another user owns it or others may write in it
+    (under /tmp anyone could have made it first, to read the graph's keys or swap its files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise GraphError(f"run directory {path} is not a directory (a link or a file): pass another --run-dir")
+    if st.st_uid != os.geteuid():
+        raise GraphError(f"run directory {path} belongs to user {st.st_uid}, not to this one ({os.geteuid()}): "
+                         "another user could read its keys or swap its files; pass another --run-dir")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise GraphError(f"run directory {path} is writable by its group or others (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}): chmod 700 it or pass another --run-dir")
+    return path
+
+
 class LocalSite(Site):
     def __init__(self, graph: Graph, run_dir: Path):
         self.graph = graph
@@ -67,6 +87,7 @@ class LocalSite(Site):
         self.checkpoint_dir = (str(Path(graph.llm.checkpoint).resolve()) if graph.llm.checkpoint
                                else str(run_dir / "checkpoint" / f"kimi-k2.5-{graph.llm.preset}"))
         self._ports: dict[tuple[str, int], int] = {}
+        self.environ = dict(os.environ)  # as serve started: later changes (the scaling thread's) are not the graph's
         t = graph.tls
         self.issuer = Issuer(run_dir / "tls", t.ca_dir, graph=graph.name, trust_domain=t.trust_domain,
                              lifetime=timedelta(seconds=t.cert_lifetime_s),
@@ -108,10 +129,10 @@ class LocalSite(Site):
             "DYN_SYSTEM_HOST": LOOPBACK,
             "DYN_EVENT_PLANE_HOST": LOOPBACK,  # the KV event publisher (ZMQ) binds 0.0.0.0 without it
             "DYN_SELF_HOST_METADATA": "0",
-            "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
+            "DYN_LOG": self.environ.get("DYN_LOG", "warn"),
         }
-        if "DYN_TCP_MAX_MESSAGE_SIZE" in os.environ:  # the caller's own limit wins over the plan's
-            env["DYN_TCP_MAX_MESSAGE_SIZE"] = os.environ["DYN_TCP_MAX_MESSAGE_SIZE"]
+        if "DYN_TCP_MAX_MESSAGE_SIZE" in self.environ:  # the caller's own limit wins over the plan's
+            env["DYN_TCP_MAX_MESSAGE_SIZE"] = self.environ["DYN_TCP_MAX_MESSAGE_SIZE"]
         return env
 
 

@@ -18,6 +18,7 @@ import ssl
 import stat
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -69,7 +70,7 @@ def _refuses_no_certificate(url: str, ca: str) -> None:
 def test_serve_tls_answers_over_https_and_every_internal_port_refuses_strangers(served):
     port, run = served.port, served.run_dir
     out = served.text  # its output so far: the ready line among it
-    ca = str(run / "tls" / "ca.pem")
+    ca = str(run / "tls" / "ca" / "ca.pem")
     assert f"OpenAI base URL https://127.0.0.1:{port}/v1" in out and f"curl --cacert {ca}" in out
     assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
     state = served.state
@@ -86,10 +87,17 @@ def test_serve_tls_answers_over_https_and_every_internal_port_refuses_strangers(
     _refuses_plaintext(f"https://127.0.0.1:{port}")  # the frontend: HTTPS only
     # keys: 0600 in a 0700 directory; no log holds key material
     tls_dir = run / "tls"
-    assert stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(run.stat().st_mode) == stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
+    assert run.stat().st_uid == os.geteuid()
     keys = sorted(tls_dir.rglob("*.key"))
     assert len(keys) >= len(state["components"]) + 1  # every replica's, the CA's (and the launcher's)
     assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys)
+    assert stat.S_IMODE((tls_dir / "ca").stat().st_mode) == 0o700
+    assert [k.name for k in keys if k.name == "ca.key"] == ["ca.key"] and (tls_dir / "ca" / "ca.key").is_file()
+    # no process was given the CA's key: each names only its own certificate, key and the CA certificate
+    for c in state["components"]:
+        cmdline = Path(f"/proc/{c['pid']}/cmdline").read_bytes().decode(errors="replace")
+        assert "ca.key" not in cmdline, c["name"]
     logs = [p for p in run.glob("*.log")]
     assert logs and not any("PRIVATE KEY" in p.read_text(errors="replace") for p in logs)
 
@@ -107,5 +115,5 @@ def test_serve_rotates_every_certificate_on_sighup(served):
     os.kill(served.proc.pid, signal.SIGHUP)
     served.wait_for("rotation: new certificates for", 30)
     assert _file_serial(run / "tls" / "encoder.pem") != before
-    assert chat(port, ca=str(run / "tls" / "ca.pem"))["usage"]["prompt_tokens"] == 1223  # on the new ones
+    assert chat(port, ca=str(run / "tls" / "ca" / "ca.pem"))["usage"]["prompt_tokens"] == 1223  # on the new ones
     assert all(c["up"] for c in collect(run)["components"])

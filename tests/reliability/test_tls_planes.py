@@ -43,7 +43,7 @@ def test_etcd_and_nats_run_with_client_certificates(tmp_path):
     run = tmp_path / "run"
     with Served("graphs/epd-etcd.yaml", run, port, "--tls") as served:
         served.wait_for("ready: OpenAI base URL", 300)
-        ca = str(run / "tls" / "ca.pem")
+        ca = str(run / "tls" / "ca" / "ca.pem")
         assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
         runtime = served.state["runtime"]
         etcd, nats = runtime["ETCD_ENDPOINTS"], runtime["NATS_SERVER"]

@@ -80,10 +80,12 @@ def chain(tmp_path_factory):
         started.append(worker)
         ports = {"worker": worker.http_port, "worker_ops": worker.ops_port}
         logs = {}
-        upstream = worker.address
+        upstream, below = worker.address, "encoder"
         for tier in ("shared", "router", "cluster"):
-            nxt = ["--shard" if tier == "router" else "--next", upstream]
+            nxt = ["--shard" if tier == "router" else "--next", upstream,
+                   "--tls-server-name", f"{below}.mm-encoder.mm-encoder.local"]  # the level below, by its role
             t = start_tier(tmp, tier, tier, *nxt, tls=Tls.issue(certs, tier, f"cache-{tier}"))
+            below = f"cache-{tier}"
             started.append(t)
             ports[tier], ports[f"{tier}_ops"], logs[tier] = t.port, t.ops_port, t.log
             upstream = t.address
@@ -140,5 +142,29 @@ def test_unauthenticated_or_unadmitted_callers_get_nothing_from_a_tier(chain, ti
         status, headers = _head(port, _client(certs.wrong_role(name, role), certs.ca_file))
         assert status == 403 and headers["X-MM-Error-Code"] == "forbidden_peer", (status, headers)
         assert "X-Cache-Status" not in headers
+    # the deployment's own CA, an admitted role's OU, but no URI of this graph (peer_id.lua): the same 403
+    admitted = {"cluster": "frontend", "router": "cache-cluster", "shared": "cache-router"}[tier]
+    for why, forged in certs.forgeries(admitted).items():
+        status, headers = _head(port, _client(forged, certs.ca_file))
+        assert (status, headers["X-MM-Error-Code"]) == (403, "forbidden_peer"), (why, headers)
     after = (_stats(ports[f"{tier}_ops"]), _encodes(ports["worker_ops"]), logs[tier].read_text())
     assert after == before  # no request reached the cache location: no read, no fill, no log line, no encode
+
+
+def test_a_tier_refuses_a_next_level_of_another_role(chain, tmp_path):
+    """nginx checks its next level by its role's DNS name: a shared tier told its encoders are
+    `encoder.<graph>.<trust domain>` reaches the worker; one told to expect another role's name refuses
+    the worker's certificate (502), and the worker encodes nothing for it."""
+    certs, ports, _ = chain
+    before = _encodes(ports["worker_ops"])
+    t = start_tier(tmp_path, "strict", "shared", "--next", f"127.0.0.1:{ports['worker']}",
+                   "--tls-server-name", "cache-router.mm-encoder.mm-encoder.local",
+                   tls=Tls.issue(certs, "strict", "cache-shared"))
+    try:
+        router = certs.issue("router-x", "cache-router")
+        status, _ = _head(t.port, _client(router, certs.ca_file))
+        assert status == 502
+        assert "certificate" in t.log.read_text()
+    finally:
+        t.stop()
+    assert _encodes(ports["worker_ops"]) == before

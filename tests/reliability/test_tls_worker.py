@@ -135,3 +135,42 @@ def test_a_client_refuses_a_server_from_another_ca(worker, tmp_path):
 
     with pytest.raises(EncoderUnavailable, match=r"(?i)certificate"):
         asyncio.run(fetch())
+
+
+def test_a_caller_is_admitted_by_its_uri_never_by_its_ou(worker):
+    """Certificates from the deployment's own CA, OU `engine` (an admitted role), whose URI is missing,
+    another graph's or trust domain's, doubled or not an ID: each refused with 403 `forbidden_peer`
+    before any work (what any namespace could get from a shared issuer that does not police URIs)."""
+    certs, port, ops = worker
+    before = _metric(ops, "dynamo_component_encode_requests_total")
+    for why, forged in certs.forgeries("engine").items():
+        status, body = _post(port, _client(forged, certs.ca_file))
+        assert (status, body["error"]["code"]) == (403, "forbidden_peer"), why
+    assert _metric(ops, "dynamo_component_encode_requests_total") == before
+
+
+def _fetch(port: int, client: TlsOptions) -> bytes:
+    async def go() -> bytes:
+        chain = EncoderChain(http_url=f"https://127.0.0.1:{port}", tls=client.client_context())
+        try:
+            return (await chain.fetch(EncodeRequest(model="tiny", url=REQUEST["url"])))[0]
+        finally:
+            await chain.close()
+
+    return asyncio.run(go())
+
+
+def test_each_client_checks_the_server_it_reached_by_its_uri(worker, tmp_path):
+    """The engine calls encoders: the worker (an encoder of its graph) answers it. The frontend calls only
+    its cluster tier, so its client refuses this worker inside the handshake, request unsent; so does an
+    engine of another graph under the same CA, and one whose server presents a forged certificate."""
+    certs, port, ops = worker
+    engine = certs.issue("engine-0", "engine", replace=True)
+    assert len(_fetch(port, TlsOptions(tls_cert=engine.cert, tls_key=engine.key, tls_ca=certs.ca_file))) > 0
+    before = _metric(ops, "dynamo_component_encode_requests_total")
+    frontend = certs.issue("frontend", "frontend", replace=True)
+    other = certs.ca.issue(Identity("engine-0", "engine", graph="other"), tmp_path, replace=True)
+    for client in (frontend, other):
+        with pytest.raises(EncoderUnavailable, match=r"expected spiffe://mm-encoder\.local/"):
+            _fetch(port, TlsOptions(tls_cert=client.cert, tls_key=client.key, tls_ca=certs.ca_file))
+    assert _metric(ops, "dynamo_component_encode_requests_total") == before
