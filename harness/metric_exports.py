@@ -50,6 +50,7 @@ def exported() -> dict[str, Family]:
     planner = PlannerMetrics()
     planner.replicas.labels("wanted").set(1)
     planner.decisions.labels("hold").inc()
+    planner.dropped.labels("invalid").inc()
     snap = {"model": "m", "requests": 1, "media_items": 1, "encoder_calls": 1, "encoder_fallbacks": 0,
             "encoder_body_bytes": 0, "errors": {"overloaded": 1}, "routed": {"1": 1}, "media_requests_in_flight": 0}
     found = [*_families(service_metrics().registry, "worker"),

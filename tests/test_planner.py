@@ -97,16 +97,19 @@ def test_fleet_rates_and_p95_over_the_window():
     assert fleet.signals(20, {"a"}).demand_pps == 0
 
 
-def test_missing_or_stale_workers_make_the_data_stale():
+def test_missing_or_stale_workers_make_the_data_stale_only_when_none_answers():
+    """A worker unheard from is left out as silent (tests/reliability/test_planner_hardening.py); the
+    data is stale only without a worker, without any answering, or before a rate."""
     fleet = Fleet(window_s=10, stale_after_s=5)
     assert fleet.signals(0, set()).stale == ["no encode worker in discovery"]
     fleet.observe("a", snap(0, 0, 0, 0, [0, 0, 0, 0]))
     assert fleet.signals(0, {"a"}).stale == ["one load snapshot so far: no rate yet"]
     fleet.observe("a", snap(1, 10, 10, 0, [0, 0, 0, 0]))
-    assert fleet.signals(1, {"a", "b"}).stale == ["no recent load from worker(s) b"]
-    assert fleet.signals(7, {"a"}).stale == ["no recent load from worker(s) a"]
+    s = fleet.signals(1, {"a", "b"})  # b just listed: not heard from yet, not waited for either
+    assert (s.stale, s.silent, s.reporting) == ([], [], 1)
+    assert fleet.signals(7, {"a", "b"}).stale == ["no encode worker has answered in the last 5s (a, b)"]
     fleet.forget_except({"b"})
-    assert fleet.signals(1, {"a"}).stale == ["no recent load from worker(s) a"]
+    assert fleet.signals(7, {"a"}).stale == ["no encode worker has answered in the last 5s (a)"]
 
 
 def test_quantile_matches_prometheus_interpolation():

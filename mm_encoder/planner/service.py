@@ -5,7 +5,11 @@ their counters; `signals.Fleet` turns them into rates, `policy.Policy` into a re
 change goes to Dynamo's planner connector as the encoder component's `TargetReplica`
 (`runtime.dynamo.encoder_target`), without waiting for it to be carried out. While the fleet is
 not yet at what was last asked for, the planner holds. Each decision is one log line, the
-`dynamo_planner_encode_*` metrics and `GET /status` (what `mm-encoder status` shows)."""
+`dynamo_planner_encode_*` metrics and `GET /status` (what `mm-encoder status` shows).
+
+A worker's answer that does not parse (`signals.SnapshotError`) or never comes is dropped, logged
+and counted by reason (`..._snapshots_dropped_total`); that worker goes silent after
+`stale_after_s` and the others still decide."""
 
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from ..runtime.dynamo import (
 )
 from .policy import Decision, Policy
 from .settings import PlannerSettings
-from .signals import Fleet, FleetSignals, Snapshot
+from .signals import Fleet, FleetSignals, Snapshot, SnapshotError
 
 if TYPE_CHECKING:
     from ..runtime.dynamo import Client
@@ -49,10 +53,13 @@ class PlannerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(WithLabels(r, {"dynamo_namespace": namespace, "dynamo_component": PLANNER_COMPONENT}))
         p = PREFIX
-        self.replicas = Gauge(f"{p}_replicas", "Encoders: wanted (the last decision) and running (in discovery)",
-                              ["state"], registry=r)
+        self.replicas = Gauge(f"{p}_replicas", "Encoders: wanted (the last decision), running (in discovery) "
+                              "and silent (in discovery, no load snapshot for --stale-after-s)", ["state"], registry=r)
         self.decisions = Counter(f"{p}_decisions", "Decisions by action (up, down, hold)", ["action"], registry=r)
         self.errors = Counter(f"{p}_apply_errors", "Decisions the connector failed to apply", registry=r)
+        self.dropped = Counter(f"{p}_snapshots_dropped", "Load snapshots dropped, by reason (no_answer: none came "
+                               "in time; invalid: a value not a finite non-negative number, or malformed)",
+                               ["reason"], registry=r)
         self.stale = Gauge(f"{p}_holding_stale", "1 while missing or stale load data holds the fleet", registry=r)
         self.demand = Gauge(f"{p}_demand_patches_per_second", "Patches admitted per second, all encoders",
                             registry=r)
@@ -66,6 +73,7 @@ class PlannerMetrics:
         self.decisions.labels(d.action).inc()
         self.replicas.labels("wanted").set(d.replicas)
         self.replicas.labels("running").set(running)
+        self.replicas.labels("silent").set(len(sig.silent))
         self.stale.set(1 if sig.stale else 0)
         self.demand.set(sig.demand_pps)
         self.capacity.set(sig.capacity_pps)
@@ -79,7 +87,7 @@ class PlannerMetrics:
 class EncodePlanner:
     def __init__(self, s: PlannerSettings, load: Client, connector: Any, clock: Callable[[], float] = time.monotonic):
         self.s, self.load, self.connector, self.clock = s, load, connector, clock
-        self.fleet = Fleet(s.window_s, s.stale_after_s)
+        self.fleet = Fleet(s.window_s, s.stale_after_s, s.min_capacity_pps)
         self.policy = Policy(s)
         self.metrics = PlannerMetrics(s.namespace)
         self.wanted: int | None = None  # the last count asked for (None: take what is running)
@@ -102,12 +110,16 @@ class EncodePlanner:
                                        return_exceptions=True)
         now = self.clock()
         for instance, answer in zip(ids, answers, strict=True):
+            # a dropped snapshot: that worker goes silent after stale_after_s; the others still count
+            if isinstance(answer, BaseException):
+                self.metrics.dropped.labels("no_answer").inc()
+                log.warning("encoder %x: no load snapshot (%s: %s)", instance, type(answer).__name__, answer)
+                continue
             try:
-                if isinstance(answer, BaseException):
-                    raise ValueError(f"{type(answer).__name__}: {answer}")
                 self.fleet.observe(str(instance), Snapshot.parse(now, answer))
-            except ValueError as e:  # that worker's data goes stale; the others still count
-                log.warning("encoder %x: no load snapshot (%s)", instance, e)
+            except SnapshotError as e:
+                self.metrics.dropped.labels("invalid").inc()
+                log.warning("encoder %x: load snapshot dropped (%s)", instance, e)
         live = {str(i) for i in ids}
         self.fleet.forget_except(live)
         return live

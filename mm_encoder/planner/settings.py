@@ -11,6 +11,8 @@ from pydantic_settings import SettingsConfigDict, SettingsError
 
 from ..runtime.dynamo import DynamoOptions
 
+REPLICA_LIMIT = 64  # the most encoders any planner may ask for (--max-replicas' own bound)
+
 
 class PlannerSettings(DynamoOptions):
     """The encode planner: keeps the encoder fleet's demanded patches per second at a target
@@ -22,7 +24,7 @@ class PlannerSettings(DynamoOptions):
 
     component: str = Field("encoder", min_length=1, description="the graph's encoder component this planner scales")
     min_replicas: int = Field(1, ge=1, description="never fewer encoders (missing or stale data holds, never drops)")
-    max_replicas: int = Field(4, ge=1, le=64, description="never more encoders")
+    max_replicas: int = Field(4, ge=1, le=REPLICA_LIMIT, description="never more encoders")
     target_utilization: float = Field(0.7, gt=0, le=1, description="the fleet's demanded patches per second as a "
                                       "share of its measured capacity, in (0, 1]")
     queue_wait_sla_s: float | None = Field(2.0, gt=0, description="p95 wait of admitted items for the device; above "
@@ -37,8 +39,11 @@ class PlannerSettings(DynamoOptions):
     settle_timeout_s: float = Field(120.0, gt=0, description="waiting longer than this for the fleet to reach the "
                                     "count asked for, take the running count as the fleet's (a worker that failed "
                                     "to start, or died)")
-    stale_after_s: float = Field(15.0, gt=0, description="a worker unheard from this long makes the data stale: "
-                                 "hold the fleet as it is")
+    stale_after_s: float = Field(15.0, gt=0, description="a worker unheard from this long is silent: left out of "
+                                 "the signals and counted as not running; with every worker silent, the fleet holds")
+    min_capacity_pps: float = Field(10.0, ge=0, description="a measured capacity under this many patches per second "
+                                    "(about one 448x448 image in 100 s) is taken as unmeasured: a broken measurement "
+                                    "must not drive the fleet to --max-replicas; 0: no floor")
     connector: Literal["virtual", "kubernetes"] = Field(
         "virtual", description="how decisions are carried out: Dynamo's VirtualConnector (mm-encoder serve "
                                "executes them) or its KubernetesConnector (the DGD's encoder component)")

@@ -11,6 +11,7 @@ certificates on SIGHUP, and on stop everything goes in reverse order, then the l
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -25,13 +26,14 @@ from ..graph.checkpoint import GeneratedCheckpoint
 from ..graph.plan import DYNAMO_KINDS, plan
 from ..graph.planned import ComponentPlan, TlsFiles
 from ..graph.schema import Graph
+from ..planner.settings import REPLICA_LIMIT, check_args
 from ..runtime import tracing
 from ..runtime.procfs import leftover_pids
 from ..security.issuing import LAUNCHER
 from ..security.pki import RENEW_AT, describe
 from . import infra
 from .fleet import Fleet, Launch, Proc
-from .scaler import Scaler
+from .scaler import Scaler, executable
 from .site import LOOPBACK, LocalSite, dynamo_tls_env, private_run_dir, ready_note
 from .status import collect, format_lines
 
@@ -47,6 +49,7 @@ class GraphRunner:
         self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
         self.runtime_env: dict[str, str] = {}  # how Dynamo's components reach those (ETCD_ENDPOINTS, ...)
         self.scaling: dict[str, object] = {}  # the last encode-planner decision carried out
+        self.bounds = scaling_bounds(graph)  # what scale_to carries out: the planner's [min, max]
         issuer = self.site.issuer
         self.launch = Launch(self.run_dir, self._env, self._certify, lambda: issuer.client_context if issuer else None,
                              start_timeout_s, grace_s)
@@ -142,16 +145,28 @@ class GraphRunner:
             if events and self.restart:  # new PIDs
                 self.write_state()
             if scaler is not None and (decision := scaler.pending()) is not None:
-                count, done = decision
-                outcome = self.scale_to(count)
-                done.set_result(outcome)
-                if outcome[0]:
-                    print(f"scaled (the encode planner's decision): {outcome[0]}", flush=True)
+                self._carry_out(*decision)
             if status_interval and time.monotonic() - last >= status_interval:
                 for line in format_lines(collect(self.run_dir)):
                     print(line, flush=True)
                 last = time.monotonic()
             stop.wait(0.5)
+
+    def _carry_out(self, count: object, done: concurrent.futures.Future[tuple[str, int]]) -> None:
+        """One decision, whatever it holds: scaling never raises out of the supervisor (the graph
+        keeps serving), and `done` is always set, so the executor's thread never waits forever."""
+        outcome = ("", self._encoders_running())
+        try:
+            outcome = self.scale_to(count)
+        except Exception as e:  # a bug or an unforeseen error: reported, the graph goes on
+            outcome = (f"scaling to {count!r} failed: {type(e).__name__}: {e}", self._encoders_running())
+        finally:
+            done.set_result(outcome)
+        if outcome[0]:
+            print(f"scaled (the encode planner's decision): {outcome[0]}", flush=True)
+
+    def _encoders_running(self) -> int:
+        return sum(len(f.live) for f in self.fleets if f.kind == "encoder")
 
     def _planned(self, component: str, n: int) -> dict[str, ComponentPlan]:
         """The plan with `component` at `n` replicas (the same ports for those already planned)."""
@@ -160,18 +175,26 @@ class GraphRunner:
             update={"replicas": n})}})
         return {cp.name: cp for cp in plan(sized, self.site)}
 
-    def scale_to(self, n: int) -> tuple[str, int]:
-        """The planner's encoders brought to `n` running replicas; (what was done, how many run).
+    def scale_to(self, count: object) -> tuple[str, int]:
+        """The planner's encoders brought to `count` running replicas, clamped to the planner's
+        [min, max] (`scaler.executable`: a count that is no count is refused); (what was done, how
+        many run).
 
         Up: new workers start on new ports and are waited on until ready; then the tiers' upstreams
         are rewritten and nginx reloads them gracefully. Down: the newest workers leave the tiers'
         upstreams first (and the old nginx workers that could still send them requests exit), then
         drain. Replicas start in index order and stop newest first, so the running ones are always
         0..k-1 and the plan for k gives every tier's upstreams."""
-        fleet = next(f for f in self.fleets if f.kind == "encoder")
+        fleet = next((f for f in self.fleets if f.kind == "encoder"), None)
+        if fleet is None:
+            return "refused: this graph runs no encoder to scale", 0
+        n, note = executable(count, self.bounds)
+        note = f"{fleet.name}: {note}" if note else ""
+        if n is None:
+            return note, len(fleet.live)
         target = self._planned(fleet.name, n)[fleet.name]
         if {p.name for p in fleet.live} == {r.name for r in target.replicas}:
-            return "", len(fleet.live)  # already there (a repeated or re-sent decision)
+            return note, len(fleet.live)  # already there (a repeated or re-sent decision)
         try:
             started, failed = fleet.grow(target)
             retiring = fleet.retiring(target)
@@ -188,8 +211,8 @@ class GraphRunner:
         what = (f"started {', '.join(started)}" if started else "") + \
             (f"drained {', '.join(p.name for p in retiring)}" if retiring else "")
         late = "" if all(settled) else " (some nginx workers were still finishing requests)"
-        return f"{fleet.name}: {running} running ({what or 'no change'}){late}{'; ' + failed if failed else ''}", \
-            running
+        summary = f"{fleet.name}: {running} running ({what or 'no change'}){late}{'; ' + failed if failed else ''}"
+        return (f"{note}; {summary}" if note else summary), running
 
     def _plane_due(self) -> Proc | None:
         """A running replica whose certificate for Dynamo's planes is due for renewal (the earliest)."""
@@ -308,6 +331,20 @@ class GraphRunner:
             return 1
         print("stopped; no processes left", flush=True)
         return 0
+
+
+def scaling_bounds(graph: Graph) -> tuple[int, int]:
+    """The encoder counts serve carries out: the graph's planner's [--min-replicas, --max-replicas] as
+    the planner process reads them (its args, over its `env`'s MM_PLANNER_*, over serve's environment);
+    without a planner, [1, REPLICA_LIMIT]."""
+    found = graph.planner
+    if found is None:
+        return 1, REPLICA_LIMIT
+    _, planner = found
+    from_env = [f"--{key.removeprefix('MM_PLANNER_').lower().replace('_', '-')}={planner.env[key]}"
+                for key in ("MM_PLANNER_MIN_REPLICAS", "MM_PLANNER_MAX_REPLICAS") if key in planner.env]
+    s = check_args([*from_env, *planner.args])  # the last of a repeated option wins: the args
+    return s.min_replicas, s.max_replicas
 
 
 def say(text: str) -> None:

@@ -3,21 +3,28 @@
 from the graph's CA, and every Dynamo process (encoders, engines, frontend) presents its own
 certificate to both. The README's request answers over HTTPS; etcd and NATS refuse a client
 without a certificate; etcd's client key, which Dynamo takes as PEM text in the environment, is not
-written to state.json or any log. Real processes throughout (Debian's etcd and nats-server)."""
+written to state.json or any log. Dynamo's planes read a certificate once (issue 43): with theirs
+living 30 s, serve restarts every Dynamo replica, one at a time, with a new one before it ends, and
+the graph answers again. Real processes throughout (Debian's etcd and nats-server)."""
 
 from __future__ import annotations
 
 import json
 import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
 from harness.serve_fixtures import Served, chat
 from harness.topology import free_port, require_nginx
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _nats_refuses_without_certificate(address: str, ca: str) -> None:
@@ -41,7 +48,12 @@ def test_etcd_and_nats_run_with_client_certificates(tmp_path):
     require_nginx()
     port = free_port()
     run = tmp_path / "run"
-    with Served("graphs/epd-etcd.yaml", run, port, "--tls") as served:
+    # Dynamo's planes' certificates live 30 s (the least allowed): serve renews them by restarting each
+    # Dynamo component, one replica at a time, at two thirds of their life
+    graph = yaml.safe_load((ROOT / "graphs" / "epd-etcd.yaml").read_text())
+    graph["tls"] = {"enabled": True, "dynamo_cert_lifetime_s": 30}
+    (tmp_path / "epd-etcd.yaml").write_text(yaml.safe_dump(graph))
+    with Served(str(tmp_path / "epd-etcd.yaml"), run, port) as served:
         served.wait_for("ready: OpenAI base URL", 300)
         ca = str(run / "tls" / "ca" / "ca.pem")
         assert chat(port, ca=ca)["usage"]["prompt_tokens"] == 1223
@@ -60,3 +72,22 @@ def test_etcd_and_nats_run_with_client_certificates(tmp_path):
         assert not any(k.startswith("ETCD_AUTH") for k in runtime)
         written = [run / "state.json", *run.glob("*.log")]
         assert not any("PRIVATE KEY" in p.read_text(errors="replace") for p in written)
+
+        # nothing runs past its certificate for Dynamo's planes: each Dynamo replica restarted with a new one,
+        # and the graph answers again afterwards
+        dynamo = [c["name"] for c in served.state["components"] if c["kind"] in ("encoder", "engine", "frontend")]
+        for name in dynamo:
+            served.wait_for(f"{name} restarted with a new certificate for Dynamo's planes", 240)
+        assert _eventually(lambda: chat(port, ca=ca)["usage"]["prompt_tokens"], 120) == 1223
+
+
+def _eventually(call, timeout: float):
+    """`call()`'s value once it answers (the frontend may be restarting for its own new certificate)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except (OSError, urllib.error.URLError, ssl.SSLError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
