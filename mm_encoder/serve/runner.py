@@ -86,9 +86,16 @@ class GraphRunner:
         self.prepare()
         self._start_servers()
         for fleet in self.fleets:
-            fleet.start(lambda p: print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid if p.popen else '-'}"
-                                        + (f"  {p.url}" if p.url else ""), flush=True))
+            fleet.start(self._started)
         self.write_state()
+
+    def _started(self, p: Proc) -> None:
+        """A replica is up: said; and certificates due meanwhile renewed (a start may outlast short ones)."""
+        print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid if p.popen else '-'}"
+              + (f"  {p.url}" if p.url else ""), flush=True)
+        issuer = self.site.issuer
+        if issuer is not None and issuer.due is not None and time.monotonic() >= issuer.due:
+            say(self.rotate())
 
     def _start_servers(self) -> None:
         """etcd / NATS first, unless the environment already names them."""
