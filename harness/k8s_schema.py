@@ -124,6 +124,7 @@ CERTIFICATE = obj({
         "commonName": {"type": "string", "minLength": 1, "maxLength": 64},
         "subject": obj({"organizations": STR_LIST, "organizationalUnits": STR_LIST}),
         "dnsNames": STR_LIST,
+        "uris": STR_LIST,
         "usages": {"type": "array", "items": {"type": "string", "enum": [
             "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
             "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any", "server auth",

@@ -586,7 +586,8 @@ def test_a_tls_graph_mounts_each_components_own_secret_read_only(tls_docs):
         assert {"name": "tls", "mountPath": "/etc/mm-encoder/tls", "readOnly": True} in container["volumeMounts"]
     assert not any(d["kind"] == "Certificate" for d in tls_docs)  # without tls.issuer: the operator's Secrets
     note = one(tls_docs, DGD)["metadata"]["annotations"][k8s_names.NOTE]
-    assert "epd-shared-tls (CN shared, OU cache-shared, DNS epd-shared, epd-shared-0.epd-shared" in note
+    assert ("epd-shared-tls (CN shared, OU cache-shared, URI spiffe://mm-encoder.local/epd/cache-shared/shared, "
+            "DNS epd-shared, epd-shared-0.epd-shared") in note
     assert "kubectl create secret generic" in note and "CNI" in note
 
 
@@ -682,7 +683,11 @@ def test_the_chain_is_https_and_each_tier_checks_a_name_its_upstreams_carry():
         assert spec["privateKey"]["algorithm"] == "ECDSA" and spec["privateKey"]["size"] == 256
         assert spec["issuerRef"] == {"name": "ca-issuer", "kind": "ClusterIssuer", "group": "cert-manager.io"}
     hosts = {name: certs[f"epd-{name}-tls"]["spec"].get("dnsNames", []) for name in roles}
-    assert hosts["engine"] == [] and hosts["frontend"] == ["epd-frontend"]
+    assert hosts["engine"] == ["engine.epd.mm-encoder.local"]
+    assert hosts["frontend"] == ["epd-frontend", "frontend.epd.mm-encoder.local"]
+    for name, role in roles.items():  # its identity, and no other component's name
+        assert certs[f"epd-{name}-tls"]["spec"]["uris"] == [f"spiffe://mm-encoder.local/epd/{role}/{name}"]
+        assert [h for h in hosts[name] if h.endswith(".mm-encoder.local")] == [f"{role}.epd.mm-encoder.local"]
 
     parts = pods(docs)
     by_host = {"epd-encoder-http": "encoder", "epd-router": "router", "epd-cluster": "cluster",
@@ -690,10 +695,12 @@ def test_the_chain_is_https_and_each_tier_checks_a_name_its_upstreams_carry():
     for name in ("shared", "router", "cluster"):
         args = parts[name][1]["args"]
         _, cfg = parse_args(args)
-        assert cfg.tls and cfg.tls_server_name == {"shared": "epd-encoder-http", "router": "epd-shared",
-                                                   "cluster": "epd-router"}[name]
-        for address in (*cfg.next, *cfg.direct, *cfg.shards):
+        assert cfg.tls and cfg.tls_server_name == {"shared": "encoder", "router": "cache-shared",
+                                                   "cluster": "cache-router"}[name] + ".epd.mm-encoder.local"
+        for address in (*cfg.next, *cfg.shards):  # each upstream carries the name its tier checks it for
             assert cfg.tls_server_name in hosts[by_host[address.rsplit(":", 1)[0]]], (name, address)
+        for address in cfg.direct:
+            assert cfg.tls_direct_server_name in hosts[by_host[address.rsplit(":", 1)[0]]], (name, address)
     worker = WorkerSettings(_cli_parse_args=parts["encoder"][1]["args"])
     assert worker.tls and worker.ops_port == 9091 and sorted(worker.tls_allow) == ["cache-cluster", "cache-shared",
                                                                                   "engine"]

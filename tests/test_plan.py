@@ -361,17 +361,21 @@ def test_serve_refuses_a_component_python_that_is_not_there(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_with_tls_a_tier_checks_its_next_levels_name_as_the_site_gives_it(tmp_path):
-    """With `tls`, both sites plan the same TLS options but one: a tier's --tls-server-name. On one machine
-    every certificate names localhost (the tier's default, so none is passed); on Kubernetes it is the
-    next level's Service name (a router's: the shards' headless Service)."""
+def test_with_tls_a_tier_checks_each_upstream_by_its_roles_name_on_every_site(tmp_path):
+    """With `tls`, both sites plan the same TLS options: a tier checks its next level's certificate for
+    that level's role's DNS name in this graph, `<role>.<graph>.<trust domain>` (nginx checks names, not
+    URIs), and a cluster tier its direct route's encoders for theirs; never another component's name."""
     g = load_graph(GRAPHS / "epd.yaml")
-    g = g.model_copy(update={"tls": g.tls.model_copy(update={"enabled": True})})
+    g = g.model_copy(update={"tls": g.tls.model_copy(update={"enabled": True, "trust_domain": "example.org"})})
     local = {c.name: c.replicas[0].argv for c in plan(g, LocalSite(g, tmp_path))}
     k8s = {c.name: c.replicas[0].argv for c in plan(g, K8sSite(K8sNames(g)))}
-    assert all(opt(argv, "--tls-server-name") == [] for argv in local.values())
-    assert {n: opt(argv, "--tls-server-name") for n, argv in k8s.items() if n in ("shared", "router", "cluster")} == \
-        {"shared": ["epd-encoder-http"], "router": ["epd-shared"], "cluster": ["epd-router"]}
-    for name, argv in local.items():
-        stripped = [a for i, a in enumerate(k8s[name]) if "--tls-server-name" not in (a, k8s[name][i - 1])]
-        assert [a for a in argv if a.startswith("--")] == [a for a in stripped if a.startswith("--")], name
+    for site in (local, k8s):
+        assert {n: opt(argv, "--tls-server-name") for n, argv in site.items() if n in ("shared", "router", "cluster")} \
+            == {"shared": ["encoder.epd.example.org"], "router": ["cache-shared.epd.example.org"],
+                "cluster": ["cache-router.epd.example.org"]}
+        assert opt(site["cluster"], "--tls-direct-server-name") == ["encoder.epd.example.org"]
+    assert opt(local["frontend"], "--https-cert") == [str(tmp_path / "tls" / "dynamo" / "frontend.pem")]
+    assert opt(k8s["frontend"], "--https-cert") == []  # one Secret per component there
+    for name, argv in local.items():  # the rest alike; serve's frontend serves HTTPS with its planes' certificate
+        flags = [a for a in argv if a.startswith("--") and a not in ("--https-cert", "--https-key")]
+        assert flags == [a for a in k8s[name] if a.startswith("--")], name

@@ -4,17 +4,18 @@ one cert-manager Certificate per component; and NetworkPolicies that let only ea
 roles its server admits) reach the encoders' and tiers' HTTPS ports, and only Prometheus their ops ports.
 
 Names: a component's Secret (and Certificate) is `<graph>-<component>-tls`, shared by its replicas; its
-certificate carries the Service names the others dial (K8sSite.server_name), and a tier checks its next
-level's certificate for that level's name (`--tls-server-name`), which whatever else it reaches carries too."""
+certificate carries its identity (`spiffe://<trust domain>/<graph>/<role>/<component>`), the Service names
+the others dial (K8sSite.server_name) and its role's name, which a tier checks its upstreams for."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..core.topology import CACHE_TIERS
-from ..graph.plan import OPS_KINDS, tier_upstreams
+from ..graph.plan import OPS_KINDS
 from ..graph.planned import ComponentPlan
 from ..graph.schema import Graph
+from ..security.identity import SpiffeId, server_host
 from ..security.pki import ORGANIZATION
 from .names import FRONTEND_PORT, OPS_PORT, PORTS, TLS_DIR, TLS_FILES, K8sNames, labels, selector
 from .site import K8sSite
@@ -66,7 +67,8 @@ def frontend_probes(g: Graph) -> dict[str, Any]:
 
 def dns_names(names: K8sNames) -> dict[str, list[str]]:
     """Each TLS component's certificate's DNS names: the Service names it is dialled by (a shard's pods too),
-    then the name a tier checks for whatever it reaches besides its next level."""
+    then its role's name in this graph, `<role>.<graph>.<trust domain>`, which a tier checks its upstreams
+    for (`security.identity`); never another component's name."""
     g, site = names.g, K8sSite(names)
     out: dict[str, list[str]] = {}
     for cname in names.tls_secrets:
@@ -75,13 +77,14 @@ def dns_names(names: K8sNames) -> dict[str, list[str]]:
         out[cname] = [own] if own else []
         if c.kind == "cache-shared":  # the router dials each shard by its pod's stable name
             out[cname] += [a.rsplit(":", 1)[0] for a in site.reach(cname, c.kind, c.replicas)]
-    for c in g.components.values():
-        upstreams = tier_upstreams(g, c.kind)
-        server = site.server_name(upstreams[0], g.components[upstreams[0]].kind) if upstreams else None
-        for up in upstreams:
-            if server is not None and server not in out[up]:
-                out[up].append(server)
+        out[cname].append(server_host(g.tls.trust_domain, g.name, c.kind))
     return out
+
+
+def uri(names: K8sNames, cname: str) -> str:
+    """The component's identity (its replicas share its Secret): spiffe://<trust domain>/<graph>/<role>/<component>."""
+    g = names.g
+    return SpiffeId(g.tls.trust_domain, g.name, g.components[cname].kind, cname).uri
 
 
 def certificates(names: K8sNames) -> list[dict[str, Any]]:
@@ -99,8 +102,8 @@ def certificates(names: K8sNames) -> list[dict[str, Any]]:
             "commonName": cname,
             "subject": {"organizations": [ORGANIZATION], "organizationalUnits": [ckind]},
         }
-        if hosts[cname]:
-            spec["dnsNames"] = hosts[cname]
+        spec["uris"] = [uri(names, cname)]
+        spec["dnsNames"] = hosts[cname]
         spec |= {"usages": USAGES, "privateKey": {"algorithm": "ECDSA", "size": 256, "encoding": "PKCS8"},
                  "issuerRef": {"name": issuer, "kind": kind or "Issuer", "group": CERT_MANAGER}}
         out.append({"apiVersion": f"{CERT_MANAGER}/v1", "kind": "Certificate",
@@ -155,8 +158,7 @@ def note(names: K8sNames) -> str:
     made = f"cert-manager Certificates of the same names (issuer {g.tls.issuer})" if g.tls.issuer else \
         "you (kubectl create secret generic NAME --from-file=tls.crt=... --from-file=tls.key=... " \
         "--from-file=ca.crt=...)"
-    each = "; ".join(f"{secret} (CN {n}, OU {g.components[n].kind}"
-                     + (f", DNS {', '.join(hosts[n])})" if hosts[n] else ")")
+    each = "; ".join(f"{secret} (CN {n}, OU {g.components[n].kind}, URI {uri(names, n)}, DNS {', '.join(hosts[n])})"
                      for n, secret in names.tls_secrets.items())
     return (f" TLS: each component mounts its Secret at {TLS_DIR} (tls.crt, tls.key, ca.crt), made by {made}: {each}."
             f" NetworkPolicies {', '.join(names.policies.values())} need a CNI that enforces them.")
