@@ -119,7 +119,7 @@ async def serve(settings: WorkerSettings) -> None:
     async with Lifecycle("mm-encoder worker") as life:
         worker = Worker(settings)
         life.on_stop(worker.stop)
-        life.on_reload(worker.reload_tls)
+        life.on_reload(worker.reload_tls, files=(settings.tls_cert, settings.tls_key) if settings.tls else ())
         await worker.start()
         assert worker.encoder is not None  # start() loaded it
         ops = {"ops_port": worker.ops_port} if worker.ops_port is not None else {}

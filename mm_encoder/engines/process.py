@@ -110,7 +110,7 @@ async def serve(s: EngineSettings) -> None:
         engine.publisher = kv_event_publisher(endpoint, s.block_size)
         engine.metrics = await load_publisher(endpoint)
         if (tls := engine.resolver.tls) is not None:  # rotation: its client certificate read again
-            life.on_reload(lambda: s.reload(tls))
+            life.on_reload(lambda: s.reload(tls), files=(s.tls_cert, s.tls_key))
         name = s.name or s.checkpoint.resolve().name
         life.serve(serve_endpoint(endpoint, engine.respond))
         # stock: Dynamo's frontend calls the Encode worker first and forwards its result here

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - tests/vllm
                                                                 relay)).cancel)
             resolver = HandleResolver(args.encoder_chain, rpc, tls=args.client_tls())
             if (tls := resolver.tls) is not None:  # rotation: its client certificate read again
-                life.on_reload(lambda: args.reload(tls))
+                life.on_reload(lambda: args.reload(tls), files=(args.tls_cert, args.tls_key))
             handler = VllmEngine(llm, resolver, family, block_size=args.block_size,
                                  max_model_len=mc.max_model_len, dtype=mc.dtype, relay=relay,
                                  tokenizer=lambda: ChatTokenizer(args.model),

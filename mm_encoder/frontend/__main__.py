@@ -22,7 +22,8 @@ async def serve(s: FrontendSettings) -> None:
     async with Lifecycle("mm-encoder frontend") as life:
         factory = ProcessorFactory(s, life.runtime)
         life.on_exit(factory.close)  # once the runtime is down and the HTTP server has stopped
-        life.on_reload(factory.reload_tls)  # its client certificate; the HTTPS port's: a restart (Dynamo's)
+        # its client certificate (the HTTPS port's: a restart, Dynamo's server reads it once)
+        life.on_reload(factory.reload_tls, files=(s.tls_cert, s.tls_key) if s.tls else ())
         await factory.parts()  # fail fast (a bad model dir) before serving
 
         def stats(_ctx: object) -> dict[str, list[dict[str, Any]]]:  # _ctx: Dynamo's request context, unused

@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
@@ -111,6 +114,17 @@ def run(main: Coroutine[Any, Any, Any], log_level: str = "INFO") -> int:
     return 0
 
 
+WATCH_S = float(os.environ.get("MM_TLS_WATCH_S", "5"))  # how often watched certificate files are compared
+
+
+def _digest(path: Path) -> bytes:
+    """The file's content digest (empty: unreadable for now, e.g. mid-swap)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).digest()
+    except OSError:
+        return b""
+
+
 class Lifecycle:
     """One component process's life, the same in all four (encode worker, engine, vLLM adapter,
     frontend): a stop event set by SIGTERM/SIGINT, Dynamo's runtime made on first use, the tasks
@@ -134,6 +148,8 @@ class Lifecycle:
         self._on_stop: list[Callable[[], Any]] = []
         self._on_exit: list[Callable[[], Any]] = []
         self._on_reload: list[Callable[[], Any]] = []
+        self._watched: dict[Path, bytes] = {}  # files whose new content triggers the reload steps
+        self._watcher: asyncio.Task[None] | None = None
         self.stop = asyncio.Event()
 
     async def __aenter__(self) -> Lifecycle:
@@ -165,9 +181,25 @@ class Lifecycle:
         """A shutdown step (sync or async), run before the runtime shuts down."""
         self._on_stop.append(step)
 
-    def on_reload(self, step: Callable[[], Any]) -> None:
-        """A step run on SIGHUP (sync: e.g. `TlsOptions.reload` of a live SSL context)."""
+    def on_reload(self, step: Callable[[], Any], files: Iterable[str | Path | None] = ()) -> None:
+        """A step run on SIGHUP (sync: e.g. `TlsOptions.reload` of a live SSL context), and whenever one of
+        `files` changes: a Kubernetes Secret the kubelet updated in place (it swaps a symlink, so the
+        content is compared, every WATCH_S seconds), with no signal from anyone."""
         self._on_reload.append(step)
+        for path in files:
+            if path is not None:
+                self._watched[Path(path)] = _digest(Path(path))
+        if self._watched and self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while not self.stop.is_set():
+            await asyncio.sleep(WATCH_S)
+            now = {path: _digest(path) for path in self._watched}
+            if now != self._watched and b"" not in now.values():  # mid-swap: the next look
+                self._watched = now
+                log.info("%s: its certificate files changed: reading them again", self.name)
+                self._reload()
 
     def _reload(self) -> None:
         for step in self._on_reload:
@@ -195,6 +227,8 @@ class Lifecycle:
             stopped.cancel()
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         await _run_steps(self._on_stop)
         if self._runtime is not None:
             self._runtime.shutdown()

@@ -87,12 +87,16 @@ class GraphRunner:
         self._start_servers()
         for fleet in self.fleets:
             fleet.start(self._started)
+        self._renew_if_due()  # none has run past its certificate when the graph says it is ready
         self.write_state()
 
     def _started(self, p: Proc) -> None:
         """A replica is up: said; and certificates due meanwhile renewed (a start may outlast short ones)."""
         print(f"  {p.name:12s} {p.kind:14s} up   pid {p.popen.pid if p.popen else '-'}"
               + (f"  {p.url}" if p.url else ""), flush=True)
+        self._renew_if_due()
+
+    def _renew_if_due(self) -> None:
         issuer = self.site.issuer
         if issuer is not None and issuer.due is not None and time.monotonic() >= issuer.due:
             say(self.rotate())

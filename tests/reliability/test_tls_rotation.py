@@ -113,3 +113,45 @@ def test_certificates_rotate_under_load_without_a_failed_request(tmp_path):
     finally:
         stop_all(started)
 
+
+
+def _kubelet_secret(directory, issued, ca, generation: int) -> None:
+    """The files as the kubelet projects a Secret: `tls.crt` -> `..data/tls.crt`, `..data` a symlink to a
+    timestamped folder, swapped atomically when the Secret changes (its AtomicWriter)."""
+    import os
+    import shutil
+
+    folder = directory / f"..2026_12_07_{generation}"
+    folder.mkdir()
+    for name, src in (("tls.crt", issued.cert), ("tls.key", issued.key), ("ca.crt", ca)):
+        shutil.copyfile(src, folder / name)
+    link = directory / "..data_tmp"
+    link.symlink_to(folder.name)
+    os.replace(link, directory / "..data")
+    for name in ("tls.crt", "tls.key", "ca.crt"):
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+
+
+def test_a_secret_renewed_in_place_is_read_again_without_a_signal(tmp_path):
+    """On Kubernetes nobody sends SIGHUP: cert-manager renews the Secret and the kubelet swaps the mounted
+    files. The worker notices the new content (MM_TLS_WATCH_S) and new handshakes present the new serial."""
+    import os
+
+    certs = Certs(tmp_path / "pki")
+    mount = tmp_path / "secret"
+    mount.mkdir()
+    _kubelet_secret(mount, certs.issue("encoder", "encoder"), certs.ca_file, 1)
+    engine = certs.issue("engine-0", "engine")
+    files = ["--tls-cert", str(mount / "tls.crt"), "--tls-key", str(mount / "tls.key"), "--tls-ca", str(mount / "ca.crt")]
+    with start_worker(*files, "--ops-port", "0", env={**os.environ, "MM_TLS_WATCH_S": "0.2"}, name="watching worker",
+                      timeout=120) as worker:
+        first = _served_serial(worker.http_port, certs.ca_file, engine)
+        assert first == _file_serial(mount / "tls.crt")
+        _kubelet_secret(mount, certs.issue("encoder", "encoder", replace=True), certs.ca_file, 2)
+        renewed = _file_serial(mount / "tls.crt")
+        assert renewed != first
+        deadline = time.monotonic() + 30
+        while _served_serial(worker.http_port, certs.ca_file, engine) != renewed:
+            assert time.monotonic() < deadline, "the worker still serves the old certificate after 30 s"
+            time.sleep(0.1)
