@@ -143,7 +143,8 @@ def test_a_secret_renewed_in_place_is_read_again_without_a_signal(tmp_path):
     mount.mkdir()
     _kubelet_secret(mount, certs.issue("encoder", "encoder"), certs.ca_file, 1)
     engine = certs.issue("engine-0", "engine")
-    files = ["--tls-cert", str(mount / "tls.crt"), "--tls-key", str(mount / "tls.key"), "--tls-ca", str(mount / "ca.crt")]
+    files = [a for flag, name in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.crt"))
+             for a in (flag, str(mount / name))]
     with start_worker(*files, "--ops-port", "0", env={**os.environ, "MM_TLS_WATCH_S": "0.2"}, name="watching worker",
                       timeout=120) as worker:
         first = _served_serial(worker.http_port, certs.ca_file, engine)
