@@ -275,13 +275,16 @@ def test_config_validation_and_rendering(tmp_path):
     text = render(TierConfig(tier="shared", listen="127.0.0.1:9000", next=("enc-0:8090", "enc-1:8090"),
                              run_dir=tmp_path, cache_dir=tmp_path / "c"))
     for line in ("proxy_cache_valid 200 24h;", "inactive=24h", "proxy_cache_lock on;", "proxy_ignore_client_abort on;",
-                 "server enc-0:8090;", "server enc-1:8090;", "proxy_cache_lock_timeout 600s;"):
+                 "server enc-0:8090 max_fails=0;", "server enc-1:8090 max_fails=0;", "proxy_cache_lock_timeout 600s;",
+                 "proxy_next_upstream error http_503 non_idempotent;", "proxy_next_upstream_tries 3;"):
         assert line in text
     assert not [line for line in text.splitlines() if "@" in line and not line.lstrip().startswith("#")]
     # each tier waits longer than everything behind it: the cluster tier waits on the shared tier
     assert "proxy_read_timeout 900s;" in text
     cluster = render(TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("127.0.0.1:9000",), run_dir=tmp_path))
     assert "proxy_read_timeout 1500s;" in cluster
+    # a lone next level is listed twice: a 503 or a failed connection is asked again, on a new connection
+    assert cluster.count("server 127.0.0.1:9000 max_fails=0;") == 4  # mm_next and mm_direct
     explicit = TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("x:1",), run_dir=tmp_path, read_timeout="9s")
     assert "proxy_read_timeout 9s;" in render(explicit)
 

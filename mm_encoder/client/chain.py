@@ -16,13 +16,15 @@ from typing import Any
 import aiohttp
 
 from ..core import wire
-from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge, WireError
+from ..core.errors import Draining, EncoderUnavailable, RemoteError, RequestTooLarge, WireError
 from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
 from ..core.requests import EncodeReply, EncodeRequest
 from ..runtime import tracing
 from ..runtime.dynamo import TOO_LARGE_HINT, is_too_large, payload
 
 log = logging.getLogger(__name__)
+# How many times in all one item is asked for while the encoders answer `draining` (`EncoderChain._call`).
+DRAINING_TRIES = 3
 
 
 class EncoderChain:
@@ -47,6 +49,7 @@ class EncoderChain:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
         self.fallbacks = 0
+        self.draining_retries = 0  # answers `draining` asked again (`_call`)
         self.body_bytes = 0  # wire bodies this process received: stays 0 where only `describe` is used
 
     async def close(self) -> None:
@@ -68,6 +71,24 @@ class EncoderChain:
         return body, where
 
     async def _call(self, source: EncodeRequest, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+        """One answer; a `draining` one (a replica leaving on a scale-down or a rollout) is asked again
+        at once, `DRAINING_TRIES` in all, instead of failing the request: another replica can answer
+        now, and each try reaches another (the tiers retry a 503 on another upstream and never mark one
+        down, a draining worker closes the connection it answered on, Dynamo's round robin moves on).
+        An `overloaded` 503 is not asked again here: the tiers already tried other encoders, and its
+        Retry-After is the caller's to honour."""
+        for attempt in range(1, DRAINING_TRIES + 1):
+            try:
+                return await self._once(source, header_only)
+            except RemoteError as e:
+                if e.code != Draining.code or attempt == DRAINING_TRIES:
+                    raise
+                self.draining_retries += 1
+                log.info("an encoder is draining (%s); asking again (try %d of %d)", e.message, attempt + 1,
+                         DRAINING_TRIES)
+        raise AssertionError("not reached: the last try returns or raises")
+
+    async def _once(self, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         if self.http_url is not None:
             try:
                 return await self._http(self.http_url, source, header_only)
