@@ -56,21 +56,24 @@ class EncoderChain:
         if self._session is not None:
             await self._session.close()
 
-    async def describe(self, source: EncodeRequest) -> tuple[wire.WireHeader, str]:
-        """The item's header (its body is computed and cached on the way, never sent here)."""
-        header, where = await self._call(source, header_only=True)
+    async def describe(self, source: EncodeRequest, route: str | None = None) -> tuple[wire.WireHeader, str]:
+        """The item's header (its body is computed and cached on the way, never sent here). `route`:
+        this call's X-Cache-Route (a handle's), else the chain's."""
+        header, where = await self._call(source, header_only=True, route=route)
         if not isinstance(header, wire.WireHeader):
             raise RemoteError("the encoder answered a body where a header was asked for")
         return header, where
 
-    async def fetch(self, source: EncodeRequest) -> tuple[bytes, str]:
-        """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes."""
-        body, where = await self._call(source, header_only=False)
+    async def fetch(self, source: EncodeRequest, route: str | None = None) -> tuple[bytes, str]:
+        """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes. `route`:
+        this call's X-Cache-Route (a handle's), else the chain's."""
+        body, where = await self._call(source, header_only=False, route=route)
         if not isinstance(body, bytes):
             raise RemoteError("the encoder answered a header where a body was asked for")
         return body, where
 
-    async def _call(self, source: EncodeRequest, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _call(self, source: EncodeRequest, *, header_only: bool,
+                    route: str | None) -> tuple[wire.WireHeader | bytes, str]:
         """One answer; a `draining` one (a replica leaving on a scale-down or a rollout) is asked again
         at once, `DRAINING_TRIES` in all, instead of failing the request: another replica can answer
         now, and each try reaches another (the tiers retry a 503 on another upstream and never mark one
@@ -79,7 +82,7 @@ class EncoderChain:
         Retry-After is the caller's to honour."""
         for attempt in range(1, DRAINING_TRIES + 1):
             try:
-                return await self._once(source, header_only)
+                return await self._once(source, header_only, route or self.route)
             except RemoteError as e:
                 if e.code != Draining.code or attempt == DRAINING_TRIES:
                     raise
@@ -88,10 +91,10 @@ class EncoderChain:
                          DRAINING_TRIES)
         raise AssertionError("not reached: the last try returns or raises")
 
-    async def _once(self, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _once(self, source: EncodeRequest, header_only: bool, route: str) -> tuple[wire.WireHeader | bytes, str]:
         if self.http_url is not None:
             try:
-                return await self._http(self.http_url, source, header_only)
+                return await self._http(self.http_url, source, header_only, route)
             except EncoderUnavailable as e:
                 if self.rpc_client is None:
                     raise
@@ -99,13 +102,14 @@ class EncoderChain:
                 log.warning("cache chain failed (%s); falling back to direct RPC", e.message)
         return await self._rpc(source, header_only)
 
-    async def _http(self, chain: str, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _http(self, chain: str, source: EncodeRequest, header_only: bool,
+                    route: str) -> tuple[wire.WireHeader | bytes, str]:
         if self._session is None or self._session.closed:
             # one pool per chain: connections (and, with TLS, sessions) are kept and reused
             connector = aiohttp.TCPConnector(ssl=self.tls) if self.tls is not None else None
             self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES,
                                                   connector=connector)
-        headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
+        headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": route}
         tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         for attempt in (1, 2):
