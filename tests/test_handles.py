@@ -5,6 +5,7 @@ the engine's side fetches the body and checks it against the handle."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import aiohttp
@@ -155,9 +156,12 @@ def test_a_handle_carries_each_fact_once_and_parses_a_01_peers_handle():
     assert sorted(doc) == ["chain", "meta", "mm_hash", "route", "source", "v"]
     handle = MediaHandle.parse(doc)
     assert handle.num_tokens == [12] and handle.header is handle.header
-    legacy = {**doc, "key": handle.source.key(), "num_tokens": [12]}
+    legacy = {**doc, "key": handle.source.legacy_key(), "num_tokens": [12]}
     assert MediaHandle.parse(legacy) == handle and MediaHandle.parse(legacy).to_dict() == doc
-    assert handle.source.key() == cache_key("tiny", None, "https://media.test/x.png", "")
+    assert handle.source.legacy_key() == cache_key("tiny", None, "https://media.test/x.png", "")
+    # the tiers' key now: the sha256 of the canonical body the chain sends, as a tier hashes it
+    assert handle.source.body() == b'{"model":"tiny","scope":"","url":"https://media.test/x.png"}'
+    assert handle.source.key() == hashlib.sha256(handle.source.body()).hexdigest()
 
 
 async def test_an_engine_fetches_only_from_chains_it_trusts():

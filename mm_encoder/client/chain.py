@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import ssl
@@ -109,12 +110,16 @@ class EncoderChain:
             connector = aiohttp.TCPConnector(ssl=self.tls) if self.tls is not None else None
             self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES,
                                                   connector=connector)
-        headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": route}
+        # the canonical body and its sha256 (`source.key()`, without writing the body twice): the tiers
+        # hash the body themselves and refuse a key that differs
+        body_out = source.body()
+        headers = {"Accept": wire.CONTENT_TYPE, "Content-Type": "application/json",
+                   "X-Cache-Key": hashlib.sha256(body_out).hexdigest(), "X-Cache-Route": route}
         tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         for attempt in (1, 2):
             try:
-                async with self._session.request(method, url, json=source.to_dict(), headers=headers) as r:
+                async with self._session.request(method, url, data=body_out, headers=headers) as r:
                     body = b"" if header_only else await r.read()
                     status, rh = r.status, r.headers
                 break
