@@ -93,8 +93,10 @@ async def test_a_tier_asks_another_encoder_when_one_is_draining(tiny, tmp_path):
         assert await leaving.service.drain(5)  # nothing in flight: it refuses from now on, as on SIGTERM
         addresses = [f"127.0.0.1:{w.http_port}" for w in (leaving, staying)]
         tier = await start(tmp_path, "shared", "shared", *[a for x in addresses for a in ("--next", x)])
-        async with asyncio.timeout(120):
-            answers = [await post(s, tier.url(), body_for(seed)) for seed in range(REQUESTS)]
+        async def one_by_one() -> list[tuple[int, dict[str, str], bytes]]:
+            return [await post(s, tier.url(), body_for(seed)) for seed in range(REQUESTS)]
+
+        answers = await asyncio.wait_for(one_by_one(), 120)
         assert [a[0] for a in answers] == [200] * REQUESTS
         assert len({wire.decode(a[2]).mm_hash for a in answers}) == REQUESTS
         assert {a[1]["X-Cache-Status"] for a in answers} == {"shared=MISS"}
