@@ -6,13 +6,14 @@ One encode worker (`tiny-wide`: the tiny tower with a 7168-wide projector, so on
 a body of ~4.7 MB, the size of a 4K image's K2.5 embeddings on the reference stack) behind the
 levels of graphs/epd.yaml, all on loopback: a cluster tier whose next level is the router, the
 router with one shared shard, and the shard's next level the worker. After one warm-up request per
-level, every request is a hit; wrk (Debian's `wrk`) sends the same POST (the frontend's
-`X-Cache-Key` to the tiers; a 52 KB msgpack body with the JPEG, or a JSON body with its URL):
+level, every request is a hit; wrk (Debian's `wrk`) sends the same POST (with the body's sha256 as
+`X-Cache-Key`, as the frontend sends it: each tier hashes the body and checks it; a 52 KB msgpack body
+with the JPEG, or a JSON body with its URL):
 - req/s at 8 connections (`wrk -t2 -c8`) and p50 latency at 1 connection (`wrk -t1 -c1`);
 - cluster tier hit; shared tier hit (router + shard), asked at the router and through the cluster
   tier (`X-Cache-Route: shared`: the cluster tier passes it on without caching); the worker's URL
   alias LRU (the same URL: no download); its mm_hash LRU (the same bytes: hash + lookup); the
-  shared tier keyed by sha256 of the body in Lua (no `X-Cache-Key`);
+  shared tier asked with no `X-Cache-Key` (the key is the body's sha256 either way);
 - a full encode: a new JPEG per request straight to the worker (aiohttp client: 1 client for the
   latency, 8 for req/s);
 - coalescing: 16 identical concurrent requests for a new image, straight to the worker (its
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -241,13 +243,12 @@ def prime(h: Hierarchy, run_dir: Path, hit_jpeg: bytes) -> tuple[float, dict[str
     body_file.write_bytes(body)
     url_file.write_bytes(url_body)
     (run_dir / "post.lua").write_text(WRK_SCRIPT)
-    key = "bench-hit-" + str(len(body))
+    key = hashlib.sha256(body).hexdigest()  # what a tier computes, and checks a caller's key against
     headers, response = post(h.cluster_url, body, key)  # fills cluster, shard and the worker's mm_hash LRU
     assert headers["X-Cache-Status"].startswith("cluster=MISS"), headers["X-Cache-Status"]
     assert post(h.cluster_url, body, key)[0]["X-Cache-Status"] == "cluster=HIT"
     assert post(h.router_url, body, key)[0]["X-Cache-Status"].startswith("shared=HIT")
     assert post(h.cluster_url, body, key, route="shared")[0]["X-Cache-Status"].startswith("cluster=BYPASS")
-    post(h.shard_url, body, None)  # the body-hash key is another entry: fill it too
     for _ in range(2):
         hdrs, _ = post(h.worker.url, url_body, ctype="application/json")
     assert hdrs["X-MM-Cache"] == "alias", hdrs
@@ -257,7 +258,7 @@ def prime(h: Hierarchy, run_dir: Path, hit_jpeg: bytes) -> tuple[float, dict[str
         "shared": ("shared tier hit (router + shard)", h.router_url, dict(body=body_file, key=key)),
         "shared_via_cluster": ("shared tier hit through the cluster tier (X-Cache-Route: shared)", h.cluster_url,
                                dict(body=body_file, key=key, route="shared")),
-        "shared_lua_key": ("shared shard hit, key = sha256 of the body in Lua", h.shard_url,
+        "shared_lua_key": ("shared shard hit, no X-Cache-Key sent", h.shard_url,
                            dict(body=body_file, key=None)),
         "alias": ("worker URL-alias LRU hit (same URL)", h.worker.url,
                   dict(body=url_file, key=None, ctype="application/json")),
@@ -291,7 +292,8 @@ def measure_rounds(h: Hierarchy, targets: dict, script: Path, rounds: int, secon
         for where, url in (("worker", h.worker.url), ("cluster", h.cluster_url)):
             new = msgpack.packb({"model": "tiny-wide", "data": jpeg(seed)})
             seed += 1
-            coal[where].append(coalesce(h.worker.url, url, new, f"bench-new-{seed}" if where == "cluster" else None))
+            key = hashlib.sha256(new).hexdigest() if where == "cluster" else None  # as the frontend sends it
+            coal[where].append(coalesce(h.worker.url, url, new, key))
     return raw, coal
 
 

@@ -12,9 +12,10 @@ so their exponent spread is that of a real projector output; bf16, 7168 wide (Ki
   tokens, 5.94 MB raw). The worker serves only wire v1 (raw+split+zstd) and, converted per request,
   json+base64; it cannot produce the other two. So, like for like, each format's pre-built body is
   served by the same nginx cluster tier (`mm-encoder cache up --tier cluster`, the real config)
-  whose next level is a stub origin returning the body for its `X-Cache-Key`. After one miss per
-  format, wrk sends the same POST with that key: every request is a tier hit, the origin is never
-  asked again. req/s at 8 connections, p50 at 1; formats alternate in --rounds rounds;
+  whose next level is a stub origin returning the body for its `X-Cache-Key` (the sha256 of the
+  request body, a small one per format, which the tier computes and forwards). After one miss per
+  format, wrk sends the same POST: every request is a tier hit, the origin is never asked again.
+  req/s at 8 connections, p50 at 1; formats alternate in --rounds rounds;
 - req/s against body size alone: random bodies of 2-8 MB through the same tier;
 - and the two formats the worker serves on their real path (`tiny-wide`, one 616x644 JPEG): hits
   straight to the worker (its mm_hash LRU; JSON converted from the cached v1 body per request) and
@@ -24,6 +25,7 @@ so their exponent spread is that of a real projector output; bf16, 7168 wide (Ki
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import shutil
@@ -121,7 +123,8 @@ def plane_sizes(x: torch.Tensor, level: int = 3) -> list[float]:
 
 
 def stub_origin(bodies: dict[str, tuple[str, bytes]]) -> tuple[ThreadingHTTPServer, int, list[int]]:
-    """POST /v1/encode -> the body named by X-Cache-Key (the tier's next level; asked once per key)."""
+    """POST /v1/encode -> the body named by X-Cache-Key, which the tier sets to its request body's
+    sha256 (the tier's next level; asked once per key)."""
     asked = [0]
 
     class Handler(BaseHTTPRequestHandler):
@@ -157,33 +160,35 @@ def measure_hits(rounds: int, seconds: float) -> dict:
     sweep = {mb: f"sweep-{mb}" for mb in SWEEP_MB}  # random bytes: req/s against body size alone
     bodies |= {key: ("application/octet-stream", os.urandom(int(mb * 1e6))) for mb, key in sweep.items()}
     run = Path(tempfile.mkdtemp(prefix="mm-bench-wire-"))
-    origin, port, asked = stub_origin(bodies)
+    # each entry's request: a small body of its own, whose sha256 (the tier's key) names the entry
+    request = {key: run / f"{key}.request" for key in bodies}
+    for key, path in request.items():
+        path.write_bytes(key.encode())
+    origin, port, asked = stub_origin({hashlib.sha256(key.encode()).hexdigest(): b for key, b in bodies.items()})
     tier = None
     try:
         tier = cache.start_tier(run, "cluster", "cluster", "--next", f"127.0.0.1:{port}")
         url = tier.url("")
-        request = run / "request.msgpack"
-        request.write_bytes(b"\x80")  # an empty msgpack map: the key, not the body, names the entry
         script = run / "post.lua"
         script.write_text(cache.WRK_SCRIPT)
         for name, key in keys.items():
             accept = "application/json" if name == "json+base64" else None
-            headers, got = cache.post(url, request.read_bytes(), key, accept=accept)
+            headers, got = cache.post(url, request[key].read_bytes(), accept=accept)
             assert got == bodies[key][1] and "MISS" in headers["X-Cache-Status"], (name, headers)
-            assert cache.post(url, request.read_bytes(), key, accept=accept)[0]["X-Cache-Status"] == "cluster=HIT"
+            assert cache.post(url, request[key].read_bytes(), accept=accept)[0]["X-Cache-Status"] == "cluster=HIT"
         for key in sweep.values():
-            cache.post(url, request.read_bytes(), key)
+            cache.post(url, request[key].read_bytes())
         raw: dict[str, list[dict]] = {name: [] for name in keys}
         swept: dict[float, list[float]] = {mb: [] for mb in sweep}
         for _ in range(rounds):
             for name, key in keys.items():
                 accept = "application/json" if name == "json+base64" else None
-                c8 = cache.wrk(url, script, request, key, 2, 8, seconds, accept=accept)
-                c1 = cache.wrk(url, script, request, key, 1, 1, seconds, accept=accept)
+                c8 = cache.wrk(url, script, request[key], None, 2, 8, seconds, accept=accept)
+                c1 = cache.wrk(url, script, request[key], None, 1, 1, seconds, accept=accept)
                 raw[name].append({"rps_c8": c8["rps"], "p50_c1_ms": c1["p50_ms"], "p50_c8_ms": c8["p50_ms"],
                                   "non2xx": c8["non2xx"] + c1["non2xx"]})
             for mb, key in sweep.items():
-                swept[mb].append(cache.wrk(url, script, request, key, 2, 8, seconds)["rps"])
+                swept[mb].append(cache.wrk(url, script, request[key], None, 2, 8, seconds)["rps"])
     finally:
         if tier is not None:
             tier.stop()

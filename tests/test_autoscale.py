@@ -68,7 +68,7 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
             encoders = _encoders(served)
             assert list(encoders) == ["encoder-0", "encoder-1"]
             new = encoders["encoder-1"]["url"].removeprefix("http://")
-            assert f"server {new};" in _upstreams(run, "shared-0") and f"server {new};" in _upstreams(run, "shared-1")
+            assert all(f"server {new} max_fails=0;" in _upstreams(run, s) for s in ("shared-0", "shared-1"))
             # the new worker gets a share of the unique images through the reloaded tier
             _wait("encoder-1 serving", lambda: _encoded(encoders["encoder-1"]["url"]) >= 2, 120)
             # the planner sees both in discovery (its next rounds); `mm-encoder status --json` shows it
@@ -92,7 +92,7 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
             with deciding(namespace, 1, runtime_env):
                 served.wait_for("encoder: 1 running (drained encoder-1)", 180)
             assert list(_encoders(served)) == ["encoder-0"]
-            assert f"server {new};" not in _upstreams(run, "shared-0")
+            assert f"server {new} max_fails=0;" not in _upstreams(run, "shared-0")
             _wait("answers after the drain", lambda: load.count() >= before + 4, 120)
         finally:
             answers = load.stop()

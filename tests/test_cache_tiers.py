@@ -20,6 +20,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from harness.media_factory import image_bytes, natural_image
+from harness.serve_fixtures import data_url
 from harness.topology import require_nginx, tiers
 from harness.worker_fixtures import ForwardGate, metric, run_worker, wait_for
 from mm_encoder import wire
@@ -175,29 +176,69 @@ async def test_only_200s_are_cached_whatever_the_headers(tiny, tmp_path, origin)
             for _ in range(2):
                 status, headers, _ = await post(s, fake.url(), body)
                 assert status == cases[body][0] and "Set-Cookie" not in headers
-        assert [origin["hits"][b] for b in cases] == [2, 2, 2, 1]  # errors never cached; the 200 always
+        # errors never cached, the 200 always; a 503 is asked again (a lone next level is listed twice)
+        assert [origin["hits"][b] for b in cases] == [2, 4, 2, 1]
 
 
-async def test_key_header_propagates_and_client_keys_can_be_dropped(tmp_path, origin):
-    """Echo origin stand-in: it records the headers each request arrived with."""
+async def test_a_tier_keys_an_entry_by_its_body_and_checks_a_callers_key(tmp_path, origin):
+    """The key is the body's sha256, computed by each tier; a caller's X-Cache-Key that is not it is
+    refused (400 `bad_cache_key`, in the headers too: a HEAD answer has no body), by a tier and
+    through the router (which routes by it; the shard checks it). Echo origin stand-in: it records the
+    headers each request arrived with."""
     async with tiers() as start, aiohttp.ClientSession() as s:
         shard = await start(tmp_path, "s1", "shared", "--next", origin["address"])
         router = await start(tmp_path, "router", "router", "--shard", shard.address)
-        outer = await start(tmp_path, "c1", "cluster", "--next", router.address, "--drop-client-key")
+        outer = await start(tmp_path, "c1", "cluster", "--next", router.address)
         body = b"some request body"
-        await post(s, outer.url(), body, **{"X-Cache-Key": "forged"})
-        seen = origin["headers"][-1]
-        assert seen["X-Cache-Key"] == hashlib.sha256(body).hexdigest()  # the forged key was dropped
-        assert seen["X-Cache-Key-From"] == "cluster"  # hashed once, at the outer tier, not again inside
+        key = hashlib.sha256(body).hexdigest()
+        status, headers, _ = await post(s, outer.url(), body)
+        assert (status, headers["X-Cache-Status"]) == (200, "cluster=MISS, shared=MISS")
+        assert origin["headers"][-1]["X-Cache-Key"] == key and "X-Cache-Key-From" not in origin["headers"][-1]
+        assert (await post(s, outer.url(), body, **{"X-Cache-Key": key}))[1]["X-Cache-Status"] == "cluster=HIT"
 
-        inner_only = await post(s, shard.url(), b"other body", **{"X-Cache-Key": "frontend-key-1"})
-        assert inner_only[0] == 200
-        assert origin["headers"][-1]["X-Cache-Key"] == "frontend-key-1"  # trusted where not dropped
-        assert "X-Cache-Key-From" not in origin["headers"][-1]
-        # Same key, other body: the key decides (only the frontend may set it).
-        assert (await post(s, shard.url(), b"third", **{"X-Cache-Key": "frontend-key-1"}))[2] == inner_only[2]
+        for url in (outer.url(), router.url(), shard.url()):
+            status, headers, text = await post(s, url, b"other body", **{"X-Cache-Key": key})
+            assert (status, headers["X-MM-Error-Code"], json.loads(text)["error"]["code"]) == \
+                (400, "bad_cache_key", "bad_cache_key")
+            async with s.head(url, data=b"other body", headers={"X-Cache-Key": key}) as r:
+                assert (r.status, r.headers["X-MM-Error-Code"]) == (400, "bad_cache_key")
         status, _, text = await post(s, shard.url(), b"x", **{"X-Cache-Key": "bad key!"})
         assert status == 400 and json.loads(text)["error"]["code"] == "bad_cache_key"
+        assert len(origin["headers"]) == 1  # nothing refused reached the origin
+
+        # --drop-client-key: a caller's key is ignored instead of checked
+        dropping = await start(tmp_path, "c2", "cluster", "--next", router.address, "--drop-client-key")
+        status, headers, _ = await post(s, dropping.url(), b"third", **{"X-Cache-Key": "forged"})
+        assert status == 200 and origin["headers"][-1]["X-Cache-Key"] == hashlib.sha256(b"third").hexdigest()
+
+
+async def test_a_caller_cannot_store_a_body_under_another_requests_key(tiny, tmp_path):
+    """A caller (a frontend's or an engine's certificate is all it takes) sends one request's body
+    with another request's X-Cache-Key, by each method, before and after the other's entry exists:
+    refused each time, and the other request still gets its own embeddings."""
+    from mm_encoder.client import EncoderChain
+    from mm_encoder.core.requests import EncodeRequest
+
+    victim, attacker = (EncodeRequest(model="tiny", url=data_url(image_bytes(natural_image(64, 48, seed=seed))))
+                        for seed in (41, 42))
+    forged = {"Content-Type": "application/json", "X-Cache-Key": victim.key()}
+    async with run_worker(tiny) as w, tiers() as start, aiohttp.ClientSession() as s:
+        cluster = await start(tmp_path, "c1", "cluster", "--next", f"127.0.0.1:{w.http_port}")
+        chain = EncoderChain(http_url=cluster.url(""), route="cluster")
+        try:
+            bodies = []
+            for where in ("http:cluster=MISS", "http:cluster=HIT"):
+                for method, path in (("POST", "/v1/encode"), ("POST", "/v1/encode/fetch"), ("HEAD", "/v1/encode")):
+                    async with s.request(method, cluster.url(path), data=attacker.body(), headers=forged) as r:
+                        assert (r.status, r.headers["X-MM-Error-Code"]) == (400, "bad_cache_key")
+                body, got = await chain.fetch(victim)
+                assert got == where
+                bodies.append(body)
+            assert bodies[0] == bodies[1] and forwards(w) == 1  # only the victim's request was encoded
+            other, _ = await chain.fetch(attacker)
+            assert wire.decode(other).mm_hash != wire.decode(bodies[0]).mm_hash
+        finally:
+            await chain.close()
 
 
 async def test_aborted_client_still_leaves_the_entry_cached(tiny, tmp_path):
@@ -227,7 +268,7 @@ async def test_adding_shards_moves_about_one_nth_of_keys_all_to_the_new_shard(tm
             router = await start(tmp_path, f"router{n}", "router", *shard_args)
             where = {}
             for k in keys:
-                status, headers, _ = await post(s, router.url(), b"body", **{"X-Cache-Key": k})
+                status, headers, _ = await post(s, router.url(), k.encode())  # keyed by the body's sha256
                 assert status == 200
                 where[k] = headers["X-Cache-Shard"]
             placement.append(where)
@@ -275,13 +316,16 @@ def test_config_validation_and_rendering(tmp_path):
     text = render(TierConfig(tier="shared", listen="127.0.0.1:9000", next=("enc-0:8090", "enc-1:8090"),
                              run_dir=tmp_path, cache_dir=tmp_path / "c"))
     for line in ("proxy_cache_valid 200 24h;", "inactive=24h", "proxy_cache_lock on;", "proxy_ignore_client_abort on;",
-                 "server enc-0:8090;", "server enc-1:8090;", "proxy_cache_lock_timeout 600s;"):
+                 "server enc-0:8090 max_fails=0;", "server enc-1:8090 max_fails=0;", "proxy_cache_lock_timeout 600s;",
+                 "proxy_next_upstream error http_503 non_idempotent;", "proxy_next_upstream_tries 3;"):
         assert line in text
     assert not [line for line in text.splitlines() if "@" in line and not line.lstrip().startswith("#")]
     # each tier waits longer than everything behind it: the cluster tier waits on the shared tier
     assert "proxy_read_timeout 900s;" in text
     cluster = render(TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("127.0.0.1:9000",), run_dir=tmp_path))
     assert "proxy_read_timeout 1500s;" in cluster
+    # a lone next level is listed twice: a 503 or a failed connection is asked again, on a new connection
+    assert cluster.count("server 127.0.0.1:9000 max_fails=0;") == 4  # mm_next and mm_direct
     explicit = TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("x:1",), run_dir=tmp_path, read_timeout="9s")
     assert "proxy_read_timeout 9s;" in render(explicit)
 

@@ -393,8 +393,9 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
                                 "--direct", address["encoder"], "--max-size", "1g")
 
             async def ask(tier: str, method: str, src: EncodeRequest, path: str = "/v1/encode") -> str:
-                headers = {"Accept": CONTENT_TYPE, "X-Cache-Key": src.key(), "X-Cache-Route": "cluster,shared"}
-                async with s.request(method, f"http://{tier}{path}", json=src.to_dict(), headers=headers) as r:
+                headers = {"Accept": CONTENT_TYPE, "Content-Type": "application/json", "X-Cache-Key": src.key(),
+                           "X-Cache-Route": "cluster,shared"}
+                async with s.request(method, f"http://{tier}{path}", data=src.body(), headers=headers) as r:
                     assert r.status == 200
                     await r.read()
                     return r.headers.get("X-Cache-Status", "")

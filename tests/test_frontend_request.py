@@ -170,3 +170,54 @@ async def test_the_engine_call_is_traced_under_the_request_and_its_request_carri
     assert [e.name for e in call.events][:1] == ["first_item"]
     (record,) = proc.stats.recent
     assert record["trace_id"] == trace_id and "first_token_ms" in record["timings"]
+
+
+class Context:
+    """Dynamo's request context as the processor reads it: its id, whether the client went away, and
+    the W3C headers of the trace it carries (the client's `traceparent`, as Dynamo's runtime passes it)."""
+
+    def __init__(self, traceparent: str) -> None:
+        self.traceparent = traceparent
+
+    def id(self) -> str:
+        return "dynamo-request-1"
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def trace_headers(self) -> dict[str, str]:
+        return {"traceparent": self.traceparent}
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["edge", "trusted"])
+async def test_a_clients_trace_is_continued_only_when_trusted(tok, monkeypatch, trust):
+    """The OpenAI port is the edge: by default a request's span starts a trace of the frontend's own,
+    sampled by its own sampler, and links the client's; with `--trust-client-trace` it continues the
+    client's trace. Under a sampler that records no new trace (parent-based, root off), a client's
+    sampled traceparent forces recording only when trusted."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    client_trace, client_span = "c" * 32, "d" * 16
+    ctx = Context(f"00-{client_trace}-{client_span}-01")
+    recorded: dict[str, list] = {}
+    for sampler in ("default", "root off"):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider() if sampler == "default" else TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+        proc = MultimodalProcessor(served_name="m", spec=get_spec(SPEC), tokenizer=tok, encoder=None, router=Router(),
+                                   engine_client=Engine([first(), TokenBatch([12], "stop").to_dict()]), block_size=16,
+                                   eos_token_ids=[1], limits=Limits(context_length=200), trust_client_trace=trust)
+        assert [c async for c in proc.generate(HI, ctx)][-1]["choices"][0]["finish_reason"] == "stop"
+        recorded[sampler] = [s for s in exporter.get_finished_spans() if s.name == "mm_frontend.request"]
+    (root,) = recorded["default"]
+    assert root.attributes["dynamo.request_id"] == "dynamo-request-1"
+    linked = [(format(link.context.trace_id, "032x"), format(link.context.span_id, "016x")) for link in root.links]
+    if trust:
+        assert format(root.context.trace_id, "032x") == client_trace
+        assert format(root.parent.span_id, "016x") == client_span and linked == []
+        assert len(recorded["root off"]) == 1  # the client's sampled flag decides
+    else:
+        assert format(root.context.trace_id, "032x") != client_trace and root.parent is None
+        assert linked == [(client_trace, client_span)]
+        assert recorded["root off"] == []  # the frontend's sampler decides, not the client

@@ -5,6 +5,7 @@ the engine's side fetches the body and checks it against the handle."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import aiohttp
@@ -155,9 +156,12 @@ def test_a_handle_carries_each_fact_once_and_parses_a_01_peers_handle():
     assert sorted(doc) == ["chain", "meta", "mm_hash", "route", "source", "v"]
     handle = MediaHandle.parse(doc)
     assert handle.num_tokens == [12] and handle.header is handle.header
-    legacy = {**doc, "key": handle.source.key(), "num_tokens": [12]}
+    legacy = {**doc, "key": handle.source.legacy_key(), "num_tokens": [12]}
     assert MediaHandle.parse(legacy) == handle and MediaHandle.parse(legacy).to_dict() == doc
-    assert handle.source.key() == cache_key("tiny", None, "https://media.test/x.png", "")
+    assert handle.source.legacy_key() == cache_key("tiny", None, "https://media.test/x.png", "")
+    # the tiers' key now: the sha256 of the canonical body the chain sends, as a tier hashes it
+    assert handle.source.body() == b'{"model":"tiny","scope":"","url":"https://media.test/x.png"}'
+    assert handle.source.key() == hashlib.sha256(handle.source.body()).hexdigest()
 
 
 async def test_an_engine_fetches_only_from_chains_it_trusts():
@@ -166,6 +170,42 @@ async def test_an_engine_fetches_only_from_chains_it_trusts():
         await HandleResolver(["http://127.0.0.1:1"]).body(handle)
     with pytest.raises(HandleError, match="no RPC client"):
         await HandleResolver().body(MediaHandle.parse(_handle(chain=None)))
+
+
+async def test_an_engines_connection_pools_do_not_grow_with_the_routes_requests_name():
+    """A handle's route comes from a request: 1,000 handles naming 1,000 routes through one trusted
+    chain keep one chain and one connection; each route goes out as that call's X-Cache-Route. A
+    stand-in chain on loopback answers every fetch."""
+    from aiohttp import web
+
+    seen: list[tuple[str | None, int]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        assert request.transport is not None
+        seen.append((request.headers.get("X-Cache-Route"), request.transport.get_extra_info("peername")[1]))
+        return web.Response(body=b"body")
+
+    app = web.Application()
+    app.router.add_post("/v1/encode/fetch", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    chain = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/encode"
+    routes = ["r" + "".join(chr(97 + int(d)) for d in str(i)) for i in range(1000)]  # ra, rb, ..., rjjj
+    header = wire.peek(wire.encode(mm_hash="ab" * 32, model="tiny", modality="image", embeds=torch.zeros(12, 8),
+                                   grid_thws=[[1, 6, 8]]))
+    source = EncodeRequest(model="tiny", url="https://media.test/x.png")
+    resolver = HandleResolver([chain])
+    try:
+        for route in routes:
+            handle = MediaHandle.build(header, source, chain=chain, route=route, rpc=None)
+            assert await resolver.fetch(handle) == b"body"
+        assert len(resolver._chains) == 1 and resolver.fetches == 1000
+        assert [r for r, _ in seen] == routes and len({port for _, port in seen}) == 1
+    finally:
+        await resolver.close()
+        await runner.cleanup()
 
 
 async def test_a_handle_for_a_source_that_fails_gets_the_encoders_error(stack):

@@ -6,7 +6,8 @@ are children of it, the encode worker's span is a child of the frontend's encode
 nginx tiers, which forward the header and log the trace id with their cache result), the engine's
 a child of the frontend's engine call, each component's steps in time order. The same image again
 is a cache hit: no encode-worker span, no forward. The trace id is in the components' JSONL log
-lines for the request. A chat without `traceparent` gets a trace of its own. Real processes
+lines for the request. A chat without `traceparent` gets a trace of its own. The frontend trusts
+the client's trace here (`--trust-client-trace`; tests/test_frontend_request.py has both modes). Real processes
 throughout (Dynamo, nginx, the encode worker, the checkpoint's language model in two engines)."""
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_one_trace_per_request_across_the_epd_graph(tmp_path):
     run = tmp_path / "run"
     with Receiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50",
-               "DYN_LOGGING_JSONL": "true",
+               "DYN_LOGGING_JSONL": "true", "MM_FRONTEND_TRUST_CLIENT_TRACE": "true",
                **{f"MM_{c}_LOG_LEVEL": "debug" for c in ("FRONTEND", "ENCODER", "ENGINE")}}
         with Served("graphs/epd.yaml", run, port, env=env) as served:
             served.wait_for("ready: OpenAI base URL", 240)

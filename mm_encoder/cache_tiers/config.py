@@ -69,7 +69,8 @@ class TierConfig(TlsOptions):
     client_max_body_size: SIZE = "96m"
     client_body_buffer_size: SIZE = "1m"
     workers: str = Field("auto", description="nginx worker processes: a number or auto")
-    drop_client_key: bool = Field(False, description="ignore a client's X-Cache-Key (the outermost tier)")
+    drop_client_key: bool = Field(False, description="ignore a caller's X-Cache-Key instead of checking it against "
+                                  "the body's sha256 (the key either way; a key that differs: 400 bad_cache_key)")
     log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
     tls_allow: ROLES = Field((), description="with TLS: a role (of the caller's spiffe:// ID) that may call this tier, "
                                        "once per role (none: the tier's callers, core/topology.py)")

@@ -30,6 +30,16 @@ def _servers(addresses: tuple[str, ...], extra: str = "") -> str:
     return "\n".join(f"        server {a}{extra};" for a in addresses)
 
 
+def _next_servers(addresses: tuple[str, ...]) -> str:
+    """A tier's next level (or its encoders) as nginx's upstream servers. `max_fails=0`: a server that
+    answers 503 is retried on another (`proxy_next_upstream http_503`), and nginx would otherwise count
+    that 503 as a failure and, with every server overloaded at once, answer 502 "no live upstreams" to
+    everything for `fail_timeout` (measured: 10 s). A lone server (a Kubernetes Service) is listed
+    twice, so that a retry has somewhere to go: a new connection, which the Service may send to
+    another pod (a draining worker closes the connection it answered 503 on)."""
+    return _servers(addresses if len(addresses) > 1 else addresses * 2, " max_fails=0")
+
+
 def _snippet(name: str, fields: dict[str, str]) -> str:
     return _Template((config_dir() / "nginx" / name).read_text()).substitute(fields)
 
@@ -95,8 +105,8 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
             valid=cfg.valid,
             lock_timeout=cfg.lock_timeout,
             lock_age=cfg.lock_age,
-            next_servers=_servers(cfg.next),
-            direct_servers=_servers(cfg.direct or cfg.next),
+            next_servers=_next_servers(cfg.next),
+            direct_servers=_next_servers(cfg.direct or cfg.next),
         )
     return template.substitute(fields)
 

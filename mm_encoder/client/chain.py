@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import ssl
@@ -16,13 +17,15 @@ from typing import Any
 import aiohttp
 
 from ..core import wire
-from ..core.errors import EncoderUnavailable, RemoteError, RequestTooLarge, WireError
+from ..core.errors import Draining, EncoderUnavailable, RemoteError, RequestTooLarge, WireError
 from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
 from ..core.requests import EncodeReply, EncodeRequest
 from ..runtime import tracing
 from ..runtime.dynamo import TOO_LARGE_HINT, is_too_large, payload
 
 log = logging.getLogger(__name__)
+# How many times in all one item is asked for while the encoders answer `draining` (`EncoderChain._call`).
+DRAINING_TRIES = 3
 
 
 class EncoderChain:
@@ -47,30 +50,52 @@ class EncoderChain:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
         self.fallbacks = 0
+        self.draining_retries = 0  # answers `draining` asked again (`_call`)
         self.body_bytes = 0  # wire bodies this process received: stays 0 where only `describe` is used
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-    async def describe(self, source: EncodeRequest) -> tuple[wire.WireHeader, str]:
-        """The item's header (its body is computed and cached on the way, never sent here)."""
-        header, where = await self._call(source, header_only=True)
+    async def describe(self, source: EncodeRequest, route: str | None = None) -> tuple[wire.WireHeader, str]:
+        """The item's header (its body is computed and cached on the way, never sent here). `route`:
+        this call's X-Cache-Route (a handle's), else the chain's."""
+        header, where = await self._call(source, header_only=True, route=route)
         if not isinstance(header, wire.WireHeader):
             raise RemoteError("the encoder answered a body where a header was asked for")
         return header, where
 
-    async def fetch(self, source: EncodeRequest) -> tuple[bytes, str]:
-        """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes."""
-        body, where = await self._call(source, header_only=False)
+    async def fetch(self, source: EncodeRequest, route: str | None = None) -> tuple[bytes, str]:
+        """The item's wire-v1 body; any level that lacks it forwards, the encoder re-encodes. `route`:
+        this call's X-Cache-Route (a handle's), else the chain's."""
+        body, where = await self._call(source, header_only=False, route=route)
         if not isinstance(body, bytes):
             raise RemoteError("the encoder answered a header where a body was asked for")
         return body, where
 
-    async def _call(self, source: EncodeRequest, *, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _call(self, source: EncodeRequest, *, header_only: bool,
+                    route: str | None) -> tuple[wire.WireHeader | bytes, str]:
+        """One answer; a `draining` one (a replica leaving on a scale-down or a rollout) is asked again
+        at once, `DRAINING_TRIES` in all, instead of failing the request: another replica can answer
+        now, and each try reaches another (the tiers retry a 503 on another upstream and never mark one
+        down, a draining worker closes the connection it answered on, Dynamo's round robin moves on).
+        An `overloaded` 503 is not asked again here: the tiers already tried other encoders, and its
+        Retry-After is the caller's to honour."""
+        for attempt in range(1, DRAINING_TRIES + 1):
+            try:
+                return await self._once(source, header_only, route or self.route)
+            except RemoteError as e:
+                if e.code != Draining.code or attempt == DRAINING_TRIES:
+                    raise
+                self.draining_retries += 1
+                log.info("an encoder is draining (%s); asking again (try %d of %d)", e.message, attempt + 1,
+                         DRAINING_TRIES)
+        raise AssertionError("not reached: the last try returns or raises")
+
+    async def _once(self, source: EncodeRequest, header_only: bool, route: str) -> tuple[wire.WireHeader | bytes, str]:
         if self.http_url is not None:
             try:
-                return await self._http(self.http_url, source, header_only)
+                return await self._http(self.http_url, source, header_only, route)
             except EncoderUnavailable as e:
                 if self.rpc_client is None:
                     raise
@@ -78,18 +103,23 @@ class EncoderChain:
                 log.warning("cache chain failed (%s); falling back to direct RPC", e.message)
         return await self._rpc(source, header_only)
 
-    async def _http(self, chain: str, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
+    async def _http(self, chain: str, source: EncodeRequest, header_only: bool,
+                    route: str) -> tuple[wire.WireHeader | bytes, str]:
         if self._session is None or self._session.closed:
             # one pool per chain: connections (and, with TLS, sessions) are kept and reused
             connector = aiohttp.TCPConnector(ssl=self.tls) if self.tls is not None else None
             self._session = aiohttp.ClientSession(timeout=self.timeout, max_field_size=MAX_HEADER_BYTES,
                                                   connector=connector)
-        headers = {"Accept": wire.CONTENT_TYPE, "X-Cache-Key": source.key(), "X-Cache-Route": self.route}
+        # the canonical body and its sha256 (`source.key()`, without writing the body twice): the tiers
+        # hash the body themselves and refuse a key that differs
+        body_out = source.body()
+        headers = {"Accept": wire.CONTENT_TYPE, "Content-Type": "application/json",
+                   "X-Cache-Key": hashlib.sha256(body_out).hexdigest(), "X-Cache-Route": route}
         tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         for attempt in (1, 2):
             try:
-                async with self._session.request(method, url, json=source.to_dict(), headers=headers) as r:
+                async with self._session.request(method, url, data=body_out, headers=headers) as r:
                     body = b"" if header_only else await r.read()
                     status, rh = r.status, r.headers
                 break

@@ -106,7 +106,7 @@ class MediaHandle:
         tokens = header.tokens_per_grid
         if header.mm_hash != form.mm_hash or legacy.get("num_tokens", tokens) != tokens:
             raise HandleError(f"media handle {form.mm_hash[:12]}: its fields disagree with its header")
-        if "key" in legacy and legacy["key"] != form.source.key():  # a tier would have stored it under this
+        if "key" in legacy and legacy["key"] != form.source.legacy_key():  # a 0.2 tier stored it under this
             raise HandleError(f"media handle {form.mm_hash[:12]}: its key is not its source's key")
         return cls(header, form.source, form.chain, form.route, form.rpc)
 

@@ -53,9 +53,9 @@ class ProcessorOverrides(BaseModel):
 
 def cache_key(model: str, processor: dict[str, Any] | None, url: str, scope: str, modality: str | None = None,
               revision: str | None = None, dtype: str | None = None) -> str:
-    """The tiers' key for one item: everything the encoder's answer depends on, nothing else (the
-    model's revision and the rows' dtype, when the request names them: another checkpoint or another
-    dtype is another answer, so an fp32 graph never gets a bf16 body from a tier it shares)."""
+    """0.2's key for one item, from the request's fields: what a 0.1 handle's `key` field holds, checked
+    against its source (`core.handle`). The tiers' key is now `EncodeRequest.key`, the sha256 of the
+    body, which a tier computes itself and checks a caller's key against."""
     ref = url if url[:5].lower() != "data:" else "sha256:" + hashlib.sha256(url.encode()).hexdigest()
     parts = [model, processor or {}, ref, scope, modality] + ([revision] if revision else [])
     parts += [{"dtype": dtype}] if dtype else []
@@ -91,8 +91,23 @@ class EncodeRequest(BaseModel):
         """The request as a body or an RPC dict (what a handle re-sends to fetch its body again)."""
         return self.model_dump(exclude_none=True)
 
+    def body(self) -> bytes:
+        """The request by URL as the cache chain is sent it: JSON, canonical (keys sorted, no spaces,
+        ASCII), so one request is always the same bytes whoever sends it (the frontend's HEAD, an
+        engine's fetch of a handle's source). A tier keys its entry by these bytes' sha256."""
+        if self.url is None:
+            raise ValueError("a request with raw `data` has no JSON body: the tiers cache requests by URL")
+        return stdlib_json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
     def key(self) -> str:
-        """The cache tiers' key (`X-Cache-Key`) for a request by URL."""
+        """The cache tiers' key (`X-Cache-Key`) for a request by URL: the sha256 of its `body`, as a tier
+        computes it from the body it receives (a key that differs is refused: 400 `bad_cache_key`), so
+        the tiers key an entry by what was asked, never by what a caller claims. Everything the answer
+        depends on is in the body (the model, its revision, the rows' dtype, the URL, the scope ...)."""
+        return hashlib.sha256(self.body()).hexdigest()
+
+    def legacy_key(self) -> str:
+        """0.2's key (`cache_key`, from the fields): what a 0.1 handle's `key` field holds."""
         if self.url is None:
             raise ValueError("a request with raw `data` has no cache key: the tiers cache by URL")
         processor = self.processor.model_dump(exclude_none=True) if self.processor else None

@@ -31,7 +31,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from ..core import wire
-from ..core.errors import BadRequest, MMEncoderError, UnsupportedEncoding, code_for_status
+from ..core.errors import BadRequest, Draining, MMEncoderError, UnsupportedEncoding, code_for_status
 from ..core.requests import EncodeRequest, unique_keys
 from ..runtime import tracing
 from .pipeline import EncodeService
@@ -44,12 +44,17 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 
 
 def error_response(e: MMEncoderError, retry_after: int | None = None) -> web.Response:
-    """The error's JSON body and status; 503s say when to retry."""
+    """The error's JSON body and status; 503s say when to retry. A `draining` answer also closes its
+    connection: the caller's retry then opens a new one, which a tier's upstream or a Kubernetes
+    Service sends to a replica that is not leaving (a kept-alive one would come back here)."""
     headers = {"X-MM-Error-Code": e.code, "X-MM-Error": _header_text(e.message)}
     if retry_after is not None and e.http_status == 503:
         headers["Retry-After"] = str(retry_after)
-    return web.Response(status=e.http_status, text=json.dumps(e.to_dict()), content_type="application/json",
-                        headers=headers)
+    response = web.Response(status=e.http_status, text=json.dumps(e.to_dict()), content_type="application/json",
+                            headers=headers)
+    if e.code == Draining.code:
+        response.force_close()
+    return response
 
 
 def _header_text(text: str, limit: int = 512) -> str:

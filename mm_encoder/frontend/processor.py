@@ -99,7 +99,7 @@ class EngineClient(Protocol):
 class MultimodalProcessor:
     def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, encoder: EncoderClient | None,
                  router: Router, engine_client: EngineClient, block_size: int, eos_token_ids: list[int],
-                 limits: Limits, inline_media: bool = False) -> None:
+                 limits: Limits, inline_media: bool = False, trust_client_trace: bool = False) -> None:
         self.served_name = served_name
         self.spec = spec
         self.tok = tokenizer
@@ -113,6 +113,7 @@ class MultimodalProcessor:
         # how media reach the engines, chosen once: by handle, or (the aggregated baseline) by URL, the
         # engines fetching and encoding them themselves
         self._media_path = self._inline if inline_media else self._by_handle
+        self.trust_client_trace = trust_client_trace  # continue a client's traceparent, or link it (`generate`)
         self.stats = Stats()
         self.capacity = Capacity(limits.max_inflight_media)  # what requests in flight hold (`frontend.hold`)
         self._notes: set[asyncio.Future[None]] = set()  # router bookkeeping in flight (`_router_note`)
@@ -137,11 +138,13 @@ class MultimodalProcessor:
         """One chat request: admitted (`_admit`), made ready and sent to an engine (`_dispatch`), its
         answer streamed back as OpenAI chunks (`_answer`). Once admitted, all of it is one
         `FrontendRequest` (its `Hold` of this processor, timings, spans and /mm/stats record), ended
-        whichever way the request ends. Traced as one span, a child of the client's trace as
-        Dynamo's request context carries it, over its steps' spans."""
+        whichever way the request ends. Traced as one span over its steps' spans: the root of a new
+        trace that links the client's (as Dynamo's request context carries it), or with
+        `trust_client_trace` a child of the client's trace."""
         self.last_request = time.monotonic()
         rid = uuid.uuid4().hex
-        with tracing.Stretch("mm_frontend.request", tracing.from_dynamo(context), kind="server",
+        parent, links = tracing.from_client(context, trust=self.trust_client_trace)
+        with tracing.Stretch("mm_frontend.request", parent, kind="server", links=links,
                              attributes={"mm_frontend.model": self.served_name, "mm_frontend.request_id": rid}) as root:
             if root.is_recording() and context is not None:  # tracing off: no call into Dynamo's runtime for it
                 root.set_attribute("dynamo.request_id", context.id())

@@ -100,7 +100,8 @@ class ProcessorFactory:
             self.processors[name] = MultimodalProcessor(
                 served_name=name, spec=p.spec, tokenizer=p.tokenizer, encoder=self.encoder,
                 router=p.router, engine_client=p.engine_client, block_size=self.s.block_size,
-                eos_token_ids=p.card.eos_token_ids, limits=p.limits, inline_media=self.s.inline_media)
+                eos_token_ids=p.card.eos_token_ids, limits=p.limits, inline_media=self.s.inline_media,
+                trust_client_trace=self.s.trust_client_trace)
         return self.processors[name]
 
     async def __call__(self, instance_id: ModelCardInstanceId, card: ModelDeploymentCard,

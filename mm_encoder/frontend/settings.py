@@ -62,6 +62,9 @@ class FrontendSettings(KvOptions, TlsOptions):
                                 "DYN_RUNTIME_NUM_WORKER_THREADS); unset: that variable, else 1. The processor "
                                 "runs on one Python thread, and each more Rust worker only adds thread "
                                 "wake-ups per request (BENCHMARKS.md: our frontend vs Dynamo's stock frontend)")
+    trust_client_trace: bool = Field(
+        False, description="continue a client's traceparent (its trace id and sampling decision); off: each "
+                           "request starts a trace of its own that links the client's (the OpenAI port is the edge)")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
 

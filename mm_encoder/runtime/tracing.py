@@ -100,6 +100,15 @@ def from_dynamo(context: Any) -> Context:
     return extract(headers() if callable(headers) else None)
 
 
+def from_client(context: Any, *, trust: bool) -> tuple[Context, tuple[Context, ...]]:
+    """The parent and the links of the span that serves a client's request (the frontend's, at the
+    edge): with `trust`, the trace Dynamo's request context carries (`from_dynamo`: the client's
+    `traceparent`, continued), else a new trace of this process's own, sampled by its own sampler,
+    that links to it: an untrusted client neither picks the trace id nor forces sampling."""
+    carried = from_dynamo(context)
+    return (carried, ()) if trust else (Context(), (carried,))
+
+
 def inject(carrier: MutableMapping[str, str], context: Context | None = None) -> None:
     """The current span's context (or `context`'s) into outgoing headers, so the next process
     continues the trace; nothing when there is no recorded trace."""

@@ -58,7 +58,7 @@ def _head(port: int, ctx: ssl.SSLContext) -> tuple[int, dict[str, str]]:
     """The frontend's question (HEAD /v1/encode with the request in the body), raw."""
     conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
     try:
-        conn.request("HEAD", "/v1/encode", body=json.dumps(SOURCE.to_dict()),
+        conn.request("HEAD", "/v1/encode", body=SOURCE.body(),
                      headers={"Content-Type": "application/json", "X-Cache-Key": SOURCE.key()})
         r = conn.getresponse()
         r.read()
