@@ -88,6 +88,8 @@ class Launch:
     start_timeout_s: float = 180.0
     grace_s: float = 30.0
     sessions: set[int] = field(default_factory=set)
+    # called while a replica is waited on (start, drain): work that cannot wait for it (a certificate renewal)
+    tick: Callable[[], None] = lambda: None
 
 
 class Fleet:
@@ -171,10 +173,7 @@ class Fleet:
             p.state = "draining"
             assert p.popen is not None
             _signal_group(p.popen.pid, signal.SIGTERM)
-            try:
-                p.popen.wait(self.launch.grace_s + 15)
-            except subprocess.TimeoutExpired:
-                self._kill(p)
+            self._wait_exit(p, self.launch.grace_s + 15)
             p.state = "stopped"
             self._procs.remove(p)
 
@@ -197,10 +196,7 @@ class Fleet:
         assert p.popen is not None
         p.state = "draining"
         _signal_group(p.popen.pid, signal.SIGTERM)
-        try:
-            p.popen.wait(self.launch.grace_s + 15)
-        except subprocess.TimeoutExpired:
-            self._kill(p)
+        self._wait_exit(p, self.launch.grace_s + 15)
         p.restarts += 1
         try:
             self._spawn(p)
@@ -211,8 +207,9 @@ class Fleet:
         return f"{p.name} restarted with a new certificate for Dynamo's planes, pid {p.popen.pid}"
 
     def signal(self, sig: int) -> list[int]:
-        """`sig` to each live replica's process (SIGHUP: read its certificates again); their PIDs."""
-        told = [p.popen.pid for p in self._procs if p.popen is not None and p.alive]
+        """`sig` to each replica that is up (SIGHUP: read its certificates again; one still starting may not
+        handle it yet, and has new certificates anyway); their PIDs."""
+        told = [p.popen.pid for p in self._procs if p.popen is not None and p.state == "up" and p.alive]
         for pid in told:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -260,8 +257,20 @@ class Fleet:
                 raise GraphError(f"{p.name} exited with {p.popen.returncode} while starting:\n{p.tail()}")
             if time.monotonic() > deadline:
                 raise GraphError(f"{p.name} was not healthy after {self.launch.start_timeout_s:.0f} s:\n{p.tail()}")
+            self.launch.tick()
             time.sleep(0.1)
         p.state = "up"
+
+    def _wait_exit(self, p: Proc, timeout: float) -> None:
+        """Until `p` exits (killed after `timeout`), the launch's other work going on meanwhile."""
+        assert p.popen is not None
+        deadline = time.monotonic() + timeout
+        while p.popen.poll() is None:
+            if time.monotonic() > deadline:
+                self._kill(p)
+                return
+            self.launch.tick()
+            time.sleep(0.1)
 
     def _kill(self, p: Proc) -> None:
         assert p.popen is not None

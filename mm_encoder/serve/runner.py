@@ -52,7 +52,7 @@ class GraphRunner:
         self.bounds = scaling_bounds(graph)  # what scale_to carries out: the planner's [min, max]
         issuer = self.site.issuer
         self.launch = Launch(self.run_dir, self._env, self._certify, lambda: issuer.client_context if issuer else None,
-                             start_timeout_s, grace_s)
+                             start_timeout_s, grace_s, tick=self._renew_if_due)
         self.rotations = threading.Event()  # set (SIGHUP): new certificates, taken up by `supervise`
         # what every process starts from: taken now, before the scaling executor's thread sets Dynamo's
         # planes (the launcher's etcd key among them) in this process's own environment
@@ -124,13 +124,12 @@ class GraphRunner:
         return env | tracing.component_env(env, service, p.name)
 
     def _certify(self, p: Proc) -> None:
-        """Before a replica starts: its certificate if it has none yet (the planner's scale-up), and a new one
-        for Dynamo's planes, which its runtime reads once (renewed by restarting it: `supervise`)."""
+        """Before a replica starts: a new certificate (a replica scaled up again must not find its expired
+        one), and a new one for Dynamo's planes, which its runtime reads once (renewed by restarting it)."""
         issuer = self.site.issuer
         if issuer is None or p.replica.tls is None:
             return
-        if not Path(p.replica.tls.cert).is_file():
-            issuer.issue([(p.name, p.kind)], site=False)
+        issuer.issue([(p.name, p.kind)], site=False)
         if p.kind in DYNAMO_KINDS:
             issuer.issue_planes([(p.name, p.kind)])
             p.renew_by = time.monotonic() + RENEW_AT * issuer.plane_lifetime.total_seconds()
@@ -238,7 +237,8 @@ class GraphRunner:
         Run on SIGHUP and whenever the certificates are two thirds through their life."""
         if self.site.issuer is None:
             return "rotation: this graph runs without TLS"
-        self.site.issuer.issue((p.name, p.kind) for p in self.procs if p.replica.tls and p.alive)
+        # those up: one starting has new ones already, and may be reading them now
+        self.site.issuer.issue((p.name, p.kind) for p in self.procs if p.replica.tls and p.state == "up" and p.alive)
         told = [pid for f in self.fleets for pid in f.signal(signal.SIGHUP)]
         for server in self.servers:
             if server.name == "nats" and server.pid is not None:
