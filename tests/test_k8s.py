@@ -969,3 +969,44 @@ def test_every_component_has_a_budget_spreads_over_nodes_and_the_tiers_every_req
     assert "router 1 -> 2, cluster 1 -> 2" in one(epd, DGD)["metadata"]["annotations"][k8s_names.NOTE]
     router = one(docs_of(graph), "Deployment", "epd-router")
     assert router["spec"]["replicas"] == 3 and "annotations" not in router["metadata"]
+
+
+# --- every core object, through Kubernetes' own models -------------------------------------------------
+
+CORE_MODELS = {"Service": "V1Service", "Deployment": "V1Deployment", "StatefulSet": "V1StatefulSet",
+               "NetworkPolicy": "V1NetworkPolicy", "PodDisruptionBudget": "V1PodDisruptionBudget", "Role": "V1Role",
+               "RoleBinding": "V1RoleBinding", "ConfigMap": "V1ConfigMap"}
+
+
+def _round_trip(value: dict, model: str) -> dict:
+    """`value` read into the Kubernetes client's model (its required fields checked) and written back: a field
+    the model does not know (misspelled, misplaced) is dropped, so the result differs."""
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    back: dict = api.sanitize_for_serialization(api._ApiClient__deserialize(value, model))  # type: ignore[attr-defined]
+    return back
+
+
+@pytest.mark.parametrize(("name", "tls"), [(n, t) for n in sorted(p.stem for p in GRAPHS.glob("*.yaml"))
+                                           for t in (False, True) if not (t and n in ("epd-stock", "epd-vllm"))])
+def test_every_core_object_and_pod_template_is_what_kubernetes_models_read(name, tls):
+    """Every Service, Deployment, StatefulSet, NetworkPolicy, PodDisruptionBudget, Role, RoleBinding and
+    ConfigMap, and each DGD component's pod template (a core/v1 PodTemplateSpec), comes back unchanged
+    through the Kubernetes client's models (kubernetes 32, a dependency of Dynamo's frontend)."""
+    doc = yaml.safe_load((GRAPHS / f"{name}.yaml").read_text())
+    if tls:
+        doc["tls"] = {"enabled": True, "issuer": "ca-issuer"}
+    docs = k8s.render(Graph.model_validate(doc), "mm")
+    checked = Counter()
+    for d in docs:
+        if d["kind"] in CORE_MODELS:
+            assert _round_trip(d, CORE_MODELS[d["kind"]]) == d, (d["kind"], d["metadata"]["name"])
+            checked[d["kind"]] += 1
+        if d["kind"] == DGD:
+            for c in d["spec"]["components"]:
+                assert _round_trip(c["podTemplate"], "V1PodTemplateSpec") == c["podTemplate"], c["name"]
+    assert checked["NetworkPolicy"] == len(doc["components"]) + 1 and checked["PodDisruptionBudget"] > 0
+    broken = copy.deepcopy(one(docs, "NetworkPolicy", f"{doc['name']}-default-deny"))
+    broken["spec"]["podSelectr"] = {}  # the check itself: a misspelled field does not come back
+    assert _round_trip(broken, "V1NetworkPolicy") != broken
