@@ -1,6 +1,7 @@
 """The part of the Dynamo operator's v1beta1 DynamoGraphDeployment schema that `render-k8s` emits,
-written by hand from the CRD's openAPIV3Schema, plus a small checker (jsonschema is not installed); and,
-for a graph with `tls`, the NetworkPolicy and cert-manager Certificate fields it emits (below, with sources).
+written by hand from the CRD's openAPIV3Schema, plus a small checker (jsonschema is not installed); and
+the other objects it emits beside it: NetworkPolicies and PodDisruptionBudgets, and for a graph with
+`tls.issuer` cert-manager Certificates and approver-policy's CertificateRequestPolicies (below, with sources).
 
 Source: ai-dynamo/dynamo `deploy/operator/config/crd/bases/nvidia.com_dynamographdeployments.yaml`
 (stored version at commit 01cc1c3b677b20c5dd72d9eb76962dc04b55b8be, `versions[name=v1beta1]`), read with
@@ -56,11 +57,13 @@ PROBE = obj({
     **{k: INT for k in ("initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold",
                         "successThreshold")},
 })
+# core/v1 Lifecycle: the preStop hook, an exec command (what a drain uses).
+LIFECYCLE = obj({"preStop": obj({"exec": obj({"command": STR_LIST})})})
 CONTAINER = obj({
     "name": STR, "image": STR, "command": STR_LIST, "args": STR_LIST,
     "env": listmap(ENV_VAR), "ports": {"type": "array", "items": CONTAINER_PORT},
     "resources": RESOURCES, "volumeMounts": listmap(VOLUME_MOUNT, "mountPath"),
-    "livenessProbe": PROBE, "readinessProbe": PROBE, "startupProbe": PROBE,
+    "livenessProbe": PROBE, "readinessProbe": PROBE, "startupProbe": PROBE, "lifecycle": LIFECYCLE,
 }, ("name",))
 VOLUME = obj({
     "name": STR,
@@ -70,6 +73,11 @@ VOLUME = obj({
 }, ("name",))
 POD_SECURITY_CONTEXT = obj({name: {"type": "integer"} for name in ("runAsUser", "runAsGroup", "fsGroup")}
                            | {"runAsNonRoot": {"type": "boolean"}})
+_LABEL_SELECTOR = obj({"matchLabels": STR_MAP})
+# core/v1 TopologySpreadConstraint (listMapKey topologyKey + whenUnsatisfiable), cut to what we set.
+TOPOLOGY_SPREAD = obj({"maxSkew": {"type": "integer", "minimum": 1}, "topologyKey": STR,
+                       "whenUnsatisfiable": {"type": "string", "enum": ["DoNotSchedule", "ScheduleAnyway"]},
+                       "labelSelector": _LABEL_SELECTOR}, ("maxSkew", "topologyKey", "whenUnsatisfiable"))
 POD_TEMPLATE = obj({
     "metadata": obj({"labels": STR_MAP, "annotations": STR_MAP}),
     "spec": obj({
@@ -77,6 +85,8 @@ POD_TEMPLATE = obj({
         "initContainers": listmap(CONTAINER),
         "containers": listmap(CONTAINER),
         "volumes": listmap(VOLUME),
+        "terminationGracePeriodSeconds": {"type": "integer", "minimum": 0},
+        "topologySpreadConstraints": {"type": "array", "items": TOPOLOGY_SPREAD},
     }, ("containers",)),
 })
 COMPONENT = obj({
@@ -97,7 +107,6 @@ DYNAMO_GRAPH_DEPLOYMENT = obj({
 }, ("apiVersion", "kind", "metadata", "spec"))
 
 # Kubernetes' networking.k8s.io/v1 NetworkPolicy (the API reference, v1.25+: `endPort` is GA), cut to what we emit.
-_LABEL_SELECTOR = obj({"matchLabels": STR_MAP})
 _PEER = obj({"podSelector": _LABEL_SELECTOR, "namespaceSelector": _LABEL_SELECTOR})
 _POLICY_PORT = obj({"protocol": {"type": "string", "enum": ["TCP", "UDP", "SCTP"]}, "port": INT_OR_STR,
                     "endPort": INT})
@@ -123,6 +132,8 @@ CERTIFICATE = obj({
         "secretName": STR,
         "commonName": {"type": "string", "minLength": 1, "maxLength": 64},
         "subject": obj({"organizations": STR_LIST, "organizationalUnits": STR_LIST}),
+        "duration": STR,  # a Go duration (metav1.Duration)
+        "renewBefore": STR,
         "dnsNames": STR_LIST,
         "uris": STR_LIST,
         "usages": {"type": "array", "items": {"type": "string", "enum": [
@@ -135,6 +146,42 @@ CERTIFICATE = obj({
         "issuerRef": obj({"name": STR, "kind": {"type": "string", "enum": ["Issuer", "ClusterIssuer"]},
                           "group": STR}, ("name",)),
     }, ("secretName", "issuerRef")),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+# Kubernetes' policy/v1 PodDisruptionBudget (the API reference), cut to what we emit.
+POD_DISRUPTION_BUDGET = obj({
+    "apiVersion": {"const": "policy/v1"},
+    "kind": {"const": "PodDisruptionBudget"},
+    "metadata": obj({"name": STR, "labels": STR_MAP}, ("name",)),
+    "spec": obj({"maxUnavailable": INT_OR_STR, "minAvailable": INT_OR_STR, "selector": _LABEL_SELECTOR}),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+# cert-manager approver-policy's policy.cert-manager.io/v1alpha1 CertificateRequestPolicy (cluster-scoped), from its
+# Go types: cert-manager/approver-policy `pkg/apis/policy/v1alpha1/types_certificaterequestpolicy.go` at commit
+# 0661b2f5dadcffdd929d86dda23a804e042dcb53, cut to what we emit. Allowed strings take `value`/`values`, `required`
+# and CEL `validations`; an omitted `allowed` field means the request must leave it empty.
+_ALLOWED_STRING = obj({"value": STR, "required": {"type": "boolean"}})
+_ALLOWED_STRINGS = obj({"values": STR_LIST, "required": {"type": "boolean"}})
+CERTIFICATE_REQUEST_POLICY = obj({
+    "apiVersion": {"const": "policy.cert-manager.io/v1alpha1"},
+    "kind": {"const": "CertificateRequestPolicy"},
+    "metadata": obj({"name": STR, "labels": STR_MAP}, ("name",)),
+    "spec": obj({
+        "allowed": obj({
+            "commonName": _ALLOWED_STRING, "dnsNames": _ALLOWED_STRINGS, "uris": _ALLOWED_STRINGS,
+            "usages": CERTIFICATE["properties"]["spec"]["properties"]["usages"],
+            "subject": obj({"organizations": _ALLOWED_STRINGS, "organizationalUnits": _ALLOWED_STRINGS}),
+        }),
+        "constraints": obj({
+            "maxDuration": STR,
+            "privateKey": obj({"algorithm": {"type": "string", "enum": ["RSA", "ECDSA", "Ed25519"]},
+                               "minSize": INT, "maxSize": INT}),
+        }),
+        "selector": obj({
+            "issuerRef": obj({"name": STR, "kind": STR, "group": STR}),
+            "namespace": obj({"matchNames": STR_LIST, "matchLabels": STR_MAP}),
+        }),
+    }, ("selector",)),
 }, ("apiVersion", "kind", "metadata", "spec"))
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "int-or-string": (int, str)}

@@ -8,8 +8,9 @@ and then by its process group:
 - `start_worker`: `python -m mm_encoder.encode_worker`, ready when it prints its ready line, which
   names its HTTP port (a free one unless `--http-port` is given) and, with TLS, its plaintext ops
   port (/health, /ready, /metrics).
-- `start_tier`: `python -m mm_encoder.cache_tiers up` (which execs nginx: the PID is nginx's master),
-  ready when /_cache/health answers: on its port, or with TLS on its plaintext ops listener.
+- `start_tier`: `python -m mm_encoder.cache_tiers up` (which execs nginx: the PID is nginx's master; with
+  TLS it runs nginx as its child, passing on its signals: `cache_tiers/supervise.py`), ready when
+  /_cache/health answers: on its port, or with TLS on its plaintext ops listener.
 
 TLS material is a `Tls`: the deployment's CA (a `harness.certs.Certs`) and a certificate issued from
 it; with one, the process serves HTTPS to callers with certificates (and calls its next level so).
@@ -181,7 +182,8 @@ def start_worker(*args: str, model: str = "tiny", tls: Tls | None = None, ops: b
 
 
 class TierProcess:
-    """A started cache tier (or the router): its `Process` (PID: nginx's master), its ports, its URLs."""
+    """A started cache tier (or the router): its `Process` (PID: nginx's master, or with TLS the tier that
+    supervises it and passes signals on), its ports, its URLs."""
 
     def __init__(self, name: str, tier: str, port: int, ops_port: int | None, proc: Process, tls: Tls | None):
         self.name, self.tier, self.port, self.ops_port, self.proc, self.tls = name, tier, port, ops_port, proc, tls

@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.k8s_schema import CERTIFICATE, DYNAMO_GRAPH_DEPLOYMENT, NETWORK_POLICY, errors
+from harness.k8s_schema import (
+    CERTIFICATE,
+    CERTIFICATE_REQUEST_POLICY,
+    DYNAMO_GRAPH_DEPLOYMENT,
+    NETWORK_POLICY,
+    POD_DISRUPTION_BUDGET,
+    errors,
+)
 from mm_encoder.core.errors import GraphError
 from mm_encoder.dashboards.grafana import FLEET
 from mm_encoder.graph.schema import Graph, load_graph
@@ -266,7 +273,7 @@ def test_agg_renders_no_nginx_objects_and_engines_encode_inline(agg):
     """The aggregated graph is only the DynamoGraphDeployment: its engine runs the whole model
     (`--encode-inline`, no `--encoder-chain`) and the frontend sends media inline."""
     docs = docs_of(agg)
-    assert [d["kind"] for d in docs] == ["DynamoGraphDeployment"]
+    assert [d["kind"] for d in docs] == ["DynamoGraphDeployment", *["NetworkPolicy"] * 3, *["PodDisruptionBudget"] * 2]
     comps = components(docs[0])
     assert list(comps) == ["engine", "frontend"]
     engine = main_of(comps["engine"])["args"]
@@ -575,8 +582,9 @@ def pods(docs: list[dict]) -> dict[str, tuple[dict, dict]]:
 
 
 def test_a_tls_graph_mounts_each_components_own_secret_read_only(tls_docs):
-    """Every component but the planner gets its certificate, key and the CA from one mount of its own Secret,
-    `<graph>-<component>-tls` (its replicas share it), read-only, 0400; the DGD still passes the CRD schema."""
+    """Every component gets its certificate, key and the CA from one mount of its own Secret,
+    `<graph>-<component>-tls` (its replicas share it), read-only, 0400; the DGD still passes the CRD schema.
+    Without `tls.issuer` the note says what each Secret's certificate must carry: its URI and DNS names."""
     assert errors(one(tls_docs, DGD), SCHEMA) == []
     for name, (spec, container) in pods(tls_docs).items():
         args = container["args"]
@@ -584,11 +592,15 @@ def test_a_tls_graph_mounts_each_components_own_secret_read_only(tls_docs):
         (volume,) = [v for v in spec["volumes"] if v["name"] == "tls"]
         assert volume == {"name": "tls", "secret": {"secretName": f"epd-{name}-tls", "defaultMode": 0o400}}
         assert {"name": "tls", "mountPath": "/etc/mm-encoder/tls", "readOnly": True} in container["volumeMounts"]
-    assert not any(d["kind"] == "Certificate" for d in tls_docs)  # without tls.issuer: the operator's Secrets
+    assert not any(d["kind"] in ("Certificate", "CertificateRequestPolicy") for d in tls_docs)  # the operator's
     note = one(tls_docs, DGD)["metadata"]["annotations"][k8s_names.NOTE]
     assert ("epd-shared-tls (CN shared, OU cache-shared, URI spiffe://mm-encoder.local/epd/cache-shared/shared, "
-            "DNS epd-shared, epd-shared-0.epd-shared") in note
-    assert "kubectl create secret generic" in note and "CNI" in note
+            "DNS epd-shared, epd-shared-0.epd-shared, epd-shared-1.epd-shared, cache-shared.epd.mm-encoder.local)"
+            ) in note
+    assert ("epd-engine-tls (CN engine, OU engine, URI spiffe://mm-encoder.local/epd/engine/engine, DNS "
+            "engine.epd.mm-encoder.local, request-plane.epd.mm-encoder.local)") in note
+    assert "kubectl create secret generic" in note and "exactly the URI and DNS names below" in note
+    assert "CNI" in note
 
 
 def test_probes_that_hold_no_certificate_stay_off_the_https_ports(tls_docs):
@@ -658,49 +670,63 @@ def test_with_client_auth_the_frontends_probe_presents_the_pods_own_certificate(
         httpd.shutdown()
 
 
-def test_the_chain_is_https_and_each_tier_checks_a_name_its_upstreams_carry():
-    """Frontend and engines dial the cluster tier over https; each tier's --tls-server-name is its next level's
-    Service name, and every component it reaches (--next, --direct, --shard) has that name in its Certificate,
-    which names the component (CN), its role (OU) and the Service names it is dialled by."""
+ROLES = {"encoder": "encoder", "shared": "cache-shared", "router": "cache-router", "cluster": "cache-cluster",
+         "engine": "engine", "frontend": "frontend"}
+PLANE = "request-plane.epd.mm-encoder.local"
+OWN_NAMES = {  # the Service names each component is dialled by, its role's name, and Dynamo's request plane's
+    "encoder": ["epd-encoder-http", "encoder.epd.mm-encoder.local", PLANE],
+    "shared": ["epd-shared", "epd-shared-0.epd-shared", "epd-shared-1.epd-shared", "cache-shared.epd.mm-encoder.local"],
+    "router": ["epd-router", "cache-router.epd.mm-encoder.local"],
+    "cluster": ["epd-cluster", "cache-cluster.epd.mm-encoder.local"],
+    "engine": ["engine.epd.mm-encoder.local", PLANE],
+    "frontend": ["epd-frontend", "frontend.epd.mm-encoder.local", PLANE],
+}
+
+
+@pytest.fixture(scope="module")
+def issued_docs() -> list[dict]:
+    graph = graph_of(tls={"enabled": True, "issuer": "ClusterIssuer/ca-issuer"})
+    return [d for d in yaml.safe_load_all(k8s.render_yaml(graph, namespace="team-a")) if d]
+
+
+def test_each_certificate_carries_its_own_identity_and_no_other_components_name(issued_docs):
+    """With `tls.issuer`, one Certificate per component: CN its name, OU its role, the one URI
+    `spiffe://<trust domain>/<graph>/<role>/<component>`, as DNS names only its own (the Service names it is
+    dialled by, its role's name, the request plane's on a Dynamo component); a tier checks its next level by
+    that level's role name, which each server it reaches carries. Lifetimes: the graph's (a tier re-reads its
+    files on renewal; a Dynamo component's plane reads them once, so it gets Dynamo's planes' lifetime)."""
     from mm_encoder.cache_tiers.cli import parse_args
     from mm_encoder.encode_worker.settings import WorkerSettings
     from mm_encoder.engines.process import EngineSettings
     from mm_encoder.frontend.settings import FrontendSettings
 
-    docs = docs_of(graph_of(tls={"enabled": True, "issuer": "ClusterIssuer/ca-issuer"}))
-    certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
-    assert sorted(certs) == sorted(f"epd-{n}-tls" for n in ("encoder", "shared", "router", "cluster", "engine",
-                                                              "frontend"))  # not the planner: it has no TLS
-    roles = {"encoder": "encoder", "shared": "cache-shared", "router": "cache-router", "cluster": "cache-cluster",
-             "engine": "engine", "frontend": "frontend"}
-    for name, role in roles.items():
+    certs = {d["metadata"]["name"]: d for d in issued_docs if d["kind"] == "Certificate"}
+    assert sorted(certs) == sorted(f"epd-{n}-tls" for n in ROLES)
+    for name, role in ROLES.items():
         cert = certs[f"epd-{name}-tls"]
         assert errors(cert, CERTIFICATE) == [], name
         spec = cert["spec"]
         assert (spec["secretName"], spec["commonName"], spec["subject"]) == (
             f"epd-{name}-tls", name, {"organizations": ["mm-encoder"], "organizationalUnits": [role]})
+        assert spec["uris"] == [f"spiffe://mm-encoder.local/epd/{role}/{name}"]
+        assert spec["dnsNames"] == OWN_NAMES[name], name
         assert spec["usages"] == ["server auth", "client auth", "digital signature"]
-        assert spec["privateKey"]["algorithm"] == "ECDSA" and spec["privateKey"]["size"] == 256
+        assert spec["privateKey"] == {"algorithm": "ECDSA", "size": 256, "encoding": "PKCS8"}
         assert spec["issuerRef"] == {"name": "ca-issuer", "kind": "ClusterIssuer", "group": "cert-manager.io"}
-    hosts = {name: certs[f"epd-{name}-tls"]["spec"].get("dnsNames", []) for name in roles}
-    assert hosts["engine"] == ["engine.epd.mm-encoder.local"]
-    assert hosts["frontend"] == ["epd-frontend", "frontend.epd.mm-encoder.local"]
-    for name, role in roles.items():  # its identity, and no other component's name
-        assert certs[f"epd-{name}-tls"]["spec"]["uris"] == [f"spiffe://mm-encoder.local/epd/{role}/{name}"]
-        assert [h for h in hosts[name] if h.endswith(".mm-encoder.local")] == [f"{role}.epd.mm-encoder.local"]
+        tier = role.startswith("cache-")
+        assert (spec["duration"], spec["renewBefore"]) == (("24h", "8h") if tier else ("168h", "56h")), name
+    for name, names in OWN_NAMES.items():  # no name of one component in another's certificate
+        others = {n for other, ns in OWN_NAMES.items() if other != name for n in ns} - {PLANE}
+        assert not set(names) & others, name
 
-    parts = pods(docs)
+    parts = pods(issued_docs)
     by_host = {"epd-encoder-http": "encoder", "epd-router": "router", "epd-cluster": "cluster",
                **{f"epd-shared-{i}.epd-shared": "shared" for i in range(2)}}
-    for name in ("shared", "router", "cluster"):
-        args = parts[name][1]["args"]
-        _, cfg = parse_args(args)
-        assert cfg.tls and cfg.tls_server_name == {"shared": "encoder", "router": "cache-shared",
-                                                   "cluster": "cache-router"}[name] + ".epd.mm-encoder.local"
-        for address in (*cfg.next, *cfg.shards):  # each upstream carries the name its tier checks it for
-            assert cfg.tls_server_name in hosts[by_host[address.rsplit(":", 1)[0]]], (name, address)
-        for address in cfg.direct:
-            assert cfg.tls_direct_server_name in hosts[by_host[address.rsplit(":", 1)[0]]], (name, address)
+    for name, upstream in (("shared", "encoder"), ("router", "shared"), ("cluster", "router")):
+        _, cfg = parse_args(parts[name][1]["args"])
+        assert cfg.tls and cfg.tls_server_name == f"{ROLES[upstream]}.epd.mm-encoder.local"
+        for address in (*cfg.next, *cfg.shards):
+            assert cfg.tls_server_name in OWN_NAMES[by_host[address.rsplit(":", 1)[0]]], (name, address)
     worker = WorkerSettings(_cli_parse_args=parts["encoder"][1]["args"])
     assert worker.tls and worker.ops_port == 9091 and sorted(worker.tls_allow) == ["cache-cluster", "cache-shared",
                                                                                   "engine"]
@@ -708,39 +734,147 @@ def test_the_chain_is_https_and_each_tier_checks_a_name_its_upstreams_carry():
     engine = EngineSettings(_cli_parse_args=parts["engine"][1]["args"])
     assert frontend.https and frontend.tls and frontend.encoder_http == "https://epd-cluster:8080"
     assert engine.tls and engine.encoder_chain == ("https://epd-cluster:8080",)
-    assert "epd-cluster" in hosts["cluster"]  # the host both dial, which their clients check
 
 
-def test_network_policies_let_only_each_hops_callers_in(tls_docs):
-    """One NetworkPolicy per encoder and tier (Ingress only): its HTTPS port from the pods of the roles it
-    admits, its ops port from Prometheus only; an encoder's other ports (Dynamo's system port, its request
-    plane) stay open to the namespace. Each rule names its sources (an empty `from` would admit anyone)."""
-    policies = {d["metadata"]["name"]: d for d in tls_docs if d["kind"] == "NetworkPolicy"}
-    assert sorted(policies) == sorted(f"epd-{n}-ingress" for n in ("encoder", "shared", "router", "cluster"))
-    callers = {"cluster": {"frontend", "engine"}, "router": {"cluster"}, "shared": {"router", "cluster"},
-               "encoder": {"shared", "cluster", "engine"}}
-    for name, admitted in callers.items():
-        policy = policies[f"epd-{name}-ingress"]
-        assert errors(policy, NETWORK_POLICY) == [], name
-        spec = policy["spec"]
-        assert spec["podSelector"] == {"matchLabels": {"mm-encoder/graph": "epd", "mm-encoder/component": name}}
-        assert spec["policyTypes"] == ["Ingress"]
-        port = k8s_names.ENCODER_PORT if name == "encoder" else k8s_names.TIER_PORT
-        https, ops, *rest = spec["ingress"]
-        assert https["ports"] == [{"protocol": "TCP", "port": port}]
-        assert {p["podSelector"]["matchLabels"]["mm-encoder/component"] for p in https["from"]} == admitted
-        assert all(p["podSelector"]["matchLabels"]["mm-encoder/graph"] == "epd" for p in https["from"])
-        assert ops == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": 9091}]}
-        assert all(rule.get("from") for rule in spec["ingress"])
-        if name != "encoder":
-            assert rest == []
-            continue
-        (other,) = rest
-        assert other["from"] == [{"podSelector": {}}, PROMETHEUS]
-        tcp = {p for r in other["ports"] if r["protocol"] == "TCP"
-               for p in range(r["port"], r.get("endPort", r["port"]) + 1)}
-        assert tcp == set(range(1, 65536)) - {port, 9091}  # the system port 9090 among them
-        assert {"protocol": "UDP", "port": 1, "endPort": 65535} in other["ports"]
+def _hours(duration: str) -> float:
+    return float(duration[:-1]) * {"h": 1.0, "m": 1 / 60, "s": 1 / 3600}[duration[-1]]
+
+
+def _permits(policy: dict, request: dict, namespace: str) -> bool | None:
+    """approver-policy's decision on one request (a Certificate's spec, from `namespace`): None if the policy
+    does not select it (issuer, namespace), else whether every requested attribute is allowed (exact strings:
+    the rendered policies use no wildcards), each required one present, the usages a subset, the key and the
+    duration within the constraints. Written from approver-policy's documentation, not from the renderer."""
+    spec = policy["spec"]
+    if any(request["issuerRef"].get(k) != v for k, v in spec["selector"]["issuerRef"].items()):
+        return None
+    if namespace not in spec["selector"]["namespace"]["matchNames"]:
+        return None
+    allowed, constraints = spec["allowed"], spec["constraints"]
+
+    def strings(rule: dict | None, values: list[str]) -> bool:
+        if rule is None:  # an omitted attribute must be empty
+            return not values
+        listed = rule["values"] if "values" in rule else [rule["value"]]
+        return set(values) <= set(listed) and (bool(values) or not rule.get("required", False))
+
+    subject, key = request.get("subject", {}), constraints["privateKey"]
+    return (strings(allowed.get("commonName"), [request["commonName"]] if "commonName" in request else [])
+            and strings(allowed.get("dnsNames"), request.get("dnsNames", []))
+            and strings(allowed.get("uris"), request.get("uris", []))
+            and strings(allowed["subject"].get("organizations"), subject.get("organizations", []))
+            and strings(allowed["subject"].get("organizationalUnits"), subject.get("organizationalUnits", []))
+            and set(request["usages"]) <= set(allowed["usages"]) and not request.get("isCA", False)
+            and request["privateKey"]["algorithm"] == key["algorithm"]
+            and key["minSize"] <= request["privateKey"]["size"] <= key["maxSize"]
+            and _hours(request["duration"]) <= _hours(constraints["maxDuration"]))
+
+
+def test_approver_policy_approves_each_certificate_from_this_namespace_only(issued_docs):
+    """One CertificateRequestPolicy per component (cluster-scoped: named after the namespace too) that permits
+    its own Certificate and nothing else: not another component's, not one that adds another component's
+    name, not a stranger's URI under this graph, not a longer life; and from another namespace not even its
+    own (no policy of ours selects it). A Role and RoleBinding in the namespace let cert-manager's controller,
+    which requests every Certificate's certificates, use exactly these policies."""
+    certs = {d["metadata"]["name"].removeprefix("epd-").removesuffix("-tls"): d["spec"] for d in issued_docs
+             if d["kind"] == "Certificate"}
+    policies = {d["metadata"]["name"]: d for d in issued_docs if d["kind"] == "CertificateRequestPolicy"}
+    assert sorted(policies) == sorted(f"mm-encoder.team-a.epd.{n}" for n in ROLES)
+    for name, policy in policies.items():
+        assert errors(policy, CERTIFICATE_REQUEST_POLICY) == [], name
+        assert policy["spec"]["selector"] == {"issuerRef": {"name": "ca-issuer", "kind": "ClusterIssuer",
+                                                            "group": "cert-manager.io"},
+                                              "namespace": {"matchNames": ["team-a"]}}
+    for name, cert in certs.items():  # exactly one policy, its own, permits each Certificate here
+        decisions = {p.rsplit(".", 1)[1]: _permits(policy, cert, "team-a") for p, policy in policies.items()}
+        assert {n for n, ok in decisions.items() if ok} == {name}, decisions
+        assert all(_permits(policy, cert, "team-b") is None for policy in policies.values())  # another namespace
+    mixed = {**certs["encoder"], "dnsNames": [*certs["encoder"]["dnsNames"], "epd-router"]}  # the old hack
+    stranger = {**certs["engine"], "uris": ["spiffe://mm-encoder.local/epd/engine/intruder"]}
+    longer = {**certs["engine"], "duration": "2000h"}
+    for request in (mixed, stranger, longer):
+        assert not any(_permits(policy, request, "team-a") for policy in policies.values())
+    role, binding = one(issued_docs, "Role"), one(issued_docs, "RoleBinding")
+    assert role["metadata"]["name"] == binding["metadata"]["name"] == "epd-certificate-approval"
+    assert role["rules"] == [{"apiGroups": ["policy.cert-manager.io"], "resources": ["certificaterequestpolicies"],
+                              "verbs": ["use"], "resourceNames": list(policies)}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cert-manager", "namespace": "cert-manager"}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "epd-certificate-approval"}
+    note = one(issued_docs, DGD)["metadata"]["annotations"][k8s_names.NOTE]
+    assert "from namespace team-a" in note and "mm-encoder.team-a.epd.encoder" in note
+    # the controller's account is the chart's unless given; a malformed one, or no namespace, is refused
+    graph = graph_of(tls={"enabled": True, "issuer": "ca-issuer"})
+    other = k8s.render(graph, "team-a", "certs/cm-controller")
+    assert one(other, "RoleBinding")["subjects"] == [{"kind": "ServiceAccount", "name": "cm-controller",
+                                                      "namespace": "certs"}]
+    with pytest.raises(GraphError, match="--cert-manager-account"):
+        k8s.render(graph, "team-a", "cert-manager")
+    with pytest.raises(GraphError, match="--namespace"):
+        k8s.render(graph)
+    with pytest.raises(GraphError, match="namespace"):
+        k8s.render(graph, "Team_A")
+
+
+def test_dynamos_request_plane_speaks_tls_checked_by_one_name_every_dynamo_component_carries(issued_docs, epd_docs):
+    """With TLS every Dynamo component serves and calls its TCP request plane (and the response streams, TCP
+    whatever the plane) with its own Secret's certificate, client certificates required, and checks each
+    peer, dialled by pod IP, against the one name every Dynamo component's certificate carries. Its listeners
+    are on fixed ports, with TLS or without (the NetworkPolicies name them)."""
+    certs = {d["spec"]["secretName"]: d["spec"] for d in issued_docs if d["kind"] == "Certificate"}
+    crt, key, ca = TLS_FILES
+    for docs, tls in ((issued_docs, True), (epd_docs, False)):
+        for name, comp in components(one(docs, DGD)).items():
+            env = env_of(comp)
+            assert (env["DYN_TCP_RPC_PORT"], env["DYN_TCP_RESPONSE_STREAM_PORT"]) == ("9092", "9093")
+            tls_env = {k: v for k, v in env.items() if k.startswith("DYN_TCP_TLS_")}
+            if not tls:
+                assert tls_env == {}, name
+                continue
+            assert tls_env == {"DYN_TCP_TLS_CERT_PATH": crt, "DYN_TCP_TLS_KEY_PATH": key,
+                               "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": ca, "DYN_TCP_TLS_CA_CERT_PATH": ca,
+                               "DYN_TCP_TLS_CLIENT_CERT_PATH": crt, "DYN_TCP_TLS_CLIENT_KEY_PATH": key,
+                               "DYN_TCP_TLS_SERVER_NAME": PLANE}, name
+            assert PLANE in certs[f"epd-{name}-tls"]["dnsNames"], name
+    for name in ("shared", "router", "cluster"):  # nginx: no Dynamo
+        assert PLANE not in certs[f"epd-{name}-tls"]["dnsNames"]
+
+
+def test_the_planner_has_a_certificate_for_dynamos_request_plane():
+    """The encode planner calls the encoders' load over Dynamo's request plane, so with TLS it mounts its own
+    Secret and speaks that plane's TLS; its /status stays plaintext (no --tls-* option)."""
+    doc = yaml.safe_load((GRAPHS / "epd-autoscale.yaml").read_text())
+    doc["tls"] = {"enabled": True, "issuer": "ca-issuer"}
+    docs = k8s.render(Graph.model_validate(doc), "mm")
+    planner = components(one(docs, DGD))["planner"]
+    spec = one(docs, "Certificate", "epd-autoscale-planner-tls")["spec"]
+    assert spec["uris"] == ["spiffe://mm-encoder.local/epd-autoscale/planner/planner"]
+    assert spec["dnsNames"] == ["planner.epd-autoscale.mm-encoder.local",
+                                "request-plane.epd-autoscale.mm-encoder.local"]
+    assert {"name": "tls", "mountPath": "/etc/mm-encoder/tls", "readOnly": True} in main_of(planner)["volumeMounts"]
+    assert env_of(planner)["DYN_TCP_TLS_SERVER_NAME"] == "request-plane.epd-autoscale.mm-encoder.local"
+    assert not any(a.startswith("--tls") for a in main_of(planner)["args"])
+    assert errors(one(docs, DGD), SCHEMA) == []
+
+
+def test_network_policies_deny_by_default_and_open_each_port_by_name(tls_docs, epd_docs):
+    """Every graph, with TLS or without: one default-deny policy for the graph's pods (Ingress, no rule), one
+    policy per component selecting its pods; each rule opens one port to named sources (the frontend's OpenAI
+    port alone to anyone). Who may reach which port, hop by hop: tests/reliability/test_k8s_isolation.py."""
+    for docs in (tls_docs, epd_docs):
+        policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+        assert sorted(policies) == sorted(["epd-default-deny", *(f"epd-{n}-ingress" for n in ROLES)])
+        assert policies["epd-default-deny"]["spec"] == {"podSelector": {"matchLabels": {"mm-encoder/graph": "epd"}},
+                                                        "policyTypes": ["Ingress"]}
+        for name in ROLES:
+            policy = policies[f"epd-{name}-ingress"]
+            assert errors(policy, NETWORK_POLICY) == [], name
+            spec = policy["spec"]
+            assert spec["podSelector"] == {"matchLabels": {"mm-encoder/graph": "epd", "mm-encoder/component": name}}
+            assert spec["policyTypes"] == ["Ingress"]
+            assert all(len(rule["ports"]) == 1 and rule["ports"][0]["protocol"] == "TCP" for rule in spec["ingress"])
+            open_to_all = [rule["ports"][0]["port"] for rule in spec["ingress"] if "from" not in rule]
+            assert open_to_all == ([k8s_names.FRONTEND_PORT] if name == "frontend" else []), name
     selected = {(d["spec"]["template"]["metadata"]["labels"]["mm-encoder/component"]) for d in tls_docs
                 if d["kind"] in TIERS}
     pod_labels = {c["name"]: c["podTemplate"]["metadata"]["labels"]
@@ -751,11 +885,14 @@ def test_network_policies_let_only_each_hops_callers_in(tls_docs):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in GRAPHS.glob("*.yaml")))
 def test_graphs_without_tls_render_no_tls_objects(name):
-    """A graph without `tls` gets no Secret volume, ops port, NetworkPolicy or Certificate."""
+    """A graph without `tls` gets no Secret volume, ops port, Certificate, approver-policy object or Dynamo
+    TLS setting; its NetworkPolicies all the same."""
     docs = docs_of(load_graph(GRAPHS / f"{name}.yaml"))
-    assert not any(d["kind"] in ("NetworkPolicy", "Certificate") for d in docs)
+    assert not any(d["kind"] in ("Certificate", "CertificateRequestPolicy") for d in docs)
+    assert f"{name}-default-deny" in {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
     text = json.dumps(docs)
     assert "/etc/mm-encoder/tls" not in text and "--tls-" not in text and "mm-ops" not in text
+    assert "DYN_TCP_TLS" not in text
 
 
 def test_tls_graphs_the_render_cannot_serve_are_refused():
@@ -767,5 +904,109 @@ def test_tls_graphs_the_render_cannot_serve_are_refused():
         graph_of(tls={"enabled": True, "issuer": "Vault/x"})
     with pytest.raises(ValueError, match="stock frontend"):  # the graph itself: serve and render-k8s alike
         graph_of(tls={"enabled": True}, components__frontend={"kind": "frontend", "stock": True})
-    docs = k8s.render(graph_of(tls={"enabled": True, "issuer": "ca-issuer"}))
+    docs = k8s.render(graph_of(tls={"enabled": True, "issuer": "ca-issuer"}), "mm")
     assert {d["spec"]["issuerRef"]["kind"] for d in docs if d["kind"] == "Certificate"} == {"Issuer"}
+
+
+# --- drains and availability ------------------------------------------------------------------
+
+QUIT = "sleep 5; kill -QUIT 1; while kill -0 1 2>/dev/null; do sleep 1; done"
+
+
+def _stopping(docs: list[dict]) -> dict[str, tuple[list[str] | None, int | None]]:
+    """Per component: its preStop command and its pod's grace period (None: Kubernetes' defaults)."""
+    return {name: (container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command"),
+                   spec.get("terminationGracePeriodSeconds")) for name, (spec, container) in pods(docs).items()}
+
+
+def test_stopping_pods_finish_their_requests_first(epd_docs):
+    """The encoders and the frontend wait 5 s in preStop (serving, while Services and discovery drop them),
+    then drain on SIGTERM: their grace period is that wait, their --drain-timeout-s and 10 s more. A tier's
+    preStop waits the same, then stops nginx gracefully (QUIT to PID 1) and waits for it: its grace is that
+    wait plus its longest request (the cache lock, then the next level's timeout) and 10 s. Engines and the
+    planner keep Kubernetes' defaults."""
+    assert _stopping(epd_docs) == {
+        "encoder": (["sleep", "5"], 45), "frontend": (["sleep", "5"], 45), "engine": (None, None),
+        "shared": (["sh", "-c", QUIT], 5 + 600 + 900 + 10), "router": (["sh", "-c", QUIT], 5 + 900 + 10),
+        "cluster": (["sh", "-c", QUIT], 5 + 600 + 1500 + 10)}
+    # the drain each component is given: its args (which its parser reads), else its env, else the default
+    graph = graph_of(components__encoder={"kind": "encoder", "args": ["--drain-timeout-s", "50"]},
+                     components__frontend={"kind": "frontend", "env": {"MM_FRONTEND_DRAIN_TIMEOUT_S": "12"}},
+                     components__cluster={"kind": "cache-cluster", "args": ["--read-timeout", "1m",
+                                                                            "--lock-timeout", "20s"]})
+    stopping = _stopping(docs_of(graph))
+    assert (stopping["encoder"][1], stopping["frontend"][1], stopping["cluster"][1]) == (65, 27, 5 + 20 + 60 + 10)
+    stock = _stopping(docs_of(load_graph(GRAPHS / "epd-stock.yaml")))  # Dynamo's frontend: our default bounds it
+    assert stock["frontend"] == (["sleep", "5"], 45)
+    assert errors(one(epd_docs, DGD), SCHEMA) == []
+
+
+def test_every_component_has_a_budget_spreads_over_nodes_and_the_tiers_every_request_passes_run_two():
+    """Per component a PodDisruptionBudget (one pod at a time) and a spread over nodes (preferred: a GPU pod
+    that fits one node still starts); the router and the cluster tier run at least two replicas on
+    Kubernetes (raised, and said so), roll out a new pod before stopping an old one; more stay as given."""
+    graph = graph_of(components__router={"kind": "cache-router", "replicas": 3})
+    for docs in (docs_of(load_graph(GRAPHS / "epd.yaml")), docs_of(graph)):
+        budgets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodDisruptionBudget"}
+        assert sorted(budgets) == sorted(f"epd-{n}-pdb" for n in ROLES)
+        for name in ROLES:
+            budget = budgets[f"epd-{name}-pdb"]
+            assert errors(budget, POD_DISRUPTION_BUDGET) == []
+            assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
+                "mm-encoder/graph": "epd", "mm-encoder/component": name}}}
+        for name, (spec, _) in pods(docs).items():
+            assert spec["topologySpreadConstraints"] == [{
+                "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"mm-encoder/graph": "epd", "mm-encoder/component": name}}}], name
+        assert errors(one(docs, DGD), SCHEMA) == []
+    epd = docs_of(load_graph(GRAPHS / "epd.yaml"))
+    for name in ("router", "cluster"):
+        deployment = one(epd, "Deployment", f"epd-{name}")
+        assert deployment["spec"]["replicas"] == 2
+        assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                                  "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        assert "raised from the graph's 1 to 2" in deployment["metadata"]["annotations"][k8s_names.NOTE]
+    assert "router 1 -> 2, cluster 1 -> 2" in one(epd, DGD)["metadata"]["annotations"][k8s_names.NOTE]
+    router = one(docs_of(graph), "Deployment", "epd-router")
+    assert router["spec"]["replicas"] == 3 and "annotations" not in router["metadata"]
+
+
+# --- every core object, through Kubernetes' own models -------------------------------------------------
+
+CORE_MODELS = {"Service": "V1Service", "Deployment": "V1Deployment", "StatefulSet": "V1StatefulSet",
+               "NetworkPolicy": "V1NetworkPolicy", "PodDisruptionBudget": "V1PodDisruptionBudget", "Role": "V1Role",
+               "RoleBinding": "V1RoleBinding", "ConfigMap": "V1ConfigMap"}
+
+
+def _round_trip(value: dict, model: str) -> dict:
+    """`value` read into the Kubernetes client's model (its required fields checked) and written back: a field
+    the model does not know (misspelled, misplaced) is dropped, so the result differs."""
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    back: dict = api.sanitize_for_serialization(api._ApiClient__deserialize(value, model))  # type: ignore[attr-defined]
+    return back
+
+
+@pytest.mark.parametrize(("name", "tls"), [(n, t) for n in sorted(p.stem for p in GRAPHS.glob("*.yaml"))
+                                           for t in (False, True) if not (t and n in ("epd-stock", "epd-vllm"))])
+def test_every_core_object_and_pod_template_is_what_kubernetes_models_read(name, tls):
+    """Every Service, Deployment, StatefulSet, NetworkPolicy, PodDisruptionBudget, Role, RoleBinding and
+    ConfigMap, and each DGD component's pod template (a core/v1 PodTemplateSpec), comes back unchanged
+    through the Kubernetes client's models (kubernetes 32, a dependency of Dynamo's frontend)."""
+    doc = yaml.safe_load((GRAPHS / f"{name}.yaml").read_text())
+    if tls:
+        doc["tls"] = {"enabled": True, "issuer": "ca-issuer"}
+    docs = k8s.render(Graph.model_validate(doc), "mm")
+    checked = Counter()
+    for d in docs:
+        if d["kind"] in CORE_MODELS:
+            assert _round_trip(d, CORE_MODELS[d["kind"]]) == d, (d["kind"], d["metadata"]["name"])
+            checked[d["kind"]] += 1
+        if d["kind"] == DGD:
+            for c in d["spec"]["components"]:
+                assert _round_trip(c["podTemplate"], "V1PodTemplateSpec") == c["podTemplate"], c["name"]
+    assert checked["NetworkPolicy"] == len(doc["components"]) + 1 and checked["PodDisruptionBudget"] > 0
+    broken = copy.deepcopy(one(docs, "NetworkPolicy", f"{doc['name']}-default-deny"))
+    broken["spec"]["podSelectr"] = {}  # the check itself: a misspelled field does not come back
+    assert _round_trip(broken, "V1NetworkPolicy") != broken

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..core.errors import CacheTierError
 from ..core.registry import config_dir
 from .config import TierConfig
+from .supervise import WATCH_S, supervise
 
 PACKAGES = "nginx libnginx-mod-http-lua lua-nginx-string"
 MODULE_DIRS = ("/usr/lib/nginx/modules", "/usr/lib64/nginx/modules", "/usr/share/nginx/modules")
@@ -163,13 +164,16 @@ def prepare(cfg: TierConfig) -> tuple[list[str], Path]:
     return [nginx, "-p", f"{run_dir}/", "-c", str(conf), "-e", "stderr"], conf
 
 
-def up(cfg: TierConfig) -> int:
-    """Run nginx in the foreground, in place of this process (signals go straight to nginx:
-    QUIT stops gracefully, HUP reloads, TERM stops)."""
+def up(cfg: TierConfig, watch_s: float = WATCH_S) -> int:
+    """Run nginx in the foreground (signals reach it as they would nginx itself: QUIT stops gracefully, HUP
+    reloads, TERM stops): in place of this process, or with TLS as its child, reloaded whenever its
+    certificate files change (every `watch_s`: `supervise`); nginx's exit status."""
     cmd, conf = prepare(cfg)
     test = subprocess.run([*cmd, "-t", "-q"], capture_output=True, text=True)
     if test.returncode != 0:
         raise CacheTierError(f"nginx rejected {conf}:\n{test.stderr.strip()}")
     print(f"mm-encoder cache {cfg.tier} on {cfg.listen} (config {conf})", file=sys.stderr, flush=True)
+    if cfg.tls_cert is not None and cfg.tls_key is not None and cfg.tls_ca is not None:
+        return supervise(cmd, [cfg.tls_cert, cfg.tls_key, cfg.tls_ca], watch_s)
     os.execv(cmd[0], cmd)
     return 0  # not reached

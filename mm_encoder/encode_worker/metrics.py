@@ -119,10 +119,8 @@ class ServiceMetrics:
             f"{PREFIX}_batch_patches", "Patches per forward batch", registry=r,
             buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
         )
-        self.coalesced = Counter(
-            f"{PREFIX}_coalesced", "Requests that joined identical in-flight work (single-flight)", ["stage"],
-            registry=r,
-        )
+        self.coalesced = Counter(f"{PREFIX}_coalesced", "Requests that joined identical in-flight work "
+                                 "(single-flight)", ["stage"], registry=r)
         self.rejected = Counter(f"{PREFIX}_rejected", "Requests refused with 503", ["reason"], registry=r)
         # the load signals an encode planner reads (encode_worker/load.py): counted in patches
         self.forward_seconds = Counter(f"{PREFIX}_forward_seconds", "Device seconds in forward passes (its rate: "
@@ -144,8 +142,8 @@ class ServiceMetrics:
               registry=r).set_function(lambda: admission.prepared.in_use)
         Gauge(f"{PREFIX}_inflight_requests", "Requests being served", registry=r).set_function(inflight)
         Gauge(f"{PREFIX}_queue_depth", "Items waiting for the device", registry=r).set_function(queued)
-        r.register(_CacheCollector(alias, body))
-        r.register(_CertificateCollector(certificates))
+        for collector in (_CacheCollector(alias, body), _CertificateCollector(certificates)):
+            r.register(collector)
 
     def served(self, transport: str, source: str, timings_ms: dict[str, float], body_bytes: int) -> None:
         self.requests.labels(transport, "ok").inc()

@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from ..core.registry import DEFAULT_MODEL
 from ..core.spec import MediaLimits
+from ..core.timing import DRAIN_TIMEOUT_S
 from ..core.topology import callers
 from ..core.wire_schema import WireDtype
 from ..fetch import FetchPolicy
@@ -90,7 +91,8 @@ class WorkerSettings(DynamoOptions, TlsOptions):
     idle_timeout_s: float = Field(
         15.0, gt=0, description="close a connection idle, or with a request's headers still incomplete, this long "
                                 "(slow clients); above the tiers' upstream keep-alive (10 s)")
-    drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight work may finish")
+    drain_timeout_s: float = Field(DRAIN_TIMEOUT_S, ge=0,
+                                   description="graceful shutdown: how long in-flight work may finish")
 
     # --- caches ------------------------------------------------------------------------------
     alias_cache_entries: int = Field(100_000, ge=0, description="URL-alias LRU size (0 disables)")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from ..core.timing import DRAIN_TIMEOUT_S
 from ..core.wire_schema import WireDtype
 from ..runtime.dynamo import ENGINE_COMPONENT, KvOptions
 from ..security.tls import PATH, TlsOptions
@@ -50,8 +51,8 @@ class FrontendSettings(KvOptions, TlsOptions):
     default_max_tokens: int = Field(
         Limits.default_max_tokens, ge=1, description="completion budget when the request names none"
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long the drain may last: requests in "
-                                   "flight finish, new ones get 503, then clients' open connections are "
+    drain_timeout_s: float = Field(DRAIN_TIMEOUT_S, ge=0, description="on SIGTERM: how long the drain may last: "
+                                   "requests in flight finish, new ones get 503, then clients' open connections are "
                                    "closed once idle for 1 s")
     router_assume_kv_reuse: bool = Field(
         False, description="let Dynamo's KV router count identical in-flight prompts as sharing KV blocks; the "

@@ -4,7 +4,9 @@ every site starts or renders it from, and the `Site` a plan is made for."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..cache_tiers.config import TierConfig
 from ..core.dtypes import TorchName
@@ -30,6 +32,23 @@ class TlsFiles:
     def plane(self) -> TlsFiles:
         """The files Dynamo's planes read: their own where the site gives them, else the replica's."""
         return TlsFiles(self.plane_cert or self.cert, self.plane_key or self.key, self.ca)
+
+    def dynamo_env(self, runtime: Mapping[str, str]) -> dict[str, str]:
+        """Dynamo's own TLS settings for a process presenting these files: its etcd and NATS clients where
+        those run over TLS (`runtime`: their addresses), and the TCP transport both ways, client certificates
+        required (the request plane, and the response streams, which are TCP whatever the request plane).
+        etcd's three take the PEM text itself, not paths (Dynamo 1.6.1): they live in the process's
+        environment only, never in state.json."""
+        env: dict[str, str] = {}
+        if runtime.get("NATS_SERVER", "").startswith("tls://"):
+            env |= {"NATS_TLS_CA_CERT_PATH": self.ca, "NATS_TLS_CLIENT_CERT_PATH": self.cert,
+                    "NATS_TLS_CLIENT_KEY_PATH": self.key}
+        if runtime.get("ETCD_ENDPOINTS", "").startswith("https://"):
+            env |= {"ETCD_AUTH_CA": Path(self.ca).read_text(), "ETCD_AUTH_CLIENT_CERT": Path(self.cert).read_text(),
+                    "ETCD_AUTH_CLIENT_KEY": Path(self.key).read_text()}
+        return env | {"DYN_TCP_TLS_CERT_PATH": self.cert, "DYN_TCP_TLS_KEY_PATH": self.key,
+                      "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": self.ca, "DYN_TCP_TLS_CA_CERT_PATH": self.ca,
+                      "DYN_TCP_TLS_CLIENT_CERT_PATH": self.cert, "DYN_TCP_TLS_CLIENT_KEY_PATH": self.key}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..core.errors import GraphError
 from ..core.topology import Kind
-from ..graph.plan import OPS_KINDS, TLS_KINDS
 from ..graph.planned import ComponentPlan
 from ..graph.schema import Graph
 
@@ -34,6 +33,13 @@ PART_OF = "mm-encoder"
 TLS_DIR = "/etc/mm-encoder/tls"
 TLS_FILES = (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
 OPS_PORT = 9091  # beside the operator's system port (9090) on a worker
+# Dynamo's own listeners, fixed so that a NetworkPolicy can name them: the system port the operator sets on
+# workers and planners (/health, /live, /metrics), the TCP request plane's server (DYN_TCP_RPC_PORT: encoders,
+# engines, the planner's whoami) and the response streams a caller receives on (DYN_TCP_RESPONSE_STREAM_PORT:
+# the callee dials the caller back, whatever the request plane). Unset, the last two are OS-assigned.
+SYSTEM_PORT = 9090
+REQUEST_PLANE_PORT = 9092
+RESPONSE_PLANE_PORT = 9093
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -43,6 +49,14 @@ def check_name(name: str, what: str, max_len: int = 63) -> str:
         raise GraphError(f"{what} {name!r} is not a valid Kubernetes name (a DNS-1123 label: lowercase letters, "
                          f"digits and '-', starting and ending with a letter or digit, at most {max_len} characters); "
                          "shorten or rename the graph or component")
+    return name
+
+
+def check_subdomain(name: str, what: str) -> str:
+    """A cluster-scoped object's name: a DNS-1123 subdomain (labels joined by dots, at most 253)."""
+    if len(name) > 253 or not all(_DNS1123_LABEL.match(part) for part in name.split(".")):
+        raise GraphError(f"{what} {name!r} is not a valid Kubernetes name (a DNS-1123 subdomain); shorten the "
+                         "namespace, graph or component name")
     return name
 
 
@@ -61,7 +75,7 @@ def selector(g: Graph, component: str) -> dict[str, str]:
 class K8sNames:
     """Every name the render uses (and the operator will), checked once: DNS-1123 labels, no two alike."""
 
-    def __init__(self, g: Graph):
+    def __init__(self, g: Graph, namespace: str | None = None):
         self.g = g
         check_name(g.name, "graph name")
         self.components: dict[str, str] = {}  # graph component -> DynamoGraphDeployment `spec.components[].name`
@@ -98,12 +112,29 @@ class K8sNames:
         # The operator names a component's DynamoGraphDeploymentScalingAdapter <graph>-<component, lowercase>,
         # which is also what the connector asks for: the operator's objects' name, claimed above.
         self.scaling_adapter = f"{g.name}-{g.of_kind('encoder')[0][0]}" if planner else None
-        # With TLS: each component's Secret (and cert-manager Certificate), shared by its replicas, and the
-        # NetworkPolicy that lets only its callers reach an encoder's or tier's ports.
-        tls = [(n, c) for n, c in g.components.items() if g.tls.enabled and c.kind in TLS_KINDS]
-        self.tls_secrets = {n: claim(f"{g.name}-{n}-tls", f"the TLS Secret of component {n!r}") for n, _ in tls}
+        # With TLS: each component's Secret (and cert-manager Certificate), shared by its replicas; the
+        # planner's too, for Dynamo's request plane (its /status stays plaintext).
+        tls = [n for n in g.components if g.tls.enabled]
+        self.tls_secrets = {n: claim(f"{g.name}-{n}-tls", f"the TLS Secret of component {n!r}") for n in tls}
+        # Every graph: a NetworkPolicy per component that lets only its callers in, behind one that denies
+        # the graph's pods any other ingress; a PodDisruptionBudget per component.
+        self.default_deny = claim(f"{g.name}-default-deny", "the graph's default-deny NetworkPolicy")
         self.policies = {n: claim(f"{g.name}-{n}-ingress", f"the NetworkPolicy of component {n!r}")
-                         for n, c in tls if c.kind in OPS_KINDS}
+                         for n in g.components}
+        self.budgets = {n: claim(f"{g.name}-{n}-pdb", f"the PodDisruptionBudget of component {n!r}")
+                        for n in g.components}
+        # With `tls.issuer`: approver-policy's CertificateRequestPolicy per component (cluster-scoped, so
+        # named after the namespace too: a DNS subdomain) and the Role and RoleBinding that let cert-manager
+        # use them for this namespace's requests.
+        self.namespace = namespace
+        self.request_policies: dict[str, str] = {}
+        self.approval = None
+        if g.tls.issuer is not None and namespace is not None:
+            check_name(namespace, "the namespace (--namespace)")
+            self.request_policies = {n: check_subdomain(f"{PART_OF}.{namespace}.{g.name}.{n}",
+                                                        f"the CertificateRequestPolicy of component {n!r}")
+                                     for n in tls}
+            self.approval = claim(f"{g.name}-certificate-approval", "the approver-policy Role and RoleBinding")
 
 
 UID = 101  # the image's user (docker/Dockerfile)

@@ -27,7 +27,7 @@ from ..dashboards import grafana
 from ..graph.plan import plan
 from ..graph.schema import Graph, load_graph
 from ..graph.shipped import find_graph
-from . import dgd, tiers, tls
+from . import availability, dgd, policies, tiers, tls
 from .names import K8sNames, labels
 from .site import K8sSite
 
@@ -50,27 +50,37 @@ def _check_components(g: Graph) -> None:
                 raise GraphError(f"components.{n}.env: {key!r} is not a valid environment variable name")
 
 
-def render(graph: Graph) -> list[dict[str, Any]]:
-    """The graph as Kubernetes objects: the DynamoGraphDeployment, the encoders' Services, the tiers, the dashboard."""
-    names = K8sNames(graph)
+def render(graph: Graph, namespace: str | None = None,
+           cert_manager: str = tls.CERT_MANAGER_ACCOUNT) -> list[dict[str, Any]]:
+    """The graph as Kubernetes objects: the DynamoGraphDeployment, the encoders' Services, the tiers, the
+    dashboard, the NetworkPolicies and PodDisruptionBudgets; with `tls.issuer` the Certificates and the
+    approver-policy objects for `namespace` (refused without one), requested by `cert_manager`'s account."""
+    if graph.tls.issuer is not None and namespace is None:
+        raise GraphError("tls.issuer: the render approves this graph's certificate requests from one namespace "
+                         "only (approver-policy): name it with --namespace NS, the namespace you apply the file to")
+    if not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", cert_manager):
+        raise GraphError(f"--cert-manager-account {cert_manager!r}: NAMESPACE/SERVICEACCOUNT of cert-manager's "
+                         "controller (its Helm chart's default: cert-manager/cert-manager)")
+    names = K8sNames(graph, namespace)
     _check_components(graph)
     components = plan(graph, K8sSite(names))
     deployment = dgd.graph_deployment(names, components)
     dgd.check_planner_types(graph, deployment["spec"]["components"])
-    objects = [*tls.certificates(names), deployment, *dgd.encoder_services(names), *dgd.connector_rbac(names),
-               *tiers.tier_objects(names, components)]
+    objects = [*tls.certificates(names), *tls.request_policies(names, cert_manager), deployment,
+               *dgd.encoder_services(names), *dgd.connector_rbac(names), *tiers.tier_objects(names, components)]
     if names.dashboard is not None:  # the encoder fleet's Grafana dashboard, for Grafana's sidecar
         objects.append(grafana.config_map(names.dashboard, labels(graph, "grafana-dashboard", "dashboard")))
-    objects += tls.network_policies(names, components)  # with TLS
+    objects += policies.network_policies(names, components) + availability.budgets(names, components)
     plain: list[dict[str, Any]] = json.loads(json.dumps(objects))  # unshared data: no YAML anchors, safe to mutate
     return plain
 
 
-def render_yaml(graph: Graph) -> str:
+def render_yaml(graph: Graph, namespace: str | None = None, cert_manager: str = tls.CERT_MANAGER_ACCOUNT) -> str:
     header = (f"# Rendered by `mm-encoder render-k8s` from graph {graph.name}: kubectl apply -n NAMESPACE -f FILE\n"
               f"# Needs the NVIDIA Dynamo operator (DynamoGraphDeployment {dgd.API_VERSION}, "
               f"Dynamo {dgd.DYNAMO_VERSION}).\n")
-    return header + yaml.safe_dump_all(render(graph), sort_keys=False, default_flow_style=False, width=120)
+    return header + yaml.safe_dump_all(render(graph, namespace, cert_manager), sort_keys=False,
+                                       default_flow_style=False, width=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
                                             "plus the nginx cache tiers), multi-document YAML")
     p.add_argument("graph", help="a shipped graph's name (mm-encoder graphs lists them), e.g. epd, or a graph file")
     p.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    p.add_argument("-n", "--namespace", help="the namespace the file is applied to: with tls.issuer, the only one "
+                                             "whose certificate requests approver-policy approves (required then)")
+    p.add_argument("--cert-manager-account", default=tls.CERT_MANAGER_ACCOUNT,
+                   help="with tls.issuer: cert-manager's controller ServiceAccount, NAMESPACE/NAME, which requests "
+                        "every Certificate's certificates (default: %(default)s)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        text = render_yaml(load_graph(find_graph(args.graph)))
+        text = render_yaml(load_graph(find_graph(args.graph)), args.namespace, args.cert_manager_account)
     except GraphError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,8 +10,19 @@ from typing import Any
 
 from ..graph.planned import ComponentPlan
 from ..graph.schema import Component, Graph
-from . import tls
-from .names import CACHE_DIR, RUN_DIR, TIER_PORT, K8sNames, argv_of, env_list, labels, security_context, selector
+from . import availability, tls
+from .names import (
+    CACHE_DIR,
+    NOTE,
+    RUN_DIR,
+    TIER_PORT,
+    K8sNames,
+    argv_of,
+    env_list,
+    labels,
+    security_context,
+    selector,
+)
 
 _SIZE = re.compile(r"^([0-9]+)([kmgKMG]?)$")
 _MI = 1 << 20
@@ -68,6 +79,7 @@ def _tier_pod(names: K8sNames, cp: ComponentPlan, resources: dict[str, Any],
         container["env"] = env_list(c.env)
     spec = {"securityContext": security_context(), "containers": [container], "volumes": volumes}
     tls.add_to_pod(names, cp, container, spec)  # with TLS: its Secret, and its probes on the ops port
+    availability.add_to_pod(names.g, cp, container, spec)  # a graceful stop (QUIT), its spread over nodes
     return {"metadata": {"labels": labels(names.g, cp.name, c.kind)}, "spec": spec}
 
 
@@ -93,7 +105,7 @@ def tier_objects(names: K8sNames, components: list[ComponentPlan]) -> list[dict[
             resources = dict(c.resources) or {"requests": {"cpu": "500m", "memory": "128Mi"},
                                               "limits": {"memory": "512Mi"}}
             out.append(_service(g, cp.name, c.kind, name))
-            out.append(_deployment(g, cp.name, c, name, _tier_pod(names, cp, resources, None)))
+            out.append(_deployment(g, cp, name, _tier_pod(names, cp, resources, None)))
             continue
         cfg = cp.replicas[0].tier  # the sizes nginx will use: the graph's, else TierConfig's
         assert cfg is not None
@@ -101,7 +113,7 @@ def tier_objects(names: K8sNames, components: list[ComponentPlan]) -> list[dict[
         template = _tier_pod(names, cp, resources, size_limit)
         if cp.kind == "cache-cluster":
             out.append(_service(g, cp.name, c.kind, name))
-            out.append(_deployment(g, cp.name, c, name, template))
+            out.append(_deployment(g, cp, name, template))
             continue
         out.append(_service(g, cp.name, c.kind, name, headless=True))
         out.append({
@@ -119,12 +131,21 @@ def tier_objects(names: K8sNames, components: list[ComponentPlan]) -> list[dict[
     return out
 
 
-def _deployment(g: Graph, cname: str, c: Component, name: str, template: dict[str, Any]) -> dict[str, Any]:
+def _deployment(g: Graph, cp: ComponentPlan, name: str, template: dict[str, Any]) -> dict[str, Any]:
+    """The router or the cluster tier: at least two replicas (the note says when the graph's were raised),
+    and a rollout that starts a new pod before it stops an old one."""
+    replicas = availability.tier_replicas(cp)
+    meta: dict[str, Any] = {"name": name, "labels": labels(g, cp.name, cp.kind)}
+    if replicas != cp.component.replicas:
+        meta["annotations"] = {NOTE: f"replicas raised from the graph's {cp.component.replicas} to {replicas}: "
+                                     "every request passes this tier, so one pod lost is not an outage"}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels(g, cname, c.kind)},
-        "spec": {"replicas": c.replicas, "selector": {"matchLabels": selector(g, cname)}, "template": template},
+        "metadata": meta,
+        "spec": {"replicas": replicas, "selector": {"matchLabels": selector(g, cp.name)},
+                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                 "template": template},
     }
 
 

@@ -88,10 +88,10 @@ class Issuer:
             if site:
                 authority.issue(self.identity(LAUNCHER, "client"), self.dir / "launcher", lifetime=self.lifetime,
                                 replace=True)
-                for server in SERVERS:  # Dynamo's etcd and NATS: renewed with the rest, but they must
-                    # outlast a slow start (renewal begins once the graph is up): the planes' lifetime
+                for server in SERVERS:  # Dynamo's etcd and NATS: renewed with the rest (they read their files
+                    # again), and never shorter-lived than the certificates their clients start with
                     authority.issue(self.identity(server, server), self.dir / "servers",
-                                    lifetime=self.plane_lifetime, replace=True)
+                                    lifetime=max(self.lifetime, self.plane_lifetime), replace=True)
                 if "client_context" in self.__dict__:  # the launcher's live context presents the new one
                     self.client_context.load_cert_chain(*self.launcher)
         except PkiError as e:

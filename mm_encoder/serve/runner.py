@@ -34,7 +34,7 @@ from ..security.pki import RENEW_AT, describe
 from . import infra
 from .fleet import Fleet, Launch, Proc
 from .scaler import Scaler, executable
-from .site import LOOPBACK, LocalSite, dynamo_tls_env, private_run_dir, ready_note
+from .site import LOOPBACK, LocalSite, private_run_dir, ready_note
 from .status import collect, format_lines
 
 
@@ -118,7 +118,7 @@ class GraphRunner:
         dynamo = p.kind in DYNAMO_KINDS
         env = {**self.environ, **(self.runtime_env if dynamo else {}), **p.plan.env}
         if p.replica.tls is not None and dynamo:
-            env |= dynamo_tls_env(p.replica.tls.plane, self.runtime_env, self.graph.runtime.request_plane)
+            env |= p.replica.tls.plane.dynamo_env(self.runtime_env)
         # tracing on: one service each, Dynamo's spans beside ours, one protocol (observability.md)
         service = p.plan.env.get("OTEL_SERVICE_NAME", f"{self.graph.name}/{p.plan.name}")
         return env | tracing.component_env(env, service, p.name)
@@ -256,8 +256,7 @@ class GraphRunner:
         issuer = self.site.issuer
         if issuer:  # its Dynamo client reads the certificate once: one for the planes' lifetime
             issuer.issue_planes([(LAUNCHER, "client")])
-        tls = dynamo_tls_env(TlsFiles(*issuer.plane_files(LAUNCHER)), self.runtime_env,
-                             self.graph.runtime.request_plane) if issuer else {}
+        tls = TlsFiles(*issuer.plane_files(LAUNCHER)).dynamo_env(self.runtime_env) if issuer else {}
         scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.plan.env, **tls}, running)
         scaler.start()
         return scaler

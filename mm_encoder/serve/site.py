@@ -9,7 +9,6 @@ import os
 import random
 import socket
 import stat
-from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -134,25 +133,6 @@ class LocalSite(Site):
         if "DYN_TCP_MAX_MESSAGE_SIZE" in self.environ:  # the caller's own limit wins over the plan's
             env["DYN_TCP_MAX_MESSAGE_SIZE"] = self.environ["DYN_TCP_MAX_MESSAGE_SIZE"]
         return env
-
-
-def dynamo_tls_env(files: TlsFiles, runtime: Mapping[str, str], request_plane: str) -> dict[str, str]:
-    """Dynamo's own TLS settings for a process presenting `files`: its etcd and NATS clients where serve
-    runs those over TLS (`runtime`: their addresses), and the TCP request plane both ways (client
-    certificates required). etcd's three take the PEM text itself, not paths (Dynamo 1.6.1): they live
-    in the process's environment only, never in state.json."""
-    env: dict[str, str] = {}
-    if runtime.get("NATS_SERVER", "").startswith("tls://"):
-        env |= {"NATS_TLS_CA_CERT_PATH": files.ca, "NATS_TLS_CLIENT_CERT_PATH": files.cert,
-                "NATS_TLS_CLIENT_KEY_PATH": files.key}
-    if runtime.get("ETCD_ENDPOINTS", "").startswith("https://"):
-        env |= {"ETCD_AUTH_CA": Path(files.ca).read_text(), "ETCD_AUTH_CLIENT_CERT": Path(files.cert).read_text(),
-                "ETCD_AUTH_CLIENT_KEY": Path(files.key).read_text()}
-    if request_plane == "tcp":
-        env |= {"DYN_TCP_TLS_CERT_PATH": files.cert, "DYN_TCP_TLS_KEY_PATH": files.key,
-                "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": files.ca, "DYN_TCP_TLS_CA_CERT_PATH": files.ca,
-                "DYN_TCP_TLS_CLIENT_CERT_PATH": files.cert, "DYN_TCP_TLS_CLIENT_KEY_PATH": files.key}
-    return env
 
 
 def ready_note(issuer: Issuer | None) -> str:

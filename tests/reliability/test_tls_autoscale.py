@@ -22,7 +22,6 @@ from harness.serve_fixtures import Served
 from harness.topology import free_port, require_nginx
 from mm_encoder.graph.planned import TlsFiles
 from mm_encoder.security.tls import tls_client
-from mm_encoder.serve.site import dynamo_tls_env
 from mm_encoder.serve.status import collect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +64,7 @@ def test_tls_autoscale_scales_and_renews_under_load_with_no_request_lost(tmp_pat
         runtime_env = {k: v for k, v in state["runtime"].items() if k in ("ETCD_ENDPOINTS", "NATS_SERVER")}
         launcher = TlsFiles(str(run / "tls" / "dynamo" / "mm-encoder-serve.pem"),
                             str(run / "tls" / "dynamo" / "mm-encoder-serve.key"), tls["ca"])
-        planes = dynamo_tls_env(launcher, runtime_env, "tcp")
+        planes = launcher.dynamo_env(runtime_env)
         load = Load(port, clients=2, tls=client)
         try:
             _wait("answers before scaling", lambda: load.count() >= 4, 180)
