@@ -33,6 +33,16 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
 
+def wait_until(what: str, check, timeout: float):
+    """`check()`'s first true value, asked every 0.2 s; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 @contextlib.contextmanager
 def deciding(namespace: str, count: int, runtime_env: dict[str, str],
              tls_env: dict[str, str] | None = None) -> Iterator[None]:

@@ -13,23 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from harness.autoscale import Load, deciding
+from harness.autoscale import Load, deciding, wait_until
 from harness.serve_fixtures import Served
 from harness.topology import free_port, require_nginx
 from mm_encoder.serve.status import collect, samples, total
-
-
-def _wait(what: str, check, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _encoders(served: Served) -> dict[str, dict]:
@@ -62,7 +52,7 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
         assert list(_encoders(served)) == ["encoder-0"]
         load = Load(port, clients=2)
         try:
-            _wait("answers before scaling", lambda: load.count() >= 4, 120)
+            wait_until("answers before scaling", lambda: load.count() >= 4, 120)
             with deciding(namespace, 2, runtime_env):
                 served.wait_for("encoder: 2 running (started encoder-1)", 180)
             encoders = _encoders(served)
@@ -70,9 +60,9 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
             new = encoders["encoder-1"]["url"].removeprefix("http://")
             assert all(f"server {new} max_fails=0;" in _upstreams(run, s) for s in ("shared-0", "shared-1"))
             # the new worker gets a share of the unique images through the reloaded tier
-            _wait("encoder-1 serving", lambda: _encoded(encoders["encoder-1"]["url"]) >= 2, 120)
+            wait_until("encoder-1 serving", lambda: _encoded(encoders["encoder-1"]["url"]) >= 2, 120)
             # the planner sees both in discovery (its next rounds); `mm-encoder status --json` shows it
-            _wait("the planner seeing 2", lambda: _planner(collect(run)).get("running") == 2, 60)
+            wait_until("the planner seeing 2", lambda: _planner(collect(run)).get("running") == 2, 60)
             status = json.loads(subprocess.run(
                 [sys.executable, "-m", "mm_encoder.cli", "status", "--run-dir", str(run), "--json"],
                 capture_output=True, text=True, check=True).stdout)
@@ -93,7 +83,7 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
                 served.wait_for("encoder: 1 running (drained encoder-1)", 180)
             assert list(_encoders(served)) == ["encoder-0"]
             assert f"server {new} max_fails=0;" not in _upstreams(run, "shared-0")
-            _wait("answers after the drain", lambda: load.count() >= before + 4, 120)
+            wait_until("answers after the drain", lambda: load.count() >= before + 4, 120)
         finally:
             answers = load.stop()
     lost = [a for a in answers if a.status is None]

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import socket
 import ssl
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from cryptography import x509
 
-from harness.autoscale import Load, deciding
+from harness.autoscale import Load, deciding, wait_until
 from harness.serve_fixtures import Served
 from harness.topology import free_port, require_nginx
 from mm_encoder.graph.planned import TlsFiles
@@ -26,15 +25,6 @@ from mm_encoder.serve.status import collect
 
 ROOT = Path(__file__).resolve().parents[2]
 LIFETIME_S = 15
-
-
-def _wait(what: str, check, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _serial(url: str, ctx: ssl.SSLContext) -> int:
@@ -67,22 +57,23 @@ def test_tls_autoscale_scales_and_renews_under_load_with_no_request_lost(tmp_pat
         planes = launcher.dynamo_env(runtime_env)
         load = Load(port, clients=2, tls=client)
         try:
-            _wait("answers before scaling", lambda: load.count() >= 4, 180)
-            _wait("two renewals", lambda: served.text.count("rotation: new certificates") >= 2, 60)
+            wait_until("answers before scaling", lambda: load.count() >= 4, 180)
+            wait_until("two renewals", lambda: served.text.count("rotation: new certificates") >= 2, 60)
             assert _serial(encoder, peer) != first  # a new handshake: the renewed certificate
             with deciding(state["namespace"], 2, runtime_env, planes):
                 served.wait_for("encoder: 2 running (started encoder-1)", 180)
             before = load.count()
-            _wait("answers with two encoders", lambda: load.count() >= before + 4, 180)
+            wait_until("answers with two encoders", lambda: load.count() >= before + 4, 180)
             status = collect(run)
             for row in status["components"]:  # every replica's certificate, the new encoder's too
                 assert 0 < row["cert_expires_in_s"] <= LIFETIME_S, row
             with deciding(state["namespace"], 1, runtime_env, planes):
                 served.wait_for("encoder: 1 running (drained encoder-1)", 180)
             before = load.count()
-            _wait("answers after the drain", lambda: load.count() >= before + 4, 180)
+            wait_until("answers after the drain", lambda: load.count() >= before + 4, 180)
             renewals = served.text.count("rotation: new certificates")
-            _wait("a renewal after the drain", lambda: served.text.count("rotation: new certificates") > renewals, 60)
+            wait_until("a renewal after the drain",
+                       lambda: served.text.count("rotation: new certificates") > renewals, 60)
         finally:
             answers = load.stop()
     lost = [a for a in answers if a.status is None]
