@@ -1,5 +1,5 @@
 """`mm-encoder status` without a graph: quantiles from a real prometheus-client histogram's
-exposition and from a sample, the frontend's recent requests, and `--watch` bounded by `--count`."""
+exposition and from a sample, the frontend's recent requests, `--watch` bounded by `--count`, and each certificate's time left."""
 
 from __future__ import annotations
 
@@ -52,3 +52,25 @@ def test_watch_repeats_until_its_count(tmp_path, capsys):
     assert main(["--run-dir", str(tmp_path), "--json", "--watch", "0.01", "--count", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and [json.loads(x)["components"][0]["up"] for x in lines] == [False, False]
+
+
+def test_each_certificates_time_left_is_shown(tmp_path, capsys):
+    """state.json's `cert_not_after` (serve writes it at each start and renewal): the time left, by unit."""
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime.now(timezone.utc)
+    dead = os.getpid() + 4_000_000
+    (tmp_path / "state.json").write_text(json.dumps({
+        "graph": "g", "base_url": "https://127.0.0.1:1/v1",
+        "components": [
+            {"name": "encoder-0", "kind": "encoder", "pid": dead, "url": None,
+             "cert_not_after": (now + timedelta(hours=16, minutes=10)).isoformat(),
+             "plane_cert_not_after": (now + timedelta(days=4, hours=2)).isoformat()},
+            {"name": "shared-0", "kind": "cache-shared", "pid": dead, "url": None,
+             "cert_not_after": (now - timedelta(seconds=5)).isoformat()}]}))
+    assert main(["--run-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("cert ends in 16h  dynamo cert ends in 4d") and lines[2].endswith("cert EXPIRED")
+    assert main(["--run-dir", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["components"]
+    assert 16 * 3600 < rows[0]["cert_expires_in_s"] <= 16 * 3600 + 600 and rows[1]["cert_expires_in_s"] < 0
