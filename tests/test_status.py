@@ -1,5 +1,6 @@
 """`mm-encoder status` without a graph: quantiles from a real prometheus-client histogram's
-exposition and from a sample, the frontend's recent requests, `--watch` bounded by `--count`, and each certificate's time left."""
+exposition and from a sample, the frontend's recent requests, `--watch` bounded by `--count`, and
+each certificate's time left."""
 
 from __future__ import annotations
 
