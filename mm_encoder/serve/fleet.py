@@ -10,6 +10,7 @@ the leftover check at the end covers restarts and scaled replicas too.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -244,7 +245,7 @@ class Fleet:
             with urllib.request.urlopen(f"{p.ops_url or p.url}{p.plan.health_path}", timeout=2, context=tls) as r:
                 if r.status != 200 or (p.kind == "frontend" and not json.loads(r.read()).get("data")):
                     return False
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):  # another server's port
             return False
         return _listens(p, p.replica.ops_port or p.replica.port)  # the answer was this replica's own
 

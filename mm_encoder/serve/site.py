@@ -46,16 +46,24 @@ def port_range() -> range:
     return range(10000, max(ephemeral_low, 11000))
 
 
+_HANDED_OUT: set[int] = set()  # every port this process gave out: planned ports are bound only later
+
+
 def free_port() -> int:
-    """A port of `port_range()` that nothing listens on now, at random (two graphs starting at once
-    rarely pick one port; the bind check catches one already taken)."""
+    """A port of `port_range()` that nothing listens on now and that this process has not given out
+    before, at random (two graphs starting at once rarely pick one port; the bind check catches one
+    already taken). Never one given out before: a component's port is planned before etcd and NATS
+    start, and bound only after, so a free port can still be promised to another."""
     ports = port_range()
-    for port in random.sample(ports, min(len(ports), 512)):
+    for port in random.sample(ports, min(len(ports), 4096)):
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((LOOPBACK, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise GraphError(f"no free port in {ports.start}-{ports.stop - 1} ({PORTS_ENV} sets the range)")
 
