@@ -78,6 +78,8 @@ class GraphRunner:
         plans = plan(self.graph, self.site)
         if self.site.issuer is not None:  # every start-up replica's certificate, new on each start
             self.site.issuer.issue((r.name, cp.kind) for cp in plans for r in cp.replicas if r.tls)
+            # serve's own Dynamo client (the scaling executor) reads its certificate once: the planes' lifetime
+            self.site.issuer.issue_planes([(LAUNCHER, "client")])
             if self.site.issuer.warning:
                 print(f"warning: {self.site.issuer.warning}", file=sys.stderr, flush=True)
         self.fleets = [Fleet(cp, self.launch) for cp in plans]
@@ -254,8 +256,6 @@ class GraphRunner:
             return None
         running = sum(1 for p in self.procs if p.kind == "encoder" and p.state == "up")
         issuer = self.site.issuer
-        if issuer:  # its Dynamo client reads the certificate once: one for the planes' lifetime
-            issuer.issue_planes([(LAUNCHER, "client")])
         tls = TlsFiles(*issuer.plane_files(LAUNCHER)).dynamo_env(self.runtime_env) if issuer else {}
         scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.plan.env, **tls}, running)
         scaler.start()
