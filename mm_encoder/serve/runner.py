@@ -54,6 +54,8 @@ class GraphRunner:
         self.launch = Launch(self.run_dir, self._env, self._certify, lambda: issuer.client_context if issuer else None,
                              start_timeout_s, grace_s, tick=self._renew_if_due)
         self.rotations = threading.Event()  # set (SIGHUP): new certificates, taken up by `supervise`
+        self.scaler: Scaler | None = None  # the scaling executor running now (`executor`)
+        self.executor_due: float | None = None  # when its certificate for Dynamo's planes is due
         # what every process starts from: taken now, before the scaling executor's thread sets Dynamo's
         # planes (the launcher's etcd key among them) in this process's own environment
         self.environ = dict(os.environ)
@@ -156,6 +158,8 @@ class GraphRunner:
                 say(event)
             if events and self.restart:  # new PIDs
                 self.write_state()
+            if self.executor_due is not None and time.monotonic() >= self.executor_due:
+                scaler = self._renew_executor(scaler)
             if scaler is not None and (decision := scaler.pending()) is not None:
                 self._carry_out(*decision)
             if status_interval and time.monotonic() - last >= status_interval:
@@ -259,7 +263,28 @@ class GraphRunner:
         tls = TlsFiles(*issuer.plane_files(LAUNCHER)).dynamo_env(self.runtime_env) if issuer else {}
         scaler = Scaler(self.graph.namespace, {**self.runtime_env, **planner.plan.env, **tls}, running)
         scaler.start()
+        self.scaler = scaler
+        if issuer:  # it reads its certificate once, like any Dynamo process: renewed by a new one
+            self.executor_due = time.monotonic() + RENEW_AT * issuer.plane_lifetime.total_seconds()
         return scaler
+
+    def _renew_executor(self, old: Scaler | None) -> Scaler | None:
+        """A new scaling executor with a new certificate for Dynamo's planes, the old one stopped first (a
+        decision it had not taken stays published: the new one takes it); None, tried again in 30 s, if
+        it does not start."""
+        assert self.site.issuer is not None
+        if old is not None:
+            old.stop()
+        self.site.issuer.issue_planes([(LAUNCHER, "client")])
+        try:
+            new = self.executor()
+        except MMEncoderError as e:
+            say(f"scaling executor: could not start again with its new certificate: {e.message}; retrying later")
+            self.executor_due = time.monotonic() + 30
+            self.scaler = None
+            return None
+        say("scaling executor restarted with a new certificate for Dynamo's planes")
+        return new
 
     @staticmethod
     def _certificates(p: Proc) -> dict[str, str]:
@@ -310,7 +335,7 @@ class GraphRunner:
         signal.signal(signal.SIGTERM, interrupt)
         signal.signal(signal.SIGINT, interrupt)  # also when started in the background, where SIGINT is ignored
         signal.signal(signal.SIGHUP, lambda signum, frame: self.rotations.set())
-        g, scaler, rc = self.graph, None, 0
+        g, rc = self.graph, 0
         print(f"mm-encoder serve {source} (graph {g.name}, namespace {g.namespace}); logs in {self.run_dir}",
               flush=True)
         try:
@@ -318,15 +343,14 @@ class GraphRunner:
             print(f"graph {g.name} ready: OpenAI base URL {self.base_url} (model {g.llm.served_name}); "
                   f"{ready_note(self.site.issuer)}; status: mm-encoder status --run-dir {self.run_dir}; Ctrl-C stops",
                   flush=True)
-            scaler = self.executor()
-            self.supervise(scaler, status_interval)
+            self.supervise(self.executor(), status_interval)
         except KeyboardInterrupt:
             pass
         except GraphError as e:
             print(f"error: {e.message}", file=sys.stderr)
             rc = 1
         finally:
-            rc = self._shutdown(scaler) or rc
+            rc = self._shutdown(self.scaler) or rc
         return rc
 
     def _shutdown(self, scaler: Scaler | None) -> int:

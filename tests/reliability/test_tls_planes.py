@@ -91,3 +91,37 @@ def _eventually(call, timeout: float):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_serves_scaling_executor_renews_its_certificate_for_dynamos_planes(tmp_path):
+    """serve's own Dynamo client (the scaling executor) reads its certificate once too: when it is due, a new
+    executor with a new certificate replaces the old one, against the real etcd and NATS over TLS (nothing
+    else of the graph is started)."""
+    from cryptography import x509
+
+    from mm_encoder.graph.schema import load_graph
+    from mm_encoder.serve.runner import GraphRunner
+
+    graph = load_graph(ROOT / "graphs" / "epd-autoscale.yaml")
+    graph = graph.model_copy(update={"tls": graph.tls.model_copy(update={"enabled": True})})
+    runner = GraphRunner(graph, tmp_path / "run")
+    cert = tmp_path / "run" / "tls" / "dynamo" / "mm-encoder-serve.pem"
+
+    def serial() -> int:
+        return x509.load_pem_x509_certificate(cert.read_bytes()).serial_number
+
+    try:
+        runner.prepare()
+        runner._start_servers()
+        first = runner.executor()
+        assert first is not None and runner.executor_due is not None and serial()
+        before = serial()
+        renewed = runner._renew_executor(first)
+        assert renewed is not None and renewed is not first and runner.scaler is renewed
+        assert renewed.error is None and serial() != before
+        assert not first._thread.is_alive()  # the old one stopped; the new one holds the connector
+    finally:
+        if runner.scaler is not None:
+            runner.scaler.stop()
+        assert runner.stop() == []
