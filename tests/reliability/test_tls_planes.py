@@ -10,6 +10,7 @@ the graph answers again. Real processes throughout (Debian's etcd and nats-serve
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 import time
@@ -111,6 +112,7 @@ def test_serves_scaling_executor_renews_its_certificate_for_dynamos_planes(tmp_p
     def serial() -> int:
         return x509.load_pem_x509_certificate(cert.read_bytes()).serial_number
 
+    environ = dict(os.environ)  # the executor sets Dynamo's planes in this process's environment (serve's)
     try:
         runner.prepare()
         runner._start_servers()
@@ -124,4 +126,6 @@ def test_serves_scaling_executor_renews_its_certificate_for_dynamos_planes(tmp_p
     finally:
         if runner.scaler is not None:
             runner.scaler.stop()
+        os.environ.clear()  # this pytest process's other tests run Dynamo runtimes of their own
+        os.environ.update(environ)
         assert runner.stop() == []
