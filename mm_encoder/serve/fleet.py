@@ -202,8 +202,10 @@ class Fleet:
         try:
             self._spawn(p)
             self._wait_healthy(p)
-        except (GraphError, OSError) as e:
-            p.state = "down"
+        except (GraphError, OSError) as e:  # left "up" and dead: `check` reports it and, with restart, retries
+            if p.popen is not None and p.popen.poll() is None:
+                self._kill(p)
+            p.state = "up"
             return f"{p.name}: restart for its new certificate failed: {str(getattr(e, 'message', e)).splitlines()[0]}"
         return f"{p.name} restarted with a new certificate for Dynamo's planes, pid {p.popen.pid}"
 

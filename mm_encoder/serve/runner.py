@@ -145,11 +145,10 @@ class GraphRunner:
         stop = stop or threading.Event()
         last = time.monotonic()
         while not stop.is_set():
-            issuer = self.site.issuer
-            if self.rotations.is_set() or (issuer is not None and issuer.due is not None
-                                           and time.monotonic() >= issuer.due):
+            if self.rotations.is_set():  # SIGHUP: now
                 self.rotations.clear()
                 say(self.rotate())
+            self._renew_if_due()
             if (due := self._plane_due()) is not None:  # one at a time: the others keep serving
                 say(next(f for f in self.fleets if due in f.procs).restart(due))
                 self.write_state()
