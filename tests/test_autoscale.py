@@ -89,8 +89,10 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
         load = Load(port, clients=2, tls=tls_client(tls["ca"], tls["cert"], tls["key"]))
         try:
             wait_until("answers before scaling", lambda: load.count() >= 4, 120)
-            wait_until("two renewals", lambda: _renewals(served) >= 2, 60)
-            assert _serial(_encoders(served)["encoder-0"]["url"], peer) != first  # the renewed certificate
+            renewed = _renewals(served)
+            wait_until("two renewals under load", lambda: _renewals(served) >= renewed + 2, 60)
+            wait_until("the encoder's renewed certificate in a new handshake",
+                       lambda: _serial(_encoders(served)["encoder-0"]["url"], peer) != first, 30)
             with deciding(namespace, 2, runtime_env, planes):
                 served.wait_for("encoder: 2 running (started encoder-1)", 180)
             encoders = _encoders(served)
