@@ -40,8 +40,8 @@ _CLI = {"cli_kebab_case": True, "cli_implicit_flags": True}
 
 class TierConfig(TlsOptions):
     """One nginx process: a cache tier (`cluster` or `shared`) or the stateless `router`; with
-    --tls-cert/--tls-key/--tls-ca, HTTPS to callers whose certificate's role is in --tls-allow and
-    HTTPS to the next level, the tier's status in plaintext on --ops-listen only."""
+    --tls-cert/--tls-key/--tls-ca, HTTPS to callers whose certificate's spiffe:// ID is of its graph with
+    a role in --tls-allow, HTTPS to the next level, the tier's status in plaintext on --ops-listen only."""
 
     model_config = SettingsConfigDict(
         env_prefix="MM_CACHE_", extra="forbid", frozen=True, populate_by_name=True, cli_hide_none_type=True,
