@@ -86,6 +86,15 @@ def access_lines(log) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
 
 
+async def logged(log, n: int, timeout: float = 10.0) -> list[dict]:
+    """The tier's first `n` access lines, once written: nginx logs a request after its answer has gone."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(lines := access_lines(log)) < n:
+        assert asyncio.get_running_loop().time() < deadline, f"{len(lines)} of {n} access lines after {timeout} s"
+        await asyncio.sleep(0.05)
+    return lines
+
+
 async def test_a_tier_asks_another_encoder_when_one_is_draining(tiny, tmp_path):
     require_nginx()
     async with run_worker(tiny) as leaving, run_worker(tiny) as staying, tiers() as start, \
@@ -103,7 +112,7 @@ async def test_a_tier_asks_another_encoder_when_one_is_draining(tiny, tmp_path):
         assert requests(staying, "ok") == REQUESTS and requests(leaving, "ok") == 0
         # each request the draining worker refused was asked again of the other: nginx's $upstream_addr
         # names both ("a, b") for those, the staying worker alone for the rest
-        upstreams = Counter(line["upstream"] for line in access_lines(tier.log))
+        upstreams = Counter(line["upstream"] for line in await logged(tier.log, REQUESTS))
         assert upstreams == {f"{addresses[0]}, {addresses[1]}": requests(leaving, "draining"),
                              addresses[1]: REQUESTS - requests(leaving, "draining")}
         assert requests(leaving, "draining") >= REQUESTS // 4  # round robin: it was asked its share first
