@@ -78,8 +78,8 @@ class GraphRunner:
         elif not (Path(self.site.checkpoint_dir) / "config.json").is_file():
             raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
         plans = plan(self.graph, self.site)
-        if self.site.issuer is not None:  # every start-up replica's certificate, new on each start
-            self.site.issuer.issue((r.name, cp.kind) for cp in plans for r in cp.replicas if r.tls)
+        if self.site.issuer is not None:  # the site's own certificates; each replica's as it starts (`_certify`)
+            self.site.issuer.issue([])
             # serve's own Dynamo client (the scaling executor) reads its certificate once: the planes' lifetime
             self.site.issuer.issue_planes([(LAUNCHER, "client")])
             if self.site.issuer.warning:
