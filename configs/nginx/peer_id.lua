@@ -1,7 +1,8 @@
 -- Whether the caller may call this tier (set_by_lua, server rewrite phase, before any cache work):
 -- "1" when its verified client certificate carries exactly one spiffe:// URI subjectAltName, of
--- this deployment (arg 1: "spiffe://<trust domain>/<graph>/") and of a role this tier admits (arg 2:
--- the roles, space-separated); "0" otherwise. The subject's OU is never read: any certificate
+-- a graph this tier admits (arg 1: "spiffe://<trust domain>/<graph>/", space-separated: its own graph,
+-- and an encoder site's router its model clusters') and of a role this tier admits (arg 2: the roles,
+-- space-separated); "0" otherwise. The subject's OU is never read: any certificate
 -- request can set it. nginx has no variable for a certificate's URIs, so the DER is walked here;
 -- it has been verified against the deployment's CA already, so it is well formed.
 
@@ -82,11 +83,13 @@ end
 if #spiffe ~= 1 then
     return "0"
 end
-local prefix = ngx.arg[1]
-if spiffe[1]:sub(1, #prefix) ~= prefix then
-    return "0"
+local role
+for prefix in ngx.arg[1]:gmatch("%S+") do
+    if spiffe[1]:sub(1, #prefix) == prefix then
+        role = spiffe[1]:sub(#prefix + 1):match("^([a-z0-9%-]+)/[a-z0-9%-]+$")
+        break
+    end
 end
-local role = spiffe[1]:sub(#prefix + 1):match("^([a-z0-9%-]+)/[a-z0-9%-]+$")
 if not role then
     return "0"
 end

@@ -23,12 +23,14 @@ from ..security import pki
 from ..security.tls import PATH, TlsOptions
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
+_GRAPH = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _SIZE = re.compile(r"^[0-9]+[kmgKMG]?$")
 _TIME = re.compile(r"^[0-9]+(ms|s|m|h|d)?$")
 # What --help shows for a value (pydantic-settings prints a type alias by its name).
 HOST_PORT = TypeAliasType("HOST_PORT", str)
 HOST_PORTS = TypeAliasType("HOST_PORTS", tuple[str, ...])  # the flag once per address, or a,b
 ROLES = TypeAliasType("ROLES", tuple[str, ...])  # certificate roles (OU): the flag once per role, or a,b
+GRAPHS = TypeAliasType("GRAPHS", tuple[str, ...])  # graph names: the flag once per graph, or a,b
 SIZE = TypeAliasType("SIZE", str)  # an nginx size: 512k, 64m, 1g
 TIME = TypeAliasType("TIME", str)  # an nginx time: 500ms, 30s, 10m, 24h
 
@@ -74,6 +76,9 @@ class TierConfig(TlsOptions):
     log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
     tls_allow: ROLES = Field((), description="with TLS: a role (of the caller's spiffe:// ID) that may call this tier, "
                                        "once per role (none: the tier's callers, core/topology.py)")
+    tls_allow_graphs: GRAPHS = Field((), description="with TLS: another graph whose callers (of a role in "
+                                     "--tls-allow) may call this tier, once per graph: an encoder site's router "
+                                     "admits its model clusters' tiers (none: its own graph's only)")
     tls_server_name: str = Field("localhost", pattern=r"^[A-Za-z0-9.-]+$",
                                  description="with TLS: the DNS name the next level's certificate must carry "
                                  "(serve: its role's, <role>.<graph>.<trust domain>)")
@@ -106,6 +111,14 @@ class TierConfig(TlsOptions):
         unknown = [r for r in v if r not in pki.ROLES]
         if unknown:
             raise ValueError(f"unknown roles {unknown}; roles are {', '.join(pki.ROLES)}")
+        return v
+
+    @field_validator("tls_allow_graphs")
+    @classmethod
+    def _graphs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [g for g in v if not _GRAPH.fullmatch(g)]
+        if bad:
+            raise ValueError(f"{bad}: a graph's name is a DNS-1123 label")
         return v
 
     @field_validator("next", "direct", "shards")
@@ -147,8 +160,9 @@ class TierConfig(TlsOptions):
             raise ValueError(f"a {self.tier} tier needs --next (the next level, or the encoders)")
         elif self.shards:
             raise ValueError("--shard is for the router")
-        if (self.ops_listen is not None or self.tls_allow) and not self.tls:
-            raise ValueError("--ops-listen and --tls-allow go with TLS (--tls-cert, --tls-key, --tls-ca)")
+        if (self.ops_listen is not None or self.tls_allow or self.tls_allow_graphs) and not self.tls:
+            raise ValueError("--ops-listen, --tls-allow and --tls-allow-graphs go with TLS (--tls-cert, --tls-key, "
+                             "--tls-ca)")
         return self
 
     @property

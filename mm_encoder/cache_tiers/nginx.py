@@ -51,11 +51,14 @@ def snippets(cfg: TierConfig) -> dict[str, str]:
     run_dir = str(cfg.resolved_run_dir().resolve())
     out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier})}
     if cfg.tls:
-        own = cfg.identity  # the tier's trust domain and graph are its callers'
+        own = cfg.identity  # the tier's trust domain and graph are its callers', and those it admits besides
+        graphs = list(dict.fromkeys((own.graph, *cfg.tls_allow_graphs)))
         fields = {"tier": cfg.tier, "run_dir": run_dir, "tls_cert": str(cfg.tls_cert), "tls_key": str(cfg.tls_key),
                   "tls_ca": str(cfg.tls_ca), "server_name": cfg.tls_server_name,
                   "direct_server_name": cfg.tls_direct_server_name or cfg.tls_server_name,
-                  "peer_prefix": f"spiffe://{own.trust_domain}/{own.graph}/",
+                  "peer_prefix": " ".join(f"spiffe://{own.trust_domain}/{g}/" for g in graphs),
+                  "peer_graphs": graphs[0] if len(graphs) == 1 else "{" + ",".join(graphs) + "}",
+                  "trust_domain": own.trust_domain,
                   "allowed_roles": " ".join(cfg.callers), "allowed_list": ",".join(cfg.callers),
                   "ops_listen": cfg.ops_listen or ""}
         out["tls-http.conf"] = _snippet("tls-http.conf", fields)

@@ -139,24 +139,37 @@ class _Planner:
         facts: dict[str, Any] = {"tier": tier, "listen": ":".join(map(str, r.http)), "run_dir": run_dir}
         if tier == "router":
             facts["shards"] = tuple(self.reach["cache-shared"])
+        elif tier == "cluster" and self.g.site == "cluster":
+            facts |= {"cache_dir": cache_dir, **self._to_encoder_site()}
         else:
             facts["cache_dir"] = cache_dir
             facts["next"] = tuple(self.reach["encoder"] if tier == "shared"
                                   else self.reach.get("cache-router") or self.reach["encoder"])
-        if tier == "cluster":
-            facts["direct"] = tuple(self.reach["encoder"])
+            if tier == "cluster":
+                facts["direct"] = tuple(self.reach["encoder"])
         if r.tls is not None and r.ops is not None:
             facts |= {"tls_cert": r.tls.cert, "tls_key": r.tls.key, "tls_ca": r.tls.ca,
                       "tls_allow": tuple(sorted(callers(kind, {c.kind for c in self.g.components.values()}))),
                       "ops_listen": ":".join(map(str, r.ops))}
             td, upstreams = self.g.tls.trust_domain, tier_upstreams(self.g, kind)  # each checked by its role's name
-            facts["tls_server_name"] = server_host(td, self.g.name, self.g.components[upstreams[0]].kind)
-            if tier == "cluster":
+            facts["tls_server_name"] = (server_host(td, self.g.name, self.g.components[upstreams[0]].kind)
+                                        if upstreams else server_host(td, self.g.encoder_site.graph, "cache-router"))
+            if tier == "cluster" and self.g.site == "single":
                 facts["tls_direct_server_name"] = server_host(td, self.g.name, "encoder")
+            if tier == "router" and self.g.site == "encoder":  # the door: the model clusters it names call it
+                facts["tls_allow_graphs"] = self.g.clusters
         try:
             return TierConfig.model_validate({**facts, **options})
         except ValueError as e:
             raise GraphError(f"components.{name}: {e}") from None
+
+    def _to_encoder_site(self) -> dict[str, Any]:
+        """A model cluster's tier: its next level, and its direct route, is the encoder site's router."""
+        site = self.g.encoder_site
+        if site.url is None:
+            raise GraphError(f"graph {self.g.name} is a model cluster: name its encoder site "
+                             "(encoder_site.url, or serve --encoder-site URL)")
+        return {"next": (site.address,), "direct": (site.address,)}
 
     def chain(self) -> Chain | None:
         """The cache chain's first level and its route, as components reach it (None: no tiers).
@@ -166,7 +179,7 @@ class _Planner:
         if cluster:  # the outermost tier, and the route through the chain
             name, c = cluster[0]
             return Chain(f"{scheme}://{self.site.reach(name, c.kind, c.replicas)[0]}",
-                         "cluster,shared" if router else "cluster")
+                         "cluster,shared" if router or self.g.site == "cluster" else "cluster")
         if router:
             name, c = router[0]
             return Chain(f"{scheme}://{self.site.reach(name, c.kind, c.replicas)[0]}", "shared")

@@ -112,6 +112,21 @@ class Tls(_Strict):
         return self
 
 
+class EncoderSite(_Strict):
+    """A model cluster's encoder site (`site: cluster`): where its cluster tier sends misses, and the
+    site graph's name, which the site's certificates carry (`spiffe://<trust domain>/<graph>/...`): the
+    cluster tier checks the site's router for it. `url`: `serve --encoder-site URL` sets it per run."""
+
+    url: str | None = Field(None, pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}/?$")
+    graph: str = Field("encoder-site", pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+    @property
+    def address(self) -> str:
+        """host:port, as a tier's `--next` takes it."""
+        assert self.url is not None
+        return self.url.split("://", 1)[1].rstrip("/")
+
+
 class Runtime(_Strict):
     """Dynamo's own distributed runtime for the graph. `default`: each site's own (`serve`: file
     discovery, TCP requests, ZMQ events, no servers to run; Kubernetes: the operator's discovery).
@@ -141,6 +156,14 @@ class Graph(_Strict):
     block_size: int = Field(BLOCK_SIZE, ge=1)
     runtime: Runtime = Field(default_factory=Runtime)
     tls: Tls = Field(default_factory=Tls)
+    # `single`: every component here (the default). `encoder`: an encoder site (encoders, router, shared
+    # shards; optionally a planner) that model clusters call across the network on `site_port`. `cluster`: a
+    # model cluster (frontend, cluster tier, engines) whose misses go to `encoder_site` (docs/sites.md).
+    site: Literal["single", "encoder", "cluster"] = "single"
+    site_port: int = Field(8090, ge=1, le=65535)  # an encoder site: where its router serves the clusters
+    encoder_site: EncoderSite = Field(default_factory=EncoderSite)  # a model cluster: its encoder site
+    # an encoder site with TLS: the model clusters (their graphs' names) whose cluster tiers may call it
+    clusters: tuple[str, ...] = ()
     components: dict[str, Component]
 
     @model_validator(mode="after")
@@ -149,7 +172,8 @@ class Graph(_Strict):
         for name in self.components:
             if not name.replace("-", "").isalnum() or name != name.lower():
                 raise ValueError(f"component name {name!r}: lowercase letters, digits and '-' only")
-        if kinds.count("frontend") != 1:
+        self._check_site(kinds)
+        if self.site != "encoder" and kinds.count("frontend") != 1:
             raise ValueError("a graph has exactly one frontend")
         if any(c.stock and c.kind != "frontend" for c in self.components.values()):
             raise ValueError("`stock: true` names Dynamo's own frontend: only a frontend component takes it")
@@ -161,14 +185,14 @@ class Graph(_Strict):
                              "no stock frontend, and an encoder component")
         if self.stock_frontend and self.inline_encoding:
             raise ValueError("Dynamo's stock frontend sends media to an Encode worker: add an encoder component")
-        if "engine" not in kinds:
+        if "engine" not in kinds and self.site != "encoder":
             raise ValueError("a graph needs an engine")
         for kind in CACHE_TIERS:
             if kinds.count(kind) > 1:
                 raise ValueError(f"at most one {kind} component (use replicas)")
         if ("cache-router" in kinds) != ("cache-shared" in kinds):
             raise ValueError("cache-router and cache-shared go together (the router shards over the shared tier)")
-        if any(k in CACHE_TIERS for k in kinds) and "encoder" not in kinds:
+        if any(k in CACHE_TIERS for k in kinds) and "encoder" not in kinds and self.site != "cluster":
             raise ValueError("cache tiers front encode workers: add an encoder component")
         if self.tls.enabled and self.runtime.event_plane == "zmq":
             raise ValueError("tls: Dynamo's ZMQ event plane has no TLS; set runtime.event_plane: nats")
@@ -181,6 +205,35 @@ class Graph(_Strict):
                     raise ValueError(f"components.{name}.args: {flag} is the graph's to set: {why}")
         self._check_planner()
         return self
+
+    def _check_site(self, kinds: list[Kind]) -> None:
+        """What each kind of site runs: an encoder site no frontend or engine and its router as the door;
+        a model cluster no encoder, router or shard, its cluster tier the way to its encoder site."""
+        if self.site == "encoder":
+            extra = sorted({k for k in kinds if k in ("frontend", "engine", "cache-cluster")})
+            if extra:
+                raise ValueError(f"an encoder site runs encoders, a router and shared shards, not {', '.join(extra)}: "
+                                 "those are a model cluster's (site: cluster)")
+            if not {"encoder", "cache-router", "cache-shared"} <= set(kinds):
+                raise ValueError("an encoder site needs an encoder, a cache-router (its door) and cache-shared shards")
+            if self.tls.enabled and not self.clusters:
+                raise ValueError("an encoder site with TLS admits the model clusters it names: set `clusters`")
+        elif self.clusters:
+            raise ValueError("`clusters` names who may call an encoder site: only a graph with site: encoder takes it")
+        if self.site == "cluster":
+            extra = sorted({k for k in kinds if k in ("encoder", "cache-router", "cache-shared", "planner")})
+            if extra:
+                raise ValueError(f"a model cluster sends its misses to its encoder site; it runs no {', '.join(extra)}")
+            if "cache-cluster" not in kinds:
+                raise ValueError("a model cluster reaches its encoder site through its cluster tier: add one")
+            url = self.encoder_site.url
+            if url is not None and url.startswith("https://") != self.tls.enabled:
+                raise ValueError(f"encoder_site.url {url}: " + ("with TLS the encoder site is an https:// URL"
+                                                                if self.tls.enabled else "an https:// encoder site "
+                                                                "needs the graph's TLS (serve --tls-dir CA)"))
+            if self.name == self.encoder_site.graph:
+                raise ValueError(f"a model cluster's name ({self.name}) differs from its encoder site's graph "
+                                 f"({self.encoder_site.graph}): the certificates tell them apart by it")
 
     def _check_planner(self) -> None:
         """At most one encode planner, scaling an encoder component that starts within its bounds;
@@ -220,8 +273,9 @@ class Graph(_Strict):
 
     @property
     def inline_encoding(self) -> bool:
-        """No encoder component: the engines encode media themselves (the aggregated baseline)."""
-        return not self.of_kind("encoder")
+        """No encoder component: the engines encode media themselves (the aggregated baseline); a model
+        cluster's encoders are its encoder site's."""
+        return self.site == "single" and not self.of_kind("encoder")
 
 
 def load_graph(path: str | Path) -> Graph:

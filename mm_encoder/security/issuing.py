@@ -16,13 +16,24 @@ from __future__ import annotations
 import functools
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
 from ..core.errors import GraphError, PkiError
 from .identity import TRUST_DOMAIN, SpiffeId, check_servers
-from .pki import CA_CERT, CA_KEY, CA_LIFETIME, LEAF_LIFETIME, RENEW_AT, Authority, Identity, private_dir, utc_now
+from .pki import (
+    CA_CERT,
+    CA_KEY,
+    CA_LIFETIME,
+    DEFAULT_HOSTS,
+    LEAF_LIFETIME,
+    RENEW_AT,
+    Authority,
+    Identity,
+    private_dir,
+    utc_now,
+)
 from .tls import tls_client
 
 SERVERS = ("etcd", "nats")
@@ -36,8 +47,10 @@ class Issuer:
 
     def __init__(self, directory: Path, ca_dir: str | Path | None = None, *, graph: str = "mm-encoder",
                  trust_domain: str = TRUST_DOMAIN, lifetime: timedelta = LEAF_LIFETIME,
-                 plane_lifetime: timedelta = 7 * LEAF_LIFETIME, ca_lifetime: timedelta = CA_LIFETIME):
+                 plane_lifetime: timedelta = 7 * LEAF_LIFETIME, ca_lifetime: timedelta = CA_LIFETIME,
+                 hosts: Sequence[str] = ()):
         self.dir = directory
+        self.hosts = (*DEFAULT_HOSTS, *hosts)  # every certificate's: loopback, and the host's own address
         self.own_ca = not ca_dir
         self.ca_dir = Path(ca_dir).resolve() if ca_dir else self.dir / "ca"
         self.graph, self.trust_domain = graph, trust_domain
@@ -84,7 +97,8 @@ class Issuer:
         try:
             authority = self._authority()
             for name, role in holders:
-                authority.issue(self.identity(name, role), self.dir, lifetime=self.lifetime, replace=True)
+                authority.issue(self.identity(name, role), self.dir, hosts=self.hosts, lifetime=self.lifetime,
+                                replace=True)
             if site:
                 authority.issue(self.identity(LAUNCHER, "client"), self.dir / "launcher", lifetime=self.lifetime,
                                 replace=True)
@@ -105,8 +119,8 @@ class Issuer:
         try:
             authority = self._authority()
             for name, role in holders:
-                authority.issue(self.identity(name, role), self.dir / "dynamo", lifetime=self.plane_lifetime,
-                                replace=True)
+                authority.issue(self.identity(name, role), self.dir / "dynamo", hosts=self.hosts,
+                                lifetime=self.plane_lifetime, replace=True)
         except PkiError as e:
             raise GraphError(f"TLS certificates: {e.message}") from None
 

@@ -14,10 +14,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from ..core.errors import GraphError
 from ..graph.schema import Graph, load_graph
 from ..graph.shipped import find_graph
 from .runner import GraphRunner
+from .site import LOOPBACK, is_loopback
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,23 @@ class ServeOptions:
     tls: bool = False
     tls_dir: Path | None = None
     start_timeout_s: float = 180.0
+    bind: str = LOOPBACK
+    encoder_site: str | None = None
+    plaintext_off_loopback: bool = False
+    name: str | None = None
 
     def apply(self, graph: Graph) -> Graph:
         """The graph as this run serves it: the options over the file's settings."""
+        if self.name:
+            graph = graph.model_copy(update={"name": self.name})
         if self.port:
-            graph = graph.model_copy(update={"frontend_port": self.port})
+            graph = graph.model_copy(update={"site_port" if graph.site == "encoder" else "frontend_port": self.port})
+        if self.encoder_site:
+            if graph.site != "cluster":
+                raise GraphError(f"--encoder-site names a model cluster's encoder site; graph {graph.name} is not one "
+                                 "(site: cluster)")
+            graph = graph.model_copy(update={"encoder_site": graph.encoder_site.model_copy(
+                update={"url": self.encoder_site})})
         if self.tls or self.tls_dir:
             tls = {"enabled": True, **({"ca_dir": str(self.tls_dir.resolve())} if self.tls_dir else {})}
             graph = graph.model_copy(update={"tls": graph.tls.model_copy(update=tls)})
@@ -45,6 +60,13 @@ class ServeOptions:
                                  ("dtype", self.dtype), ("preset", self.preset)) if v}
         if llm:
             graph = graph.model_copy(update={"llm": graph.llm.model_copy(update=llm)})
+        try:  # validated again, as a whole: the options may have made it inconsistent
+            graph = Graph.model_validate(graph.model_dump())
+        except ValidationError as e:
+            raise GraphError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+        if not is_loopback(self.bind) and not graph.tls.enabled and not self.plaintext_off_loopback:
+            raise GraphError(f"--bind {self.bind} serves other hosts: with TLS (--tls, or --tls-dir with the "
+                             "operator's CA), or say --plaintext-off-loopback to serve them in plaintext")
         return graph
 
 
@@ -70,7 +92,7 @@ def serve(options: ServeOptions) -> int:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
     runner = GraphRunner(graph, options.run_dir or Path(f"/tmp/mm-encoder-{graph.name}"), restart=options.restart,
-                         start_timeout_s=options.start_timeout_s)
+                         start_timeout_s=options.start_timeout_s, bind=options.bind)
     return runner.run(str(source), options.status_interval)
 
 
@@ -78,9 +100,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mm-encoder serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("graph", help="a shipped graph's name (mm-encoder graphs lists them), e.g. epd, or a graph file")
+    p.add_argument("--name", help="the graph's name for this run (default: the file's `name`): a second model "
+                   "cluster from one file; its certificates, run directory and status carry it")
     p.add_argument("--run-dir", type=Path, help="logs, state, Dynamo store (default: /tmp/mm-encoder-<graph>)")
     p.add_argument("--restart", action="store_true", help="restart a component that dies")
-    p.add_argument("--port", type=int, help="the frontend's port (default: the graph's frontend_port)")
+    p.add_argument("--port", type=int, help="the frontend's port, an encoder site's router's (default: the graph's "
+                   "frontend_port, site_port)")
     p.add_argument("--status-interval", type=float, default=60.0, help="seconds between status lines (0: never)")
     p.add_argument("--checkpoint", type=Path, help="the model's checkpoint directory, for every component (default: "
                    "the graph's llm.checkpoint, else a generated tiny Kimi-K2.5)")
@@ -91,6 +116,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action="store_true", help="TLS with client certificates on every hop, from a "
                    "throwaway CA in the run directory (the graph's `tls`; docs/security.md)")
     p.add_argument("--tls-dir", type=Path, help="with --tls: the operator's CA (its ca.pem and ca.key) instead")
+    p.add_argument("--bind", default=LOOPBACK, metavar="ADDR", help="where the site's door listens for other "
+                   "hosts (a frontend; an encoder site's router); everything else stays on loopback. Off loopback "
+                   "only with TLS (default: 127.0.0.1)")
+    p.add_argument("--plaintext-off-loopback", action="store_true", help="allow --bind off loopback without TLS: "
+                   "anyone on that network can call the site and read its answers")
+    p.add_argument("--encoder-site", metavar="URL", help="a model cluster (site: cluster): its encoder site's URL, "
+                   "https://HOST:PORT with TLS (default: the graph's encoder_site.url)")
     p.add_argument("--start-timeout-s", type=float, default=180.0, help="how long each replica may take to become "
                    "healthy (loading a real checkpoint's shards takes longer than the tiny model's)")
     return p

@@ -29,7 +29,7 @@ from ..core.errors import GraphError
 from ..graph.plan import READY_LINE
 from ..graph.planned import ComponentPlan, Replica
 from ..runtime import procfs
-from .site import LOOPBACK
+from .site import LOOPBACK, connect_host
 
 
 @dataclass
@@ -60,7 +60,10 @@ class Proc:
     @property
     def url(self) -> str | None:
         tls = self.plan.tls and self.kind != "planner"  # the planner's /status stays plaintext
-        return f"{'https' if tls else 'http'}://{LOOPBACK}:{self.replica.port}" if self.replica.port else None
+        if self.replica.http is None:
+            return None
+        host, port = self.replica.http
+        return f"{'https' if tls else 'http'}://{connect_host(host)}:{port}"
 
     @property
     def ops_url(self) -> str | None:

@@ -34,16 +34,16 @@ from ..security.pki import RENEW_AT, describe
 from . import infra
 from .fleet import Fleet, Launch, Proc
 from .scaler import Scaler, executable
-from .site import LOOPBACK, LocalSite, private_run_dir, ready_note
+from .site import LOOPBACK, LocalSite, connect_host, private_run_dir, ready_note
 from .status import collect, format_lines
 
 
 class GraphRunner:
     def __init__(self, graph: Graph, run_dir: Path, *, restart: bool = False, grace_s: float = 30.0,
-                 start_timeout_s: float = 180.0):
+                 start_timeout_s: float = 180.0, bind: str = LOOPBACK):
         self.graph = graph
         self.run_dir = run_dir.resolve()
-        self.site = LocalSite(graph, self.run_dir)
+        self.site = LocalSite(graph, self.run_dir, bind)
         self.restart = restart
         self.fleets: list[Fleet] = []
         self.servers: list[infra.Server] = []  # etcd / NATS, when the graph's runtime needs them
@@ -67,7 +67,11 @@ class GraphRunner:
 
     @property
     def base_url(self) -> str:
-        return f"{'https' if self.site.issuer else 'http'}://{LOOPBACK}:{self.graph.frontend_port}/v1"
+        """What callers use: the OpenAI base URL, or an encoder site's URL for its model clusters."""
+        scheme, host = "https" if self.site.issuer else "http", connect_host(self.site.bind)
+        if self.graph.site == "encoder":
+            return f"{scheme}://{host}:{self.graph.site_port}"
+        return f"{scheme}://{host}:{self.graph.frontend_port}/v1"
 
     def prepare(self) -> None:
         """The run directory, the generated checkpoint (if the graph names none), the fleets."""
@@ -339,9 +343,10 @@ class GraphRunner:
               flush=True)
         try:
             self.start()
-            print(f"graph {g.name} ready: OpenAI base URL {self.base_url} (model {g.llm.served_name}); "
-                  f"{ready_note(self.site.issuer)}; status: mm-encoder status --run-dir {self.run_dir}; Ctrl-C stops",
-                  flush=True)
+            what = (f"encoder site URL {self.base_url} (model clusters: serve ... --encoder-site {self.base_url})"
+                    if g.site == "encoder" else f"OpenAI base URL {self.base_url} (model {g.llm.served_name})")
+            print(f"graph {g.name} ready: {what}; {ready_note(self.site.issuer, self.site.bind)}; "
+                  f"status: mm-encoder status --run-dir {self.run_dir}; Ctrl-C stops", flush=True)
             self.supervise(self.executor(), status_interval)
         except KeyboardInterrupt:
             pass

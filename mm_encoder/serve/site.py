@@ -19,6 +19,16 @@ from ..graph.schema import Graph
 from ..security.issuing import Issuer
 
 LOOPBACK = "127.0.0.1"
+ANY = ("0.0.0.0", "::")  # a bind address that is no address to connect to
+
+
+def connect_host(host: str) -> str:
+    """Where this machine reaches a listener bound to `host` (every interface: loopback)."""
+    return LOOPBACK if host in ANY else host
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 PORTS_ENV = "MM_ENCODER_PORTS"  # LOW-HIGH: where serve picks its components' ports (a firewall's, a test worker's)
@@ -87,9 +97,13 @@ def private_run_dir(path: Path) -> Path:
 
 
 class LocalSite(Site):
-    def __init__(self, graph: Graph, run_dir: Path):
+    """`bind`: where the site's door listens, the one component other hosts call (a model cluster's or a
+    single graph's frontend, an encoder site's router), on its fixed port; everything else on loopback."""
+
+    def __init__(self, graph: Graph, run_dir: Path, bind: str = LOOPBACK):
         self.graph = graph
         self.run_dir = run_dir
+        self.bind = bind
         # resolved here: components start in the run directory, where a relative path means nothing
         self.checkpoint_dir = (str(Path(graph.llm.checkpoint).resolve()) if graph.llm.checkpoint
                                else str(run_dir / "checkpoint" / f"kimi-k2.5-{graph.llm.preset}"))
@@ -99,7 +113,8 @@ class LocalSite(Site):
         self.issuer = Issuer(run_dir / "tls", t.ca_dir, graph=graph.name, trust_domain=t.trust_domain,
                              lifetime=timedelta(seconds=t.cert_lifetime_s),
                              plane_lifetime=timedelta(seconds=t.dynamo_cert_lifetime_s),
-                             ca_lifetime=timedelta(days=t.ca_lifetime_days)) if t.enabled else None
+                             ca_lifetime=timedelta(days=t.ca_lifetime_days),
+                             hosts=() if is_loopback(bind) or bind in ANY else (bind,)) if t.enabled else None
 
     def tls_files(self, replica: str) -> TlsFiles:
         assert self.issuer is not None  # the plan asks only with the graph's TLS on
@@ -108,20 +123,29 @@ class LocalSite(Site):
     def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
         return self.listen(f"{name}:ops", kind, replica)
 
+    @property
+    def door_port(self) -> int:
+        return self.graph.site_port if self.graph.site == "encoder" else self.graph.frontend_port
+
+    def is_door(self, name: str, kind: Kind, replica: int) -> bool:
+        """The component other hosts call (not its ops port): a frontend, or an encoder site's router."""
+        door_kind = "cache-router" if self.graph.site == "encoder" else "frontend"
+        return kind == door_kind and ":" not in name and replica == 0
+
     def listen(self, name: str, kind: Kind, replica: int) -> Address:
+        door = self.is_door(name, kind, replica)
         if (name, replica) not in self._ports:
-            graph_port = kind == "frontend" and ":" not in name  # the frontend's own port, not an ops port
-            port = self.graph.frontend_port if graph_port else free_port()
+            port = self.door_port if door else free_port()
             # a port just freed may be handed out again: never give two components one port
-            while not graph_port and port in {self.graph.frontend_port, *self._ports.values()}:
+            while not door and port in {self.door_port, *self._ports.values()}:
                 port = free_port()
             self._ports[(name, replica)] = port
-        return LOOPBACK, self._ports[(name, replica)]
+        return self.bind if door else LOOPBACK, self._ports[(name, replica)]
 
     def reach(self, name: str, kind: Kind, replicas: int) -> list[str]:
         if kind == "engine":  # found through Dynamo's discovery, not by address
             return []
-        return [":".join(map(str, self.listen(name, kind, i))) for i in range(replicas)]
+        return [f"{connect_host(host)}:{port}" for host, port in (self.listen(name, kind, i) for i in range(replicas))]
 
     def tier_dirs(self, replica: str) -> tuple[str, str]:
         return str(self.run_dir / f"nginx-{replica}"), str(self.run_dir / f"cache-{replica}")
@@ -143,8 +167,10 @@ class LocalSite(Site):
         return env
 
 
-def ready_note(issuer: Issuer | None) -> str:
+def ready_note(issuer: Issuer | None, bind: str = LOOPBACK) -> str:
     """What serve's ready line says of TLS: the CA clients pass, or that the graph runs without."""
+    if issuer is None and not is_loopback(bind):
+        return f"WITHOUT TLS ON {bind}: anyone on that network can call it and read what it answers"
     if issuer is None:
         return "without TLS (loopback only; --tls for certificates on every hop)"
     return f"TLS on every hop; clients pass its CA: curl --cacert {issuer.ca_file}"
