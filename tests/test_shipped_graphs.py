@@ -20,8 +20,8 @@ from mm_encoder.serve import cli as local
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = ROOT / "graphs"
-NAMES = ["agg", "epd", "epd-autoscale", "epd-etcd", "epd-stock", "epd-vllm"]
-LISTED = "agg, epd, epd-autoscale, epd-etcd, epd-stock, epd-vllm"
+NAMES = ["agg", "encoder-site", "epd", "epd-autoscale", "epd-etcd", "epd-stock", "epd-vllm", "model-cluster"]
+LISTED = "agg, encoder-site, epd, epd-autoscale, epd-etcd, epd-stock, epd-vllm, model-cluster"
 
 
 @pytest.fixture(autouse=True)

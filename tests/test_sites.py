@@ -1,0 +1,128 @@
+"""Many model clusters, one encoder site, each on its own host: an encoder site and two model clusters
+(`graphs/encoder-site.yaml`, `graphs/model-cluster.yaml`), each `mm-encoder serve` in its own network
+namespace (harness/hosts.py), every hop over TLS from one operator CA, the README's request sent from
+the root namespace to each cluster's frontend across the bridge.
+
+The same image asked of cluster A, then of cluster B, is encoded once across the fleet: B's cluster
+tier misses, the site's shared tier hits. A cluster the site does not name is refused by the site's
+router (its certificate's spiffe:// ID is of another graph), and serve refuses to bind off loopback
+without TLS unless told so by name. Skipped, with the reason, where namespaces cannot be made (not root).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harness import hosts
+from harness.processes import Process
+from harness.serve_fixtures import MODEL, ROOT, sample_content
+from mm_encoder.security.pki import Authority
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(hosts.available() is not None, reason=str(hosts.available()))]
+READY_S = 240  # a serve start, the engines loading the tiny checkpoint, on 2 shared cores
+
+
+def serve(h: hosts.Hosts, i: int, graph: str, run_dir: Path, ca: Path, checkpoint: Path, *extra: str) -> Process:
+    argv = [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / "graphs" / graph), "--run-dir", str(run_dir),
+            "--tls-dir", str(ca), "--checkpoint", str(checkpoint), "--bind", h.addr(i), "--status-interval", "0",
+            *extra]
+    return Process(h.popen_argv(i, argv), name=f"serve {graph} on {h.ns(i)}", cwd=ROOT)
+
+
+def chat(address: str, ca: Path, content=None) -> dict:
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": content or sample_content()}]}
+    req = urllib.request.Request(f"https://{address}:8000/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=str(ca / "ca.pem"))) as r:
+        return json.loads(r.read())
+
+
+
+def get(url: str, ca: Path) -> dict:
+    with urllib.request.urlopen(url, timeout=30, context=ssl.create_default_context(cafile=str(ca / "ca.pem"))) as r:
+        return json.loads(r.read())
+
+
+def status(h: hosts.Hosts, i: int, run_dir: Path) -> dict:
+    """`mm-encoder status --json` run on host i (its components listen on that host's loopback)."""
+    done = h.run(i, [sys.executable, "-m", "mm_encoder.cli", "status", "--run-dir", str(run_dir), "--json"])
+    assert done.returncode == 0, done.stderr
+    return {c["name"]: c for c in json.loads(done.stdout)["components"]}
+
+
+def counts(tier: dict) -> tuple[int, int]:
+    """A tier's (misses, hits) from its status row (requests, hit ratio)."""
+    hits = round(tier["requests"] * (tier["hit_ratio"] or 0))
+    return tier["requests"] - hits, hits
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Host 1: the encoder site; hosts 2 and 3: model clusters cluster-a and cluster-b; host 4: cluster-c,
+    which the site does not name. One CA, one checkpoint directory (the filesystem is shared)."""
+    base = tmp_path_factory.mktemp("sites")
+    ca, checkpoint = base / "ca", base / "ck" / MODEL
+    Authority.create(ca, name="operator CA for the sites test")
+    made = Process([sys.executable, "-m", "mm_encoder.cli", "make-checkpoint", str(checkpoint)], name="make-checkpoint")
+    assert made.wait(timeout=120) == 0, made.text
+    procs: list[Process] = []
+    with hosts.Hosts(4) as h:
+        try:
+            site_url = f"https://{h.addr(1)}:8090"
+            procs.append(serve(h, 1, "encoder-site.yaml", base / "site", ca, checkpoint))
+            procs[0].wait_for("ready", READY_S)
+            for i, name in ((2, "cluster-a"), (3, "cluster-b"), (4, "cluster-c")):
+                procs.append(serve(h, i, "model-cluster.yaml", base / name, ca, checkpoint, "--name", name,
+                                   "--encoder-site", site_url))
+            for p in procs[1:]:
+                p.wait_for("ready", READY_S)
+            yield h, base, ca
+        finally:
+            for p in procs:
+                p.stop(grace_s=90)
+    assert all(p.returncode == 0 for p in procs), "\n".join(p.tail(20) for p in procs)
+
+
+def test_one_image_asked_of_two_clusters_is_encoded_once_across_the_fleet(fleet):
+    h, base, ca = fleet
+    first, second = chat(h.addr(2), ca), chat(h.addr(3), ca)
+    assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"] == 1223
+    site = status(h, 1, base / "site")
+    assert site["encoder"]["encodes"] == 1
+    # the key lives on one shard, which missed once (A's HEAD, which the encoder answered) and hit for B;
+    # an engine's fetch is its cluster tier's hit unless it came while the HEAD's fill was being written
+    shards = [counts(site[n]) for n in ("shared-0", "shared-1")]
+    assert sorted(m for m, _ in shards) == [0, 1] and sum(hit for _, hit in shards) >= 1, shards
+    misses = {name: counts(status(h, i, base / name)["cluster"])[0] for name, i in (("cluster-a", 2), ("cluster-b", 3))}
+    assert all(m >= 1 for m in misses.values()), misses  # each cluster tier missed: B's hit was the site's
+    assert chat(h.addr(2), ca)["usage"]["prompt_tokens"] == 1223  # again on A: its own tier's hits only
+    assert counts(status(h, 2, base / "cluster-a")["cluster"])[0] == misses["cluster-a"]
+    assert status(h, 1, base / "site")["encoder"]["encodes"] == 1
+
+
+def test_a_cluster_the_site_does_not_name_is_refused_by_its_identity(fleet):
+    """cluster-c holds a certificate from the same CA, but its graph is not in the site's `clusters`: the
+    router refuses it (403 forbidden_peer) and its frontend answers 403, not an image."""
+    h, _, ca = fleet
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        chat(h.addr(4), ca)
+    # Dynamo 1.6.1's HTTP server shows a 403's status, not its message (runtime/dynamo.py `client_error`);
+    # the frontend counts it by its code
+    assert refused.value.code == 403
+    stats = get(f"https://{h.addr(4)}:8000/mm/stats", ca)["processors"][0]
+    assert stats["errors"] == {"forbidden_peer": 1}, stats["errors"]
+    assert chat(h.addr(4), ca, [{"type": "text", "text": "hello"}])["usage"]["prompt_tokens"] > 0  # text needs no site
+
+
+def test_binding_off_loopback_without_tls_is_refused_by_name(tmp_path):
+    run = Process([sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / "graphs" / "encoder-site.yaml"),
+                   "--run-dir", str(tmp_path / "run"), "--bind", "198.18.0.1"], name="serve without TLS")
+    assert run.wait(timeout=60) == 2
+    assert "--bind 198.18.0.1 serves other hosts: with TLS" in run.text and "--plaintext-off-loopback" in run.text
