@@ -36,6 +36,7 @@ COMPONENTS = {
     "engine": ("mm_encoder.engines.process",
                "run an engine: the checkpoint's language model (mm-encoder engine --help)"),
     "make-checkpoint": ("mm_encoder.engines.tiny_checkpoint", "write a small random Kimi-K2.5 checkpoint directory"),
+    "make-ca": ("mm_encoder.security.make_ca", "write an operator CA (ca.pem, ca.key) that several sites share"),
     "cache": ("mm_encoder.cache_tiers.cli", "run an nginx cache tier or the shard router (mm-encoder cache --help)"),
     "serve": ("mm_encoder.serve.cli", "run a whole graph on this machine: mm-encoder serve epd (or a graph file)"),
     "status": ("mm_encoder.serve.status", "per-component status of a running graph"),

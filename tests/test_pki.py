@@ -365,3 +365,16 @@ def test_a_missing_tls_file_is_named_by_its_option(tmp_path):
     with pytest.raises(PkiError, match=f"no such file: the CA certificate {tmp_path / 'nope.pem'}"):
         tls_client(tmp_path / "nope.pem")
     assert opts.model_copy(update={"tls_ca": certs.ca_file}).server_context() is not None
+
+
+def test_make_ca_writes_a_ca_once_and_never_overwrites_it(tmp_path):
+    from mm_encoder.security import make_ca
+
+    target = tmp_path / "ca"
+    assert make_ca.main([str(target), "--days", "30"]) == 0
+    ca = Authority.load(target)
+    assert (ca.not_after - pki.utc_now()).days in (29, 30)
+    assert oct((target / "ca.key").stat().st_mode & 0o777) == "0o600" and oct(target.stat().st_mode & 0o777) == "0o700"
+    before = (target / "ca.key").read_bytes()
+    assert make_ca.main([str(target)]) == 2
+    assert (target / "ca.key").read_bytes() == before

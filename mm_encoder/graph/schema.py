@@ -221,9 +221,9 @@ class Graph(_Strict):
         elif self.clusters:
             raise ValueError("`clusters` names who may call an encoder site: only a graph with site: encoder takes it")
         if self.site == "cluster":
-            extra = sorted({k for k in kinds if k in ("encoder", "cache-router", "cache-shared", "planner")})
-            if extra:
-                raise ValueError(f"a model cluster sends its misses to its encoder site; it runs no {', '.join(extra)}")
+            remote = sorted({k for k in kinds if k in ("encoder", "cache-router", "cache-shared", "planner")})
+            if remote:
+                raise ValueError(f"a model cluster sends its misses to its encoder site; it runs no {', '.join(remote)}")
             if "cache-cluster" not in kinds:
                 raise ValueError("a model cluster reaches its encoder site through its cluster tier: add one")
             url = self.encoder_site.url
