@@ -223,7 +223,8 @@ class Graph(_Strict):
         if self.site == "cluster":
             remote = sorted({k for k in kinds if k in ("encoder", "cache-router", "cache-shared", "planner")})
             if remote:
-                raise ValueError(f"a model cluster sends its misses to its encoder site; it runs no {', '.join(remote)}")
+                raise ValueError(f"a model cluster sends its misses to its encoder site; it runs no "
+                                 f"{', '.join(remote)}")
             if "cache-cluster" not in kinds:
                 raise ValueError("a model cluster reaches its encoder site through its cluster tier: add one")
             url = self.encoder_site.url
