@@ -64,6 +64,7 @@ MODULES: dict[str, str] = {
     "autoscale": "bench/autoscale.py",
     "tracing": "bench/tracing.py",
     "tls": "bench/tls.py",
+    "wan": "bench/wan.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25
