@@ -127,15 +127,8 @@ class K8sNames:
         self.exposure = exposure
         check_name(g.name, "graph name")
         self.components: dict[str, str] = {}  # graph component -> DynamoGraphDeployment `spec.components[].name`
-        taken: dict[str, str] = {}
-
-        def claim(name: str, what: str, max_len: int = 63) -> str:
-            check_name(name, what, max_len)
-            if name in taken:
-                raise GraphError(f"{what} {name!r} is also the name of {taken[name]}: rename a component")
-            taken[name] = what
-            return name
-
+        self._taken: dict[str, str] = {}
+        claim = self._claim
         for cname, c in g.components.items():
             if c.kind in DYNAMO_KINDS:
                 self.components[cname] = cname  # already a DNS-1123 label, as v1beta1 `name` allows
@@ -186,6 +179,14 @@ class K8sNames:
                                                         f"the CertificateRequestPolicy of component {n!r}")
                                      for n in tls}
             self.approval = claim(f"{g.name}-certificate-approval", "the approver-policy Role and RoleBinding")
+
+    def _claim(self, name: str, what: str, max_len: int = 63) -> str:
+        """`name` for `what`: a valid name, and no other object's."""
+        check_name(name, what, max_len)
+        if name in self._taken:
+            raise GraphError(f"{what} {name!r} is also the name of {self._taken[name]}: rename a component")
+        self._taken[name] = what
+        return name
 
 
 UID = 101  # the image's user (docker/Dockerfile)
