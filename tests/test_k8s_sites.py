@@ -157,7 +157,7 @@ def test_a_model_clusters_tier_calls_its_encoder_site(tls):
     graph's name; its own certificate's URI is the one the site's router admits it by."""
     url = SITE if tls else "http://203.0.113.10:8090"
     graph = graph_of("model-cluster", **({"tls": ISSUED} if tls else {}))
-    docs = k8s.render(sites.with_encoder_site(graph, url), "mm-a")
+    docs = k8s.render(sites.with_options(graph, url=url), "mm-a")
     dgd = one(docs, DGD)
     assert errors(dgd, DYNAMO_GRAPH_DEPLOYMENT) == []
     assert {c["name"]: c["type"] for c in dgd["spec"]["components"]} == {"engine": "worker", "frontend": "frontend"}
@@ -187,6 +187,22 @@ def test_a_model_cluster_without_its_encoder_sites_url_is_refused_by_name(tmp_pa
     assert "https://" in capsys.readouterr().err
     assert k8s.main(["epd", "--encoder-site", SITE]) == 2
     assert "not one (site: cluster)" in capsys.readouterr().err
+
+
+def test_a_second_model_cluster_from_one_file_is_named_by_name(tmp_path, capsys):
+    """--name renders the file as another model cluster (cluster-b, which the shipped site names too): its
+    objects and its cluster tier's identity carry the name; a name the graph refuses is refused so."""
+    out = tmp_path / "b.yaml"
+    assert k8s.main(["model-cluster", "--name", "cluster-b", "--encoder-site", "http://203.0.113.10:8090",
+                     "-o", str(out)]) == 0
+    docs = [d for d in yaml.safe_load_all(out.read_text()) if d]
+    assert one(docs, DGD)["metadata"]["name"] == "cluster-b" and one(docs, "Deployment", "cluster-b-cluster")
+    graph = sites.with_options(graph_of("model-cluster", tls=ISSUED), "cluster-b", SITE)
+    docs = k8s.render(graph, "mm-b")
+    assert one(docs, "Certificate", "cluster-b-cluster-tls")["spec"]["uris"] == [
+        "spiffe://mm-encoder.local/cluster-b/cache-cluster/cluster"]
+    assert k8s.main(["model-cluster", "--name", "encoder-site", "--encoder-site", "http://203.0.113.10:8090"]) == 2
+    assert "differs from its encoder site's graph" in capsys.readouterr().err
 
 
 def test_site_options_fit_an_encoder_site_only(tmp_path, capsys):

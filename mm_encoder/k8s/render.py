@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cert-manager-account", default=tls.CERT_MANAGER_ACCOUNT,
                    help="with tls.issuer: cert-manager's controller ServiceAccount, NAMESPACE/NAME, which requests "
                         "every Certificate's certificates (default: %(default)s)")
+    p.add_argument("--name", help="the graph's name for this render (default: the file's `name`): a second model "
+                   "cluster from one file; its objects and its certificates' identity carry it")
     p.add_argument("--encoder-site", metavar="URL", help="a model cluster (site: cluster): its encoder site's URL, "
                    "the site router's LoadBalancer, https://HOST:PORT with TLS (default: the graph's encoder_site.url)")
     p.add_argument("--site-host", metavar="NAME", help="an encoder site (site: encoder): the DNS name or IP address "
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                    "anyway; anyone who reaches the LoadBalancer can call the encoders and read their answers")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        graph = sites.with_encoder_site(load_graph(find_graph(args.graph)), args.encoder_site)
+        graph = sites.with_options(load_graph(find_graph(args.graph)), args.name, args.encoder_site)
         exposure = Exposure(args.site_host, tuple(args.site_cidr), args.plaintext_site)
         text = render_yaml(graph, args.namespace, args.cert_manager_account, exposure)
     except GraphError as e:

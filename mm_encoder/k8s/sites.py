@@ -18,16 +18,18 @@ from ..graph.schema import Graph
 from .names import NOTE, TIER_PORT, Exposure, K8sNames, labels, selector
 
 
-def with_encoder_site(g: Graph, url: str | None) -> Graph:
-    """The graph with `render-k8s --encoder-site URL` over its `encoder_site.url`, validated again as a whole
-    (an https:// URL goes with the graph's TLS)."""
-    if url is None:
+def with_options(g: Graph, name: str | None = None, url: str | None = None) -> Graph:
+    """The graph with `render-k8s --name NAME` (a second model cluster from one file: the name is its
+    identity) and `--encoder-site URL` over the file's, validated again as a whole (an https:// URL goes
+    with the graph's TLS), as `serve` takes the same options."""
+    if name is None and url is None:
         return g
-    if g.site != "cluster":
+    if url is not None and g.site != "cluster":
         raise GraphError(f"--encoder-site names a model cluster's encoder site; graph {g.name} is not one "
                          "(site: cluster)")
     doc = g.model_dump()
-    doc["encoder_site"]["url"] = url
+    doc["name"] = name or doc["name"]
+    doc["encoder_site"]["url"] = url or doc["encoder_site"]["url"]
     try:
         return Graph.model_validate(doc)
     except ValidationError as e:
