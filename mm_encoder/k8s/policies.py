@@ -126,7 +126,7 @@ def openings(names: K8sNames, plans: list[ComponentPlan], cp: ComponentPlan) -> 
     elif kind in PORTS:  # an encoder or a tier: those that dial it, of the hop policy's callers
         add("http", PORTS[kind], http_callers(names, plans, cp) | ({PROMETHEUS} if kind == "encoder" and not tls
                                                                     else set())
-            | ({OUTSIDE} if kind == "cache-router" and g.site == "encoder" else set()))
+            | ({OUTSIDE} if kind == "cache-router" and names.door is not None else set()))
     if tls and (kind == "encoder" or kind in CACHE_TIERS):
         add("ops", OPS_PORT, {PROMETHEUS})
     if kind in SYSTEM_KINDS:
