@@ -107,7 +107,8 @@ DYNAMO_GRAPH_DEPLOYMENT = obj({
 }, ("apiVersion", "kind", "metadata", "spec"))
 
 # Kubernetes' networking.k8s.io/v1 NetworkPolicy (the API reference, v1.25+: `endPort` is GA), cut to what we emit.
-_PEER = obj({"podSelector": _LABEL_SELECTOR, "namespaceSelector": _LABEL_SELECTOR})
+_PEER = obj({"podSelector": _LABEL_SELECTOR, "namespaceSelector": _LABEL_SELECTOR,
+             "ipBlock": obj({"cidr": STR, "except": STR_LIST}, ("cidr",))})  # an encoder site's door
 _POLICY_PORT = obj({"protocol": {"type": "string", "enum": ["TCP", "UDP", "SCTP"]}, "port": INT_OR_STR,
                     "endPort": INT})
 NETWORK_POLICY = obj({
@@ -135,6 +136,7 @@ CERTIFICATE = obj({
         "duration": STR,  # a Go duration (metav1.Duration)
         "renewBefore": STR,
         "dnsNames": STR_LIST,
+        "ipAddresses": STR_LIST,  # an encoder site's LoadBalancer address (render-k8s --site-host IP)
         "uris": STR_LIST,
         "usages": {"type": "array", "items": {"type": "string", "enum": [
             "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
@@ -168,7 +170,8 @@ CERTIFICATE_REQUEST_POLICY = obj({
     "metadata": obj({"name": STR, "labels": STR_MAP}, ("name",)),
     "spec": obj({
         "allowed": obj({
-            "commonName": _ALLOWED_STRING, "dnsNames": _ALLOWED_STRINGS, "uris": _ALLOWED_STRINGS,
+            "commonName": _ALLOWED_STRING, "dnsNames": _ALLOWED_STRINGS, "ipAddresses": _ALLOWED_STRINGS,
+            "uris": _ALLOWED_STRINGS,
             "usages": CERTIFICATE["properties"]["spec"]["properties"]["usages"],
             "subject": obj({"organizations": _ALLOWED_STRINGS, "organizationalUnits": _ALLOWED_STRINGS}),
         }),

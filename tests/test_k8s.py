@@ -35,6 +35,7 @@ from mm_encoder.graph.schema import Graph, load_graph
 from mm_encoder.k8s import dgd as dgd_objects
 from mm_encoder.k8s import names as k8s_names
 from mm_encoder.k8s import render as k8s
+from mm_encoder.k8s.names import UNEXPOSED, Exposure
 from mm_encoder.planner.settings import check_args
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
@@ -48,9 +49,22 @@ GENERATED = ["python", "-m", "mm_encoder.engines.tiny_checkpoint", "/models/mode
 SCHEMA = DYNAMO_GRAPH_DEPLOYMENT
 
 
-def docs_of(graph: Graph) -> list[dict]:
+def docs_of(graph: Graph, exposure: Exposure = UNEXPOSED) -> list[dict]:
     """Rendered to text and parsed back, as kubectl would read it."""
-    return [d for d in yaml.safe_load_all(k8s.render_yaml(graph)) if d]
+    return [d for d in yaml.safe_load_all(k8s.render_yaml(graph, exposure=exposure)) if d]
+
+
+def as_rendered(doc: dict) -> tuple[Graph, Exposure]:
+    """A shipped graph's document as render-k8s takes it: a model cluster with its encoder site's URL
+    (--encoder-site), an encoder site without TLS exposed anyway (--plaintext-site)."""
+    tls = doc.get("tls", {}).get("enabled", False)
+    if doc.get("site") == "cluster":
+        doc["encoder_site"]["url"] = f"{'https' if tls else 'http'}://203.0.113.10:8090"
+    return Graph.model_validate(doc), Exposure(plaintext=doc.get("site") == "encoder" and not tls)
+
+
+def shipped(name: str) -> tuple[Graph, Exposure]:
+    return as_rendered(yaml.safe_load((GRAPHS / f"{name}.yaml").read_text()))
 
 
 def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -127,8 +141,8 @@ def test_schema_check_refuses_misspelled_and_v1alpha1_fields(epd_docs):
 def test_graph_deployment_has_the_crd_shape(name):
     """Every graph file renders a DynamoGraphDeployment the v1beta1 schema accepts, with one component
     per frontend / encoder / engine / planner, its module, replicas, Dynamo env and model flags."""
-    graph = load_graph(GRAPHS / f"{name}.yaml")
-    dgd = one(docs_of(graph), "DynamoGraphDeployment")
+    graph, exposure = shipped(name)
+    dgd = one(docs_of(graph, exposure), "DynamoGraphDeployment")
     assert errors(dgd, SCHEMA) == []
     assert dgd["apiVersion"] == "nvidia.com/v1beta1"
     assert dgd["metadata"]["name"] == graph.name
@@ -161,7 +175,7 @@ def test_graph_deployment_has_the_crd_shape(name):
             assert opt(main["args"], "--handle-chain") == [f"http://{graph.name}-cluster:{k8s_names.TIER_PORT}"]
         if graph.stock_frontend and c.kind == "engine":
             assert opt(main["args"], "--frontend") == ["stock"]
-    assert [c["type"] for c in comps.values()].count("frontend") == 1
+    assert [c["type"] for c in comps.values()].count("frontend") == (0 if graph.site == "encoder" else 1)
 
 
 def test_runtime_field_sets_discovery_and_planes():
@@ -887,9 +901,10 @@ def test_network_policies_deny_by_default_and_open_each_port_by_name(tls_docs, e
 def test_graphs_without_tls_render_no_tls_objects(name):
     """A graph without `tls` gets no Secret volume, ops port, Certificate, approver-policy object or Dynamo
     TLS setting; its NetworkPolicies all the same."""
-    docs = docs_of(load_graph(GRAPHS / f"{name}.yaml"))
+    graph, exposure = shipped(name)
+    docs = docs_of(graph, exposure)
     assert not any(d["kind"] in ("Certificate", "CertificateRequestPolicy") for d in docs)
-    assert f"{name}-default-deny" in {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert f"{graph.name}-default-deny" in {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
     text = json.dumps(docs)
     assert "/etc/mm-encoder/tls" not in text and "--tls-" not in text and "mm-ops" not in text
     assert "DYN_TCP_TLS" not in text
@@ -997,7 +1012,8 @@ def test_every_core_object_and_pod_template_is_what_kubernetes_models_read(name,
     doc = yaml.safe_load((GRAPHS / f"{name}.yaml").read_text())
     if tls:
         doc["tls"] = {"enabled": True, "issuer": "ca-issuer"}
-    docs = k8s.render(Graph.model_validate(doc), "mm")
+    graph, exposure = as_rendered(doc)
+    docs = k8s.render(graph, "mm", exposure=exposure)
     checked = Counter()
     for d in docs:
         if d["kind"] in CORE_MODELS:

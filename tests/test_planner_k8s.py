@@ -23,9 +23,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from mm_encoder.graph.schema import load_graph
+from mm_encoder.graph.schema import Graph, load_graph
 from mm_encoder.k8s import render as k8s
-from mm_encoder.k8s.names import PLANNER_SERVICE_ACCOUNT
+from mm_encoder.k8s.names import PLANNER_SERVICE_ACCOUNT, Exposure
 from mm_encoder.runtime.dynamo import encoder_target, planner_connector
 
 pytest.importorskip("kubernetes")
@@ -326,3 +326,23 @@ async def test_a_dgd_that_is_not_ready_is_left_alone(kube):
     assert type(e.value).__name__ == "DynamoGraphDeploymentNotReadyError"
     assert [r["method"] for r in fake.requests] == ["GET", "GET"] and not changes(fake)
     assert fake.components()["encoder"]["replicas"] == 1
+
+
+async def test_an_encoder_sites_planner_scales_its_encoders_without_engines(kube, monkeypatch):
+    """An encoder site (graphs/encoder-site.yaml with a planner) renders no engines, so no component is typed
+    decode: Dynamo's connector still finds the encoder by name in the prefill slot and scales its adapter,
+    with the calls the rendered Role allows."""
+    doc = yaml.safe_load((GRAPH.parent / "encoder-site.yaml").read_text())
+    doc["components"]["planner"] = {"kind": "planner", "args": ["--min-replicas", "1", "--max-replicas", "3"]}
+    graph = Graph.model_validate(doc)
+    docs = k8s.render(graph, exposure=Exposure(plaintext=True))
+    (dgd,) = [d for d in docs if d["kind"] == "DynamoGraphDeployment"]
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert {c["name"]: c["type"] for c in dgd["spec"]["components"]} == {"encoder": "worker", "planner": "planner"}
+    monkeypatch.setenv("DYN_PARENT_DGD_K8S_NAME", "encoder-site")
+    fake = kube(dgd, role, adapter="encoder-site-encoder")
+    c = planner_connector("kubernetes", None, graph.namespace, graph.llm.served_name, "encoder")
+    await c.set_component_replicas([encoder_target("encoder", 3)], blocking=False)
+    (scale,) = changes(fake)
+    assert scale["path"] == f"{API}/dynamographdeploymentscalingadapters/encoder-site-encoder/scale"
+    assert scale["body"] == {"spec": {"replicas": 3}} and fake.components()["encoder"]["replicas"] == 3

@@ -5,7 +5,9 @@ repeats (an env list, the pod's security context)."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import GraphError
@@ -72,22 +74,61 @@ def selector(g: Graph, component: str) -> dict[str, str]:
     return {"mm-encoder/graph": g.name, "mm-encoder/component": component}
 
 
+ANYWHERE = ("0.0.0.0/0", "::/0")  # an encoder site's door without --site-cidr
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """How other clusters reach an encoder site's router (`render-k8s --site-host, --site-cidr,
+    --plaintext-site`): the name or address its LoadBalancer answers on, which the router's certificate
+    then carries too; the source ranges the LoadBalancer and the NetworkPolicy admit (none: anywhere); and
+    whether a site without TLS may be exposed at all (like `serve --plaintext-off-loopback`)."""
+
+    host: str | None = None
+    cidrs: tuple[str, ...] = ()
+    plaintext: bool = False
+
+    def __post_init__(self) -> None:
+        for cidr in self.cidrs:
+            try:
+                ipaddress.ip_network(cidr)
+            except ValueError:
+                raise GraphError(f"--site-cidr {cidr!r} is not a network (ADDRESS/BITS with no host bits set, "
+                                 "e.g. 198.51.100.0/24)") from None
+        if self.host is not None and self.ip is None and not check_host(self.host):
+            raise GraphError(f"--site-host {self.host!r} is neither an IP address nor a DNS name")
+
+    @property
+    def ip(self) -> str | None:
+        """`host` as an IP address (a certificate's IP SAN), else None (a DNS name)."""
+        try:
+            return str(ipaddress.ip_address(self.host)) if self.host else None
+        except ValueError:
+            return None
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.cidrs or ANYWHERE
+
+
+UNEXPOSED = Exposure()  # every graph but an encoder site, and one rendered without the options
+
+
+def check_host(name: str) -> bool:
+    """A DNS name a certificate may carry: DNS-1123 labels joined by dots, at most 253 characters."""
+    return len(name) <= 253 and all(_DNS1123_LABEL.match(part) for part in name.lower().split("."))
+
+
 class K8sNames:
     """Every name the render uses (and the operator will), checked once: DNS-1123 labels, no two alike."""
 
-    def __init__(self, g: Graph, namespace: str | None = None):
+    def __init__(self, g: Graph, namespace: str | None = None, exposure: Exposure = UNEXPOSED):
         self.g = g
+        self.exposure = exposure
         check_name(g.name, "graph name")
         self.components: dict[str, str] = {}  # graph component -> DynamoGraphDeployment `spec.components[].name`
-        taken: dict[str, str] = {}
-
-        def claim(name: str, what: str, max_len: int = 63) -> str:
-            check_name(name, what, max_len)
-            if name in taken:
-                raise GraphError(f"{what} {name!r} is also the name of {taken[name]}: rename a component")
-            taken[name] = what
-            return name
-
+        self._taken: dict[str, str] = {}
+        claim = self._claim
         for cname, c in g.components.items():
             if c.kind in DYNAMO_KINDS:
                 self.components[cname] = cname  # already a DNS-1123 label, as v1beta1 `name` allows
@@ -101,6 +142,9 @@ class K8sNames:
         self.tiers = {n: claim(f"{g.name}-{n}", f"the {c.kind} tier {n!r}") for n, c in g.components.items()
                       if c.kind in ("cache-router", "cache-cluster")}
         self.tiers |= self.shared
+        # An encoder site's door: the Service of type LoadBalancer that other clusters reach its router through.
+        self.door = claim(f"{g.name}-{g.of_kind('cache-router')[0][0]}-lb", "the encoder site's LoadBalancer "
+                          "Service") if g.site == "encoder" else None
         self.model_pvc = check_name(f"{g.name}-model", "the checkpoint volume claim") if g.llm.checkpoint else None
         # The encoder fleet's Grafana dashboard (dashboards/grafana.py), with a graph that has encoders.
         self.dashboard = claim(f"{g.name}-grafana-dashboard", "the Grafana dashboard's ConfigMap") \
@@ -135,6 +179,14 @@ class K8sNames:
                                                         f"the CertificateRequestPolicy of component {n!r}")
                                      for n in tls}
             self.approval = claim(f"{g.name}-certificate-approval", "the approver-policy Role and RoleBinding")
+
+    def _claim(self, name: str, what: str, max_len: int = 63) -> str:
+        """`name` for `what`: a valid name, and no other object's."""
+        check_name(name, what, max_len)
+        if name in self._taken:
+            raise GraphError(f"{what} {name!r} is also the name of {self._taken[name]}: rename a component")
+        self._taken[name] = what
+        return name
 
 
 UID = 101  # the image's user (docker/Dockerfile)

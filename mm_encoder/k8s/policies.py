@@ -20,8 +20,10 @@ A component's ports and their callers (`openings`):
   it (`DYNAMO_CALLS`), and the response streams a caller receives on (any request plane: the callee
   dials the caller back) from the components it calls;
 - with ZMQ events, an engine's KV event publisher, which binds a port the kernel picks from its
-  ephemeral range: that range, from the frontend (its KV router subscribes).
-Egress is not restricted."""
+  ephemeral range: that range, from the frontend (its KV router subscribes);
+- an encoder site's router (its door): from outside the cluster too, by address (`ipBlock`: the operator's
+  `--site-cidr`, else anywhere), since its callers are other clusters' tiers, which no pod selector names.
+Egress is not restricted: a model cluster's cluster tier reaches its encoder site without a policy of ours."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from .names import (
 from .site import K8sSite
 
 ANYONE = "*"  # a port open to every source (the frontend's OpenAI port)
+OUTSIDE = "outside"  # other clusters, by address: an encoder site's door (`K8sNames.exposure`)
 PROMETHEUS = "prometheus"  # Prometheus's pods, in any namespace (kube-prometheus-stack labels its own so)
 PROMETHEUS_PEER: dict[str, Any] = {"namespaceSelector": {},
                                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
@@ -122,7 +125,8 @@ def openings(names: K8sNames, plans: list[ComponentPlan], cp: ComponentPlan) -> 
         add("http", PORTS[kind], {PROMETHEUS})
     elif kind in PORTS:  # an encoder or a tier: those that dial it, of the hop policy's callers
         add("http", PORTS[kind], http_callers(names, plans, cp) | ({PROMETHEUS} if kind == "encoder" and not tls
-                                                                    else set()))
+                                                                    else set())
+            | ({OUTSIDE} if kind == "cache-router" and names.door is not None else set()))
     if tls and (kind == "encoder" or kind in CACHE_TIERS):
         add("ops", OPS_PORT, {PROMETHEUS})
     if kind in SYSTEM_KINDS:
@@ -135,13 +139,16 @@ def openings(names: K8sNames, plans: list[ComponentPlan], cp: ComponentPlan) -> 
     return out
 
 
-def _peers(g: Graph, sources: frozenset[str]) -> list[dict[str, Any]] | None:
-    """A rule's `from`: each source component's pods (this namespace), Prometheus; None: anyone."""
+def _peers(names: K8sNames, sources: frozenset[str]) -> list[dict[str, Any]] | None:
+    """A rule's `from`: each source component's pods (this namespace), Prometheus, other clusters by
+    address; None: anyone."""
+    g = names.g
     if ANYONE in sources:
         return None
     peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": selector(g, n)}}
                                    for n in g.components if n in sources]
-    return peers + ([PROMETHEUS_PEER] if PROMETHEUS in sources else [])
+    outside = [{"ipBlock": {"cidr": cidr}} for cidr in names.exposure.sources] if OUTSIDE in sources else []
+    return peers + ([PROMETHEUS_PEER] if PROMETHEUS in sources else []) + outside
 
 
 def _port(o: Opening) -> dict[str, Any]:
@@ -160,7 +167,7 @@ def network_policies(names: K8sNames, plans: list[ComponentPlan]) -> list[dict[s
     for cp in plans:
         rules = []
         for o in openings(names, plans, cp):
-            peers = _peers(g, o.sources)
+            peers = _peers(names, o.sources)
             rules.append({**({"from": peers} if peers is not None else {}), "ports": [_port(o)]})
         out.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                     "metadata": {"name": names.policies[cp.name], "labels": labels(g, cp.name, cp.kind)},
@@ -171,6 +178,9 @@ def network_policies(names: K8sNames, plans: list[ComponentPlan]) -> list[dict[s
 
 def note(names: K8sNames) -> str:
     """What the DynamoGraphDeployment's note says of the policies."""
-    return (f" NetworkPolicies {names.default_deny} and {', '.join(names.policies.values())} admit each "
-            "component's callers only, on each port (Prometheus: pods labelled app.kubernetes.io/name=prometheus); "
-            "they need a CNI that enforces them.")
+    out = (f" NetworkPolicies {names.default_deny} and {', '.join(names.policies.values())} admit each "
+           "component's callers only, on each port (Prometheus: pods labelled app.kubernetes.io/name=prometheus); "
+           "they need a CNI that enforces them.")
+    if names.door is not None:
+        out += f" The router's port admits other clusters from {', '.join(names.exposure.sources)}."
+    return out

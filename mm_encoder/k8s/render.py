@@ -27,8 +27,8 @@ from ..dashboards import grafana
 from ..graph.plan import plan
 from ..graph.schema import Graph, load_graph
 from ..graph.shipped import find_graph
-from . import availability, dgd, policies, tiers, tls
-from .names import K8sNames, labels
+from . import availability, dgd, policies, sites, tiers, tls
+from .names import UNEXPOSED, Exposure, K8sNames, labels
 from .site import K8sSite
 
 
@@ -50,24 +50,27 @@ def _check_components(g: Graph) -> None:
                 raise GraphError(f"components.{n}.env: {key!r} is not a valid environment variable name")
 
 
-def render(graph: Graph, namespace: str | None = None,
-           cert_manager: str = tls.CERT_MANAGER_ACCOUNT) -> list[dict[str, Any]]:
+def render(graph: Graph, namespace: str | None = None, cert_manager: str = tls.CERT_MANAGER_ACCOUNT,
+           exposure: Exposure = UNEXPOSED) -> list[dict[str, Any]]:
     """The graph as Kubernetes objects: the DynamoGraphDeployment, the encoders' Services, the tiers, the
     dashboard, the NetworkPolicies and PodDisruptionBudgets; with `tls.issuer` the Certificates and the
-    approver-policy objects for `namespace` (refused without one), requested by `cert_manager`'s account."""
+    approver-policy objects for `namespace` (refused without one), requested by `cert_manager`'s account;
+    an encoder site's router exposed as `exposure` says (`sites.py`)."""
+    sites.check(graph, exposure)
     if graph.tls.issuer is not None and namespace is None:
         raise GraphError("tls.issuer: the render approves this graph's certificate requests from one namespace "
                          "only (approver-policy): name it with --namespace NS, the namespace you apply the file to")
     if not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", cert_manager):
         raise GraphError(f"--cert-manager-account {cert_manager!r}: NAMESPACE/SERVICEACCOUNT of cert-manager's "
                          "controller (its Helm chart's default: cert-manager/cert-manager)")
-    names = K8sNames(graph, namespace)
+    names = K8sNames(graph, namespace, exposure)
     _check_components(graph)
     components = plan(graph, K8sSite(names))
     deployment = dgd.graph_deployment(names, components)
     dgd.check_planner_types(graph, deployment["spec"]["components"])
     objects = [*tls.certificates(names), *tls.request_policies(names, cert_manager), deployment,
-               *dgd.encoder_services(names), *dgd.connector_rbac(names), *tiers.tier_objects(names, components)]
+               *dgd.encoder_services(names), *dgd.connector_rbac(names), *tiers.tier_objects(names, components),
+               *sites.door_service(names)]
     if names.dashboard is not None:  # the encoder fleet's Grafana dashboard, for Grafana's sidecar
         objects.append(grafana.config_map(names.dashboard, labels(graph, "grafana-dashboard", "dashboard")))
     objects += policies.network_policies(names, components) + availability.budgets(names, components)
@@ -75,11 +78,12 @@ def render(graph: Graph, namespace: str | None = None,
     return plain
 
 
-def render_yaml(graph: Graph, namespace: str | None = None, cert_manager: str = tls.CERT_MANAGER_ACCOUNT) -> str:
+def render_yaml(graph: Graph, namespace: str | None = None, cert_manager: str = tls.CERT_MANAGER_ACCOUNT,
+                exposure: Exposure = UNEXPOSED) -> str:
     header = (f"# Rendered by `mm-encoder render-k8s` from graph {graph.name}: kubectl apply -n NAMESPACE -f FILE\n"
               f"# Needs the NVIDIA Dynamo operator (DynamoGraphDeployment {dgd.API_VERSION}, "
               f"Dynamo {dgd.DYNAMO_VERSION}).\n")
-    return header + yaml.safe_dump_all(render(graph, namespace, cert_manager), sort_keys=False,
+    return header + yaml.safe_dump_all(render(graph, namespace, cert_manager, exposure), sort_keys=False,
                                        default_flow_style=False, width=120)
 
 
@@ -94,9 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cert-manager-account", default=tls.CERT_MANAGER_ACCOUNT,
                    help="with tls.issuer: cert-manager's controller ServiceAccount, NAMESPACE/NAME, which requests "
                         "every Certificate's certificates (default: %(default)s)")
+    p.add_argument("--name", help="the graph's name for this render (default: the file's `name`): a second model "
+                   "cluster from one file; its objects and its certificates' identity carry it")
+    p.add_argument("--encoder-site", metavar="URL", help="a model cluster (site: cluster): its encoder site's URL, "
+                   "the site router's LoadBalancer, https://HOST:PORT with TLS (default: the graph's encoder_site.url)")
+    p.add_argument("--site-host", metavar="NAME", help="an encoder site (site: encoder): the DNS name or IP address "
+                   "its LoadBalancer answers on, which the router's certificate then carries too (with tls.issuer)")
+    p.add_argument("--site-cidr", metavar="CIDR", action="append", default=[], help="an encoder site: a network its "
+                   "model clusters call from, once per network: the LoadBalancer and the router's NetworkPolicy "
+                   "admit only these (default: anywhere)")
+    p.add_argument("--plaintext-site", action="store_true", help="an encoder site without TLS: expose its router "
+                   "anyway; anyone who reaches the LoadBalancer can call the encoders and read their answers")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        text = render_yaml(load_graph(find_graph(args.graph)), args.namespace, args.cert_manager_account)
+        graph = sites.with_options(load_graph(find_graph(args.graph)), args.name, args.encoder_site)
+        exposure = Exposure(args.site_host, tuple(args.site_cidr), args.plaintext_site)
+        text = render_yaml(graph, args.namespace, args.cert_manager_account, exposure)
     except GraphError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -90,8 +90,21 @@ def dns_names(names: K8sNames) -> dict[str, list[str]]:
         own.append(server_host(g.tls.trust_domain, g.name, c.kind))
         if c.kind not in CACHE_TIERS:  # Dynamo's: its TCP TLS checks every peer by one name
             own.append(request_plane_host(g))
+        if cname == door(names) and names.exposure.host and names.exposure.ip is None:
+            own.append(names.exposure.host)  # the LoadBalancer's name, for clients that check it
         out[cname] = own
     return out
+
+
+def door(names: K8sNames) -> str | None:
+    """An encoder site's router, the one component other clusters dial (through its LoadBalancer)."""
+    return names.g.of_kind("cache-router")[0][0] if names.door is not None else None
+
+
+def ip_addresses(names: K8sNames, component: str) -> list[str]:
+    """The IP addresses a component's certificate carries: the encoder site's LoadBalancer's, if given so."""
+    ip = names.exposure.ip
+    return [ip] if ip is not None and component == door(names) else []
 
 
 def duration_s(g: Graph, component: str) -> int:
@@ -134,6 +147,7 @@ def certificates(names: K8sNames) -> list[dict[str, Any]]:
             "duration": go_duration(life),
             "renewBefore": go_duration(life // 3),
             "dnsNames": hosts[cname],
+            **({"ipAddresses": ips} if (ips := ip_addresses(names, cname)) else {}),
             "uris": [identity(g, cname).uri],
             "usages": USAGES,
             "privateKey": PRIVATE_KEY,
@@ -160,6 +174,7 @@ def request_policies(names: K8sNames, cert_manager: str = CERT_MANAGER_ACCOUNT) 
         allowed: dict[str, Any] = {
             "commonName": {"value": cname, "required": True},
             "dnsNames": {"values": hosts[cname], "required": True},
+            **({"ipAddresses": {"values": ips, "required": True}} if (ips := ip_addresses(names, cname)) else {}),
             "uris": {"values": [identity(g, cname).uri], "required": True},
             "usages": USAGES,
             "subject": {"organizations": {"values": [ORGANIZATION], "required": True},
@@ -199,7 +214,8 @@ def note(names: K8sNames) -> str:
         "you (kubectl create secret generic NAME --from-file=tls.crt=... --from-file=tls.key=... " \
         "--from-file=ca.crt=...), from one CA, each certificate with exactly the URI and DNS names below"
     each = "; ".join(f"{secret} (CN {n}, OU {g.components[n].kind}, URI {identity(g, n).uri}, "
-                     f"DNS {', '.join(hosts[n])})" for n, secret in names.tls_secrets.items())
+                     f"DNS {', '.join(hosts[n])}{''.join(f', IP {ip}' for ip in ip_addresses(names, n))})"
+                     for n, secret in names.tls_secrets.items())
     out = f" TLS: each component mounts its Secret at {TLS_DIR} (tls.crt, tls.key, ca.crt), made by {made}: {each}."
     if names.request_policies:
         out += (f" approver-policy approves only these requests, from namespace {names.namespace}: "

@@ -11,10 +11,13 @@ renderer): HTTP hops of the plan, Dynamo's request plane (TCP: the frontend call
 engines call encoders, the planner calls encoders and other planners) and its response streams (the callee
 dials the caller back, whatever the request plane), model cards the frontend reads from a worker's system
 port, Prometheus's scrapes, and with ZMQ events the frontend's subscription to each engine's publisher,
-which binds a port of the kernel's ephemeral range."""
+which binds a port of the kernel's ephemeral range. An encoder site's router admits other clusters by
+address (`ipBlock`): anywhere by default, which a CNI may match pod addresses against too (Calico does),
+so the table counts every source; with `--site-cidr` only the sources within it."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,11 @@ import yaml
 
 from mm_encoder.graph.schema import Graph
 from mm_encoder.k8s import render as k8s
+from mm_encoder.k8s.names import Exposure
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 NS = "team-a"
+OUTSIDE_IP = "198.51.100.7"  # a client outside the cluster, e.g. another cluster's tier
 PROM, ANYONE = "prometheus", "*"
 HTTP, OPS, SYSTEM, RPC, RESPONSES, EVENTS = 8080, 9091, 9090, 9092, 9093, range(32768, 61000)
 ENCODER_HTTP, FRONTEND_HTTP, PLANNER_HTTP = 8090, 8000, 8010
@@ -37,6 +42,7 @@ class Pod:
     name: str
     namespace: str | None  # None: not a pod (a client outside the cluster)
     labels: dict[str, str] = field(default_factory=dict)
+    ip: str = "10.244.1.9"  # a pod's address (what an ipBlock is matched against); OUTSIDE_IP outside
 
 
 def _calls(tls: bool, *, http: dict[str, set[str]], rpc: dict[str, set[str]] | None,
@@ -88,6 +94,12 @@ def expected(name: str, tls: bool) -> dict[str, dict[int, set[str]]]:
     if name == "epd-vllm":  # one cache tier, ZMQ KV events from the engine to the frontend's router
         return _calls(tls, http={"frontend": {ANYONE}, "cluster": {"frontend", "engine"}, "encoder": {"cluster"}},
                       rpc=epd_rpc, responses=epd_responses, system=epd_system, zmq_engines=("engine",))
+    if name == "encoder-site":  # other clusters call its router (ipBlock anywhere); nothing calls the encoders' RPC
+        return _calls(tls, http={"router": {ANYONE}, "shared": {"router"}, "encoder": {"shared"}}, rpc=None,
+                      responses={}, system={"encoder": {PROM}})
+    if name == "model-cluster":  # its cluster tier calls the encoder site (egress, not restricted); no encoders
+        return _calls(tls, http={"frontend": {ANYONE}, "cluster": {"frontend", "engine"}}, rpc={"engine": {"frontend"}},
+                      responses={"frontend": {"engine"}}, system={"engine": {PROM, "frontend"}})
     if name == "agg":  # no encoder: the frontend calls the engine, which calls nobody
         return _calls(tls, http={"frontend": {ANYONE}}, rpc={"engine": {"frontend"}},
                       responses={"frontend": {"engine"}}, system={"engine": {PROM, "frontend"}})
@@ -100,6 +112,10 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def _peer_admits(peer: dict[str, Any], policy_ns: str, source: Pod) -> bool:
+    if "ipBlock" in peer:  # by address, whoever holds it (a CNI may match pods' addresses too)
+        assert set(peer) == {"ipBlock"} and set(peer["ipBlock"]) == {"cidr"}, peer
+        network = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+        return ipaddress.ip_address(source.ip) in network
     if source.namespace is None:  # outside the cluster: only an ipBlock would name it
         return False
     assert set(peer) <= {"podSelector", "namespaceSelector"}, peer
@@ -147,6 +163,8 @@ def _graph(name: str, tls: bool) -> Graph:
     doc = yaml.safe_load((GRAPHS / f"{name}.yaml").read_text())
     if tls:
         doc["tls"] = {"enabled": True}
+    if doc.get("site") == "cluster":  # render-k8s --encoder-site URL
+        doc["encoder_site"]["url"] = f"{'https' if tls else 'http'}://203.0.113.10:8090"
     return Graph.model_validate(doc)
 
 
@@ -154,16 +172,22 @@ CASES = [(n, tls) for n in sorted(p.stem for p in GRAPHS.glob("*.yaml")) for tls
          if not (tls and n in ("epd-stock", "epd-vllm"))]  # TLS refuses Dynamo's stock frontend and ZMQ events
 
 
-@pytest.mark.parametrize(("name", "tls"), CASES)
-def test_every_port_admits_exactly_its_callers(name, tls):
-    docs = k8s.render(_graph(name, tls))
-    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
-    pods = _pods(docs)
+def _sources(pods: dict[str, Pod]) -> list[Pod]:
+    """The graph's pods, Prometheus's, and strangers: in the namespace, in another, another graph's, outside."""
     prometheus = Pod(PROM, "monitoring", {"app.kubernetes.io/name": "prometheus"})
     strangers = [Pod("stranger", NS, {"app": "debug"}), Pod("elsewhere", "team-b", {}),
                  Pod("other-graph", NS, {"mm-encoder/graph": "other", "mm-encoder/component": "frontend"}),
-                 Pod("outside", None)]
-    sources = [*pods.values(), prometheus, *strangers]
+                 Pod("outside", None, ip=OUTSIDE_IP)]
+    return [*pods.values(), prometheus, *strangers]
+
+
+@pytest.mark.parametrize(("name", "tls"), CASES)
+def test_every_port_admits_exactly_its_callers(name, tls):
+    graph = _graph(name, tls)
+    docs = k8s.render(graph, exposure=Exposure(plaintext=graph.site == "encoder" and not tls))
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = _pods(docs)
+    sources = _sources(pods)
     table = expected(name, tls)
     assert set(pods) == {n for n in _graph(name, tls).components}
     for component, pod in pods.items():
@@ -180,3 +204,20 @@ def test_every_port_admits_exactly_its_callers(name, tls):
             if ANYONE in want:
                 want = {s.name for s in sources}
             assert admitted(policies, pod, port, sources) == want, (name, tls, component, port)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_an_encoder_sites_door_admits_only_the_networks_it_is_given(tls):
+    """With `--site-cidr`, the router's port admits sources within those networks only: a client there, no pod
+    of the cluster (its address is elsewhere) and no other port; the rest of the site as without."""
+    graph = _graph("encoder-site", tls)
+    docs = k8s.render(graph, exposure=Exposure(cidrs=("198.51.100.0/24", "2001:db8::/32"), plaintext=not tls))
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = _pods(docs)
+    sources = _sources(pods)
+    assert admitted(policies, pods["router"], HTTP, sources) == {"outside"}
+    for component, pod in pods.items():
+        for port, callers in expected("encoder-site", tls).get(component, {}).items():
+            if component != "router" or port != HTTP:
+                assert admitted(policies, pod, port, sources) == callers, (component, port)
+        assert "outside" not in admitted(policies, pod, 1, sources) | admitted(policies, pod, OPS, sources)
