@@ -14,10 +14,12 @@ import asyncio
 import http.client
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
@@ -47,6 +49,13 @@ def _encodes(ops: int) -> float:
                if line.startswith("dynamo_component_encode_forward_items_total{"))
 
 
+def _clusters(ops: int) -> dict[str, float]:
+    """A tier's requests per calling cluster, from its plaintext /metrics (prometheus_client's parser)."""
+    text = _get(f"http://127.0.0.1:{ops}/metrics")
+    return {s.labels["cluster"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "dynamo_component_cache_tier_requests_total"}
+
+
 def _client(issued, ca) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(ca))
     if issued is not None:
@@ -54,12 +63,12 @@ def _client(issued, ca) -> ssl.SSLContext:
     return ctx
 
 
-def _head(port: int, ctx: ssl.SSLContext) -> tuple[int, dict[str, str]]:
+def _head(port: int, ctx: ssl.SSLContext, **headers: str) -> tuple[int, dict[str, str]]:
     """The frontend's question (HEAD /v1/encode with the request in the body), raw."""
     conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
     try:
         conn.request("HEAD", "/v1/encode", body=SOURCE.body(),
-                     headers={"Content-Type": "application/json", "X-Cache-Key": SOURCE.key()})
+                     headers={"Content-Type": "application/json", "X-Cache-Key": SOURCE.key(), **headers})
         r = conn.getresponse()
         r.read()
         return r.status, dict(r.getheaders())
@@ -168,3 +177,33 @@ def test_a_tier_refuses_a_next_level_of_another_role(chain, tmp_path):
     finally:
         t.stop()
     assert _encodes(ports["worker_ops"]) == before
+
+
+def test_a_calling_cluster_tier_is_named_by_its_certificates_graph(chain):
+    """With TLS the router names a calling cluster tier by its certificate's graph, whatever X-MM-Cluster
+    it sends, and tells the shard so; a cluster tier without --cluster-name names itself by its own
+    graph. A cluster tier of another graph under the same CA is refused (403 `forbidden_peer`) before
+    anything is counted: the tiers admit their own graph's callers only."""
+    certs, ports, _ = chain
+    graph = "mm-encoder"  # the chain's certificates' graph
+    before = {t: _clusters(ports[f"{t}_ops"]) for t in ("cluster", "router", "shared")}
+    liar = certs.issue("cluster-liar", "cache-cluster")
+    status, _ = _head(ports["router"], _client(liar, certs.ca_file), **{"X-MM-Cluster": "someone-else"})
+    assert status == 200
+    _describe(ports["cluster"], certs.issue("frontend", "frontend", replace=True), certs.ca_file)
+    other = certs.ca.issue(Identity("cluster-b", "cache-cluster", graph="model-b"), certs.root / "model-b")
+    status, headers = _head(ports["router"], _client(other, certs.ca_file), **{"X-MM-Cluster": "model-b"})
+    assert (status, headers["X-MM-Error-Code"]) == (403, "forbidden_peer")
+
+    deadline = time.monotonic() + 10
+    while True:  # nginx counts a request after its answer has gone
+        after = {t: _clusters(ports[f"{t}_ops"]) for t in before}
+        grown = {t: {k: v - before[t].get(k, 0) for k, v in after[t].items() if v != before[t].get(k, 0)}
+                 for t in before}
+        settled = grown["cluster"] and grown["router"] and grown["shared"] == grown["router"]
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert grown["cluster"] == {graph: 1}
+    assert grown["router"] in ({graph: 1}, {graph: 2})  # the liar's, and the cluster tier's if it missed
+    assert grown["shared"] == grown["router"]
