@@ -1010,3 +1010,21 @@ def test_every_core_object_and_pod_template_is_what_kubernetes_models_read(name,
     broken = copy.deepcopy(one(docs, "NetworkPolicy", f"{doc['name']}-default-deny"))
     broken["spec"]["podSelectr"] = {}  # the check itself: a misspelled field does not come back
     assert _round_trip(broken, "V1NetworkPolicy") != broken
+
+
+def test_every_tier_serves_metrics_where_the_encoders_do(epd_docs, tls_docs):
+    """One PodMonitor (docs/kubernetes.md) scrapes the encoders and the tiers: without TLS each tier's
+    /metrics is on its port named as the encoders' (`mm-http`), which admits Prometheus as theirs does;
+    with TLS on the plaintext ops port (`mm-ops`), as theirs is."""
+    def port_rules(docs: list[dict], component: str) -> dict[int, list[dict]]:
+        policy = one(docs, "NetworkPolicy", f"epd-{component}-ingress")
+        return {p["port"]: rule.get("from", []) for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+    for docs, tls in ((epd_docs, False), (tls_docs, True)):
+        found = pods(docs)
+        names = {p["name"]: p["containerPort"] for p in found["encoder"][1]["ports"]}
+        wanted = "mm-ops" if tls else "mm-http"
+        for tier in ("cluster", "router", "shared"):
+            ports = {p["name"]: p["containerPort"] for p in found[tier][1]["ports"]}
+            assert wanted in ports and wanted in names, (tier, ports)
+            assert PROMETHEUS in port_rules(docs, tier)[ports[wanted]], tier
