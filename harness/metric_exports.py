@@ -1,8 +1,9 @@
 """Every metric family the package exports, from the real exporters (nothing started): an encode
 worker's `ServiceMetrics` over real caches and admission, the frontend's processor registry, the
 encode planner's `PlannerMetrics`, and the cache tiers' families as nginx serves them (declared in
-`cache_tiers/metrics.py`; tests/test_cache_tiers.py holds a real tier's /metrics to them). What tests/test_metrics_doc.py holds docs/observability.md's
-table to, and tests/test_dashboard.py the dashboard's queries."""
+`cache_tiers/metrics.py`; tests/test_cache_tiers.py holds a real tier's /metrics to them). What
+tests/test_metrics_doc.py holds docs/observability.md's table to, and tests/test_dashboard.py the
+dashboard's queries."""
 
 from __future__ import annotations
 

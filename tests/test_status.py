@@ -89,7 +89,7 @@ def test_each_tier_shows_requests_and_hits_per_calling_cluster(tmp_path, capsys)
              "/router/_cache/stats": {"clusters": {"model-a": {"requests": 4, "bytes": 1, "errors": 1}}}}
 
     class Stats(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
+        def do_GET(self):
             body = json.dumps(stats[self.path]).encode()
             self.send_response(200)
             self.end_headers()
@@ -109,7 +109,8 @@ def test_each_tier_shows_requests_and_hits_per_calling_cluster(tmp_path, capsys)
         assert main(["--run-dir", str(tmp_path)]) == 0
         lines = capsys.readouterr().out.splitlines()[1:]
         assert "requests=5" in lines[0] and "hit=75%" in lines[0]
-        assert lines[1:3] == ["      from model-a: requests=3  hits=1 (50%)", "      from model-b: requests=2  hits=2 (100%)"]
+        assert lines[1:3] == ["      from model-a: requests=3  hits=1 (50%)",
+                              "      from model-b: requests=2  hits=2 (100%)"]
         assert "requests=4" in lines[3] and "hit=" not in lines[3]
         assert lines[4:] == ["      from model-a: requests=4"]
         assert main(["--run-dir", str(tmp_path), "--json"]) == 0

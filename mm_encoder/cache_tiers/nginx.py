@@ -48,7 +48,8 @@ def _snippet(name: str, fields: dict[str, str]) -> str:
 
 def snippets(cfg: TierConfig) -> dict[str, str]:
     """The files nginx.conf includes from the run directory: the status locations, the calling cluster's
-    maps, the metric families' Lua table, and with TLS the handshake, the callers' roles, the next level's TLS and the plaintext ops server."""
+    maps, the metric families' Lua table, and with TLS the handshake, the callers' roles, the next
+    level's TLS and the plaintext ops server."""
     run_dir = str(cfg.resolved_run_dir().resolve())
     out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier}),
            "cluster.conf": (config_dir() / "nginx" / "cluster.conf").read_text(),

@@ -1,8 +1,9 @@
 """`mm-encoder status [--watch]`: per component of a running graph: up/down, requests, cache hit ratio
-per level (and a tier's requests and hits per calling cluster), encodes, p50 and p95 latency, the frontend's slowest recent request. Reads `state.json`
-from the graph's run directory and asks each component (frontend `/mm/stats`, encoder `/metrics`,
-cache tiers `/_cache/stats`, the encode planner `/status`: encoders wanted and running, its last
-decision and why), and with TLS how long each component's certificates have left."""
+per level (and a tier's requests and hits per calling cluster), encodes, p50 and p95 latency, the
+frontend's slowest recent request. Reads `state.json` from the graph's run directory and asks each
+component (frontend `/mm/stats`, encoder `/metrics`, cache tiers `/_cache/stats`, the encode planner
+`/status`: encoders wanted and running, its last decision and why), and with TLS how long each
+component's certificates have left."""
 
 from __future__ import annotations
 
