@@ -234,13 +234,15 @@ def test_router_shards_are_exactly_the_statefulset_pods(epd_docs):
 
 
 def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
-    """The cluster tier fronts the router (and the encoders directly); the frontend reaches it with the
-    planned route, on the operator's frontend port, with the graph's own args."""
+    """The cluster tier fronts the router (and the encoders directly) and names its graph as the calling
+    cluster; the frontend reaches it with the planned route, on the operator's frontend port, with the
+    graph's own args."""
     cluster = one(epd_docs, "Deployment", "epd-cluster")
     pod = cluster["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert opt(args, "--next") == ["epd-router:8080"]
     assert opt(args, "--direct") == ["epd-encoder-http:8090"]
+    assert opt(args, "--cluster-name") == ["epd"]  # the calling cluster the levels behind count it as
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
     one(epd_docs, "Service", "epd-cluster")
     fargs = main_of(components(one(epd_docs, "DynamoGraphDeployment"))["frontend"])["args"]

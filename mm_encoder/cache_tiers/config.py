@@ -76,8 +76,8 @@ class TierConfig(TlsOptions):
     log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
     cluster_name: str = Field("", pattern=r"^([a-z0-9-]{1,63})?$",
                               description="cluster tier only: the model cluster it serves, sent on as X-MM-Cluster "
-                              "(whatever its caller sent) so the levels behind count requests per cluster (none: "
-                              "with TLS its graph, else the caller's header)")
+                              "(whatever its caller sent) so the levels behind count requests per cluster (serve, "
+                              "render-k8s: the graph's name; none: with TLS its graph, else the caller's header)")
     tls_allow: ROLES = Field((), description="with TLS: a role (of the caller's spiffe:// ID) that may call this tier, "
                                        "once per role (none: the tier's callers, core/topology.py)")
     tls_allow_graphs: GRAPHS = Field((), description="with TLS: another graph whose callers (of a role in "
