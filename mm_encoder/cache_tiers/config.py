@@ -89,8 +89,8 @@ class TierConfig(TlsOptions):
     tls_direct_server_name: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+$",
                                                description="with TLS: the name the encoders of a cluster tier's "
                                                "direct route must carry (null: --tls-server-name)")
-    ops_listen: HOST_PORT | None = Field(None, description="with TLS: where /_cache/stats, /_cache/health and "
-                                       "/_cache/status answer in plaintext (loopback or the pod network)")
+    ops_listen: HOST_PORT | None = Field(None, description="with TLS: where /_cache/stats, /metrics, /_cache/health "
+                                       "and /_cache/status answer in plaintext (loopback or the pod network)")
     user: str = Field(
         "root", pattern=r"^[A-Za-z0-9_.-]+( [A-Za-z0-9_.-]+)?$",
         description="worker user when started as root (nginx `user`); non-root starts ignore it. root so that "
