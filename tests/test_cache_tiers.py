@@ -504,6 +504,8 @@ async def test_the_router_counts_per_cluster_and_shard_and_passes_the_cluster_on
         assert by_cluster(found, REQUESTS) == {"a": 8, "b": 1} and RESULTS not in found
         per_shard = {dict(k)["shard"]: v for k, v in found["dynamo_component_cache_tier_shard_requests_total"].items()}
         assert per_shard == dict(answered)
+        stats = router.stats()  # what `mm-encoder status` reads: per cluster only (the router caches nothing)
+        assert {k: v["requests"] for k, v in stats.pop("clusters").items()} == {"a": 8, "b": 1} and stats == {}
         together: Counter[str] = Counter()
         for shard in shards:
             together.update(by_cluster(await counted(shard, answered[shard.address]), REQUESTS))
