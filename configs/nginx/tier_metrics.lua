@@ -59,8 +59,9 @@ function M.record()
     if upstream == nil or upstream == "" then  -- answered here: a hit, or refused before any next level
         return
     end
-    if ngx.status >= 500 then
-        count(1, "errors", cluster, tostring(ngx.status))
+    local status = ngx.status
+    if status >= 500 then  -- an upstream may answer any number: at most 101 values
+        count(1, "errors", cluster, status <= 599 and tostring(status) or "other")
     end
     if router then  -- "a:1, b:2" when the first shard could not be reached: the last one answered
         count(1, "shard", bounded("shard", upstream:match("([^,%s]+)%s*$") or upstream))
