@@ -1,12 +1,15 @@
 """Every metric family the package exports, from the real exporters (nothing started): an encode
 worker's `ServiceMetrics` over real caches and admission, the frontend's processor registry, the
-encode planner's `PlannerMetrics`. What tests/test_metrics_doc.py holds docs/observability.md's
-table to, and tests/test_dashboard.py the dashboard's queries."""
+encode planner's `PlannerMetrics`, and the cache tiers' families as nginx serves them (declared in
+`cache_tiers/metrics.py`; tests/test_cache_tiers.py holds a real tier's /metrics to them). What
+tests/test_metrics_doc.py holds docs/observability.md's table to, and tests/test_dashboard.py the
+dashboard's queries."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mm_encoder.cache_tiers.metrics import FAMILIES as TIER_FAMILIES
 from mm_encoder.core.prom import Source, exposed_name
 from mm_encoder.core.spec import MediaLimits
 from mm_encoder.encode_worker.admission import Admission
@@ -22,7 +25,7 @@ class Family:
     type: str  # counter, gauge, histogram
     help: str
     labels: frozenset[str]  # the labels its samples carry (none when it has no sample yet)
-    exporter: str  # worker, frontend, planner
+    exporter: str  # worker, frontend, planner, tier
 
     @property
     def deprecated(self) -> bool:
@@ -54,7 +57,8 @@ def exported() -> dict[str, Family]:
     snap = {"model": "m", "requests": 1, "media_items": 1, "encoder_calls": 1, "encoder_fallbacks": 0,
             "encoder_body_bytes": 0, "errors": {"overloaded": 1}, "routed": {"1": 1}, "media_requests_in_flight": 0}
     found = [*_families(service_metrics().registry, "worker"),
-             *_families(frontend_registry(lambda: [snap]), "frontend"), *_families(planner.registry, "planner")]
+             *_families(frontend_registry(lambda: [snap]), "frontend"), *_families(planner.registry, "planner"),
+             *(Family(f.name, f.type, f.help, frozenset({"tier", *f.labels}), "tier") for f in TIER_FAMILIES)]
     out = {f.name: f for f in found}
     assert len(out) == len(found), "two exporters export one name"
     return out

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from harness.media_factory import image_bytes, natural_image
 from harness.serve_fixtures import data_url
-from harness.topology import require_nginx, tiers
+from harness.topology import free_port, require_nginx, tiers
 from harness.worker_fixtures import ForwardGate, metric, run_worker, wait_for
 from mm_encoder import wire
 from mm_encoder.cache_tiers import nginx as cache_tiers
@@ -313,6 +313,10 @@ def test_config_validation_and_rendering(tmp_path):
         TierConfig(tier="cluster", listen="127.0.0.1:1", next=("x:1",), lock_timeout="ten seconds")
     with pytest.raises(ValidationError):
         TierConfig(tier="shared", listen="nope", next=("x:1",))
+    with pytest.raises(ValidationError, match="--cluster-name is for a cluster tier"):
+        TierConfig(tier="shared", listen="127.0.0.1:1", next=("x:1",), cluster_name="a")
+    with pytest.raises(ValidationError):
+        TierConfig(tier="cluster", listen="127.0.0.1:1", next=("x:1",), cluster_name="Not_A_Name")
     text = render(TierConfig(tier="shared", listen="127.0.0.1:9000", next=("enc-0:8090", "enc-1:8090"),
                              run_dir=tmp_path, cache_dir=tmp_path / "c"))
     for line in ("proxy_cache_valid 200 24h;", "inactive=24h", "proxy_cache_lock on;", "proxy_ignore_client_abort on;",
@@ -323,7 +327,9 @@ def test_config_validation_and_rendering(tmp_path):
     # each tier waits longer than everything behind it: the cluster tier waits on the shared tier
     assert "proxy_read_timeout 900s;" in text
     cluster = render(TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("127.0.0.1:9000",), run_dir=tmp_path))
-    assert "proxy_read_timeout 1500s;" in cluster
+    assert "proxy_read_timeout 1500s;" in cluster and 'set $mm_cluster_own "";' in cluster
+    named = TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("x:1",), run_dir=tmp_path, cluster_name="a")
+    assert 'set $mm_cluster_own "a";' in render(named)
     # a lone next level is listed twice: a 503 or a failed connection is asked again, on a new connection
     assert cluster.count("server 127.0.0.1:9000 max_fails=0;") == 4  # mm_next and mm_direct
     explicit = TierConfig(tier="cluster", listen="127.0.0.1:9001", next=("x:1",), run_dir=tmp_path, read_timeout="9s")
@@ -377,3 +383,130 @@ async def test_graphs_of_two_dtypes_behind_one_tier_never_get_each_others_bodies
             assert wire.decode(body).mm_hash == wire.decode(body32).mm_hash  # the same input, other rows
         finally:
             await chain.close()
+
+
+async def tier_metrics(tier) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """A tier's /metrics (on its ops port), parsed with prometheus_client (so the format is checked too):
+    {sample name: {its labels but `tier`, sorted: value}}, every family as FAMILIES declares it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mm_encoder.cache_tiers.metrics import FAMILIES
+
+    async with aiohttp.ClientSession() as s, s.get(tier.ops_url("/metrics")) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await r.text()
+    declared = {f.name.removesuffix("_total"): f for f in FAMILIES if tier.tier in f.tiers}
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        f = declared.pop(family.name)
+        assert (family.type, family.documentation) == (f.type, f.help)
+        for sample in family.samples:
+            assert sample.labels.pop("tier") == tier.tier and set(sample.labels) == set(f.labels)
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    assert not declared, f"families missing from {tier.name}'s /metrics: {sorted(declared)}"
+    return out
+
+
+async def counted(tier, requests: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """`tier_metrics` once the tier has counted `requests` requests in all (nginx counts a request in
+    its log phase, after the answer has gone)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        found = await tier_metrics(tier)
+        seen = sum(found.get("dynamo_component_cache_tier_requests_total", {}).values())
+        if seen >= requests or asyncio.get_running_loop().time() > deadline:
+            assert seen == requests, (tier.name, found)
+            return found
+        await asyncio.sleep(0.02)
+
+
+def by_cluster(found, name: str, **labels: str) -> dict[str, float]:
+    """A family's samples by `cluster`, of those with `labels`."""
+    return {dict(k)["cluster"]: v for k, v in found.get(name, {}).items() if labels.items() <= dict(k).items()}
+
+
+REQUESTS, RESULTS = "dynamo_component_cache_tier_requests_total", "dynamo_component_cache_tier_results_total"
+ERRORS, BYTES = "dynamo_component_cache_tier_upstream_errors_total", "dynamo_component_cache_tier_response_bytes_total"
+
+
+async def test_two_clusters_tiers_count_each_clusters_requests_and_hits(tmp_path, origin):
+    """Two cluster tiers (`--cluster-name a`, `b`) in front of one shared tier; the same request through
+    a, then b: the shared tier counts a's miss and b's hit, each cluster tier its own. A client's forged
+    X-MM-Cluster is overwritten by its cluster tier. Echo origin stand-in: it records the headers."""
+    async with tiers() as start, aiohttp.ClientSession() as s:
+        shared = await start(tmp_path, "s", "shared", "--next", origin["address"])
+        a = await start(tmp_path, "a", "cluster", "--next", shared.address, "--cluster-name", "a")
+        b = await start(tmp_path, "b", "cluster", "--next", shared.address, "--cluster-name", "b")
+        assert (await post(s, a.url(), b"same"))[1]["X-Cache-Status"] == "cluster=MISS, shared=MISS"
+        assert (await post(s, b.url(), b"same"))[1]["X-Cache-Status"] == "cluster=MISS, shared=HIT"
+        assert origin["headers"][-1]["X-MM-Cluster"] == "a"  # the shared tier passes it on too
+
+        found = await counted(shared, 2)
+        assert by_cluster(found, REQUESTS) == {"a": 1, "b": 1}
+        assert found[RESULTS] == {(("cluster", "a"), ("result", "MISS")): 1, (("cluster", "b"), ("result", "HIT")): 1}
+        assert ERRORS not in found and set(by_cluster(found, BYTES)) == {"a", "b"}
+        for tier, name in ((a, "a"), (b, "b")):
+            own = await counted(tier, 1)
+            assert own[RESULTS] == {(("cluster", name), ("result", "MISS")): 1}, own
+        stats = shared.stats()
+        assert (stats["requests"], stats["HIT"], stats["MISS"]) == (2, 1, 1)  # the counters of old, as they were
+        assert {k: (v["requests"], v.get("HIT", 0), v.get("MISS", 0), v["errors"]) for k, v in
+                stats["clusters"].items()} == {"a": (1, 0, 1, 0), "b": (1, 1, 0, 0)}
+        assert stats["clusters"]["a"]["bytes"] == by_cluster(found, BYTES)["a"]
+
+        # a client of cluster tier a says it is b: a sends its own name on, and the shared tier counts a
+        await post(s, a.url(), b"forged", **{"X-MM-Cluster": "b"})
+        assert origin["headers"][-1]["X-MM-Cluster"] == "a"
+        assert by_cluster(await counted(shared, 3), RESULTS, result="MISS") == {"a": 2}
+
+
+async def test_a_tier_labels_unnamed_callers_and_counts_upstream_errors(tmp_path, origin):
+    """Straight to a shared tier: X-MM-Cluster as received, `unknown` without one, `invalid` when it is
+    not 1-63 of [a-z0-9-]; past 64 names, `other` (a caller cannot grow the tier's memory). The next
+    level's 5xx and one nginx could not reach count as upstream errors, by status. Echo origin stand-in."""
+    async with tiers() as start, aiohttp.ClientSession() as s:
+        shared = await start(tmp_path, "s", "shared", "--next", origin["address"])
+        for i, header in enumerate(({}, {"X-MM-Cluster": ""}, {"X-MM-Cluster": "Upper"}, {"X-MM-Cluster": "x" * 64},
+                                    {"X-MM-Cluster": "a b"}, {"X-MM-Cluster": "ok-1"})):
+            assert (await post(s, shared.url(), b"q%d" % i, **header))[0] == 200
+        found = await counted(shared, 6)
+        assert by_cluster(found, REQUESTS) == {"unknown": 2, "invalid": 3, "ok-1": 1}
+        assert [h["X-MM-Cluster"] for h in origin["headers"]] == ["unknown"] * 2 + ["invalid"] * 3 + ["ok-1"]
+
+        origin["responses"][b"busy"] = (503, {})
+        assert (await post(s, shared.url(), b"busy", **{"X-MM-Cluster": "ok-1"}))[0] == 503
+        gone = await start(tmp_path, "gone", "cluster", "--next", f"127.0.0.1:{free_port()}", "--cluster-name", "c")
+        assert (await post(s, gone.url(), b"q"))[0] == 502
+        assert by_cluster(await counted(shared, 7), ERRORS, status="503") == {"ok-1": 1}
+        assert (await counted(gone, 1))[ERRORS] == {(("cluster", "c"), ("status", "502")): 1}
+
+        names = [f"c{i}" for i in range(70)]
+        for name in names:
+            await post(s, shared.url(), b"q", **{"X-MM-Cluster": name})
+        found = await counted(shared, 7 + len(names))
+        labels = by_cluster(found, REQUESTS)
+        assert len(labels) == 65 and labels["other"] == 70 - (64 - 3)  # 3 names were known already
+        assert set(labels) - {"other"} == {"unknown", "invalid", "ok-1", *names[:61]}
+
+
+async def test_the_router_counts_per_cluster_and_shard_and_passes_the_cluster_on(tmp_path, origin):
+    """cluster tier `a` -> router -> two shards, and a caller of the router's own: the router counts
+    requests per cluster and per shard, and sends each shard the cluster it resolved. Echo origin stand-in."""
+    async with tiers() as start, aiohttp.ClientSession() as s:
+        shards = [await start(tmp_path, f"s{i}", "shared", "--next", origin["address"]) for i in range(2)]
+        router = await start(tmp_path, "router", "router", *[x for t in shards for x in ("--shard", t.address)])
+        a = await start(tmp_path, "a", "cluster", "--next", router.address, "--cluster-name", "a")
+        answered = Counter()
+        for i in range(8):
+            answered[(await post(s, a.url(), b"item %d" % i))[1]["X-Cache-Shard"]] += 1
+        answered[(await post(s, router.url(), b"direct", **{"X-MM-Cluster": "b"}))[1]["X-Cache-Shard"]] += 1
+        found = await counted(router, 9)
+        assert by_cluster(found, REQUESTS) == {"a": 8, "b": 1} and RESULTS not in found
+        per_shard = {dict(k)["shard"]: v for k, v in found["dynamo_component_cache_tier_shard_requests_total"].items()}
+        assert per_shard == dict(answered)
+        stats = router.stats()  # what `mm-encoder status` reads: per cluster only (the router caches nothing)
+        assert {k: v["requests"] for k, v in stats.pop("clusters").items()} == {"a": 8, "b": 1} and stats == {}
+        together: Counter[str] = Counter()
+        for shard in shards:
+            together.update(by_cluster(await counted(shard, answered[shard.address]), REQUESTS))
+        assert together == {"a": 8, "b": 1}

@@ -84,7 +84,9 @@ def test_the_issue_asks_for_these_panels():
     titles = {p["title"] for p in panels(fleet_dashboard())}
     for wanted in ("Encode requests by outcome", "Latency per stage (p95)", "Hit ratio per cache level",
                    "Encodes per unique image", "Queue wait", "Refusals by reason",
-                   "Forward busy fraction per worker", "Bytes moved"):
+                   "Forward busy fraction per worker", "Bytes moved", "Tier hit ratio per tier",
+                   "Tier hit ratio per cluster", "Tier requests per cluster", "Tier upstream errors",
+                   "Tier bytes sent"):
         assert wanted in titles
 
 

@@ -248,13 +248,15 @@ def test_router_shards_are_exactly_the_statefulset_pods(epd_docs):
 
 
 def test_cluster_tier_and_frontend_are_wired_to_the_chain(epd_docs):
-    """The cluster tier fronts the router (and the encoders directly); the frontend reaches it with the
-    planned route, on the operator's frontend port, with the graph's own args."""
+    """The cluster tier fronts the router (and the encoders directly) and names its graph as the calling
+    cluster; the frontend reaches it with the planned route, on the operator's frontend port, with the
+    graph's own args."""
     cluster = one(epd_docs, "Deployment", "epd-cluster")
     pod = cluster["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert opt(args, "--next") == ["epd-router:8080"]
     assert opt(args, "--direct") == ["epd-encoder-http:8090"]
+    assert opt(args, "--cluster-name") == ["epd"]  # the calling cluster the levels behind count it as
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
     one(epd_docs, "Service", "epd-cluster")
     fargs = main_of(components(one(epd_docs, "DynamoGraphDeployment"))["frontend"])["args"]
@@ -1026,3 +1028,21 @@ def test_every_core_object_and_pod_template_is_what_kubernetes_models_read(name,
     broken = copy.deepcopy(one(docs, "NetworkPolicy", f"{doc['name']}-default-deny"))
     broken["spec"]["podSelectr"] = {}  # the check itself: a misspelled field does not come back
     assert _round_trip(broken, "V1NetworkPolicy") != broken
+
+
+def test_every_tier_serves_metrics_where_the_encoders_do(epd_docs, tls_docs):
+    """One PodMonitor (docs/kubernetes.md) scrapes the encoders and the tiers: without TLS each tier's
+    /metrics is on its port named as the encoders' (`mm-http`), which admits Prometheus as theirs does;
+    with TLS on the plaintext ops port (`mm-ops`), as theirs is."""
+    def port_rules(docs: list[dict], component: str) -> dict[int, list[dict]]:
+        policy = one(docs, "NetworkPolicy", f"epd-{component}-ingress")
+        return {p["port"]: rule.get("from", []) for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+    for docs, tls in ((epd_docs, False), (tls_docs, True)):
+        found = pods(docs)
+        names = {p["name"]: p["containerPort"] for p in found["encoder"][1]["ports"]}
+        wanted = "mm-ops" if tls else "mm-http"
+        for tier in ("cluster", "router", "shared"):
+            ports = {p["name"]: p["containerPort"] for p in found[tier][1]["ports"]}
+            assert wanted in ports and wanted in names, (tier, ports)
+            assert PROMETHEUS in port_rules(docs, tier)[ports[wanted]], tier

@@ -15,7 +15,7 @@ from mm_encoder.frontend.metrics import registry as frontend_registry
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 DYNAMO = {"worker": {"dynamo_namespace", "dynamo_component", "dynamo_endpoint", "worker_type"},
-          "planner": {"dynamo_namespace", "dynamo_component"}, "frontend": set()}
+          "planner": {"dynamo_namespace", "dynamo_component"}, "frontend": set(), "tier": set()}
 
 
 def section() -> str:

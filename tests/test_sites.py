@@ -102,6 +102,14 @@ def test_one_image_asked_of_two_clusters_is_encoded_once_across_the_fleet(fleet)
     assert sorted(m for m, _ in shards) == [0, 1] and sum(hit for _, hit in shards) >= 1, shards
     misses = {name: counts(status(h, i, base / name)["cluster"])[0] for name, i in (("cluster-a", 2), ("cluster-b", 3))}
     assert all(m >= 1 for m in misses.values()), misses  # each cluster tier missed: B's hit was the site's
+    # the site counts each calling cluster by its graph (its certificate's, and the name its tier sends):
+    # A's requests missed on the shards at least once, B's only hit; the router saw both
+    by_shard = [site[n].get("clusters", {}) for n in ("shared-0", "shared-1")]
+    asked = {name: sum(c.get(name, {}).get("requests", 0) for c in by_shard) for name in ("cluster-a", "cluster-b")}
+    hits = {name: sum(c.get(name, {}).get("hits", 0) for c in by_shard) for name in ("cluster-a", "cluster-b")}
+    assert set().union(*by_shard) == {"cluster-a", "cluster-b"}, by_shard
+    assert asked["cluster-a"] > hits["cluster-a"] and asked["cluster-b"] == hits["cluster-b"] >= 1, (asked, hits)
+    assert {k: v["requests"] for k, v in site["router"]["clusters"].items()} == asked
     assert chat(h.addr(2), ca)["usage"]["prompt_tokens"] == 1223  # again on A: its own tier's hits only
     assert counts(status(h, 2, base / "cluster-a")["cluster"])[0] == misses["cluster-a"]
     assert status(h, 1, base / "site")["encoder"]["encodes"] == 1

@@ -75,3 +75,47 @@ def test_each_certificates_time_left_is_shown(tmp_path, capsys):
     assert main(["--run-dir", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["components"]
     assert 16 * 3600 < rows[0]["cert_expires_in_s"] <= 16 * 3600 + 600 and rows[1]["cert_expires_in_s"] < 0
+
+
+def test_each_tier_shows_requests_and_hits_per_calling_cluster(tmp_path, capsys):
+    """A tier's /_cache/stats (the JSON a real tier writes: tests/test_cache_tiers.py) served by a stand-in:
+    the tier's row, then one line per calling cluster, hits where the tier caches (the router does not)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    stats = {"/shared/_cache/stats": {"HIT": 3, "MISS": 1, "BYPASS": 1, "requests": 5, "clusters": {
+                 "model-b": {"requests": 2, "bytes": 10, "errors": 0, "HIT": 2},
+                 "model-a": {"requests": 3, "bytes": 10, "errors": 0, "HIT": 1, "MISS": 1, "BYPASS": 1}}},
+             "/router/_cache/stats": {"clusters": {"model-a": {"requests": 4, "bytes": 1, "errors": 1}}}}
+
+    class Stats(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(stats[self.path]).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stats)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        (tmp_path / "state.json").write_text(json.dumps({
+            "graph": "site", "base_url": "http://127.0.0.1:1/v1", "components": [
+                {"name": "shared-0", "kind": "cache-shared", "pid": os.getpid(), "url": url + "/shared"},
+                {"name": "router", "kind": "cache-router", "pid": os.getpid(), "url": url + "/router"}]}))
+        assert main(["--run-dir", str(tmp_path)]) == 0
+        lines = capsys.readouterr().out.splitlines()[1:]
+        assert "requests=5" in lines[0] and "hit=75%" in lines[0]
+        assert lines[1:3] == ["      from model-a: requests=3  hits=1 (50%)",
+                              "      from model-b: requests=2  hits=2 (100%)"]
+        assert "requests=4" in lines[3] and "hit=" not in lines[3]
+        assert lines[4:] == ["      from model-a: requests=4"]
+        assert main(["--run-dir", str(tmp_path), "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["components"]
+        assert rows[0]["clusters"]["model-b"] == {"requests": 2, "hits": 2, "hit_ratio": 1.0}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -35,6 +35,10 @@ RI = "[$__rate_interval]"
 E = "dynamo_component_encode"
 C = "dynamo_component_embedding_cache"
 REFUSED = W + ',outcome!~"ok|cancelled|overloaded|draining"'  # the refusals rejected_total does not count
+T = "dynamo_component_cache_tier"
+TC = 'cluster=~"$cluster"'  # the nginx tiers' requests from the chosen calling clusters (they carry no namespace)
+LOOKED = TC + ',result=~"HIT|MISS|EXPIRED|STALE|UPDATING"'  # the results that looked in the cache
+HIT = TC + ',result="HIT"'
 
 
 def rate(metric: str, selector: str = W) -> str:
@@ -65,6 +69,37 @@ def row(ident: int, title: str) -> Row:
     return Row(title).id(ident)
 
 
+def tier_hit_ratio(by: str) -> str:
+    return f"sum by ({by}) ({rate(T + '_results_total', HIT)}) / sum by ({by}) ({rate(T + '_results_total', LOOKED)})"
+
+
+def with_tier_panels(d: DashboardBuilder) -> DashboardBuilder:
+    """The nginx tiers, per tier and per calling cluster (docs/observability.md "The calling cluster")."""
+    return (
+        d.with_row(row(105, "Cache tiers"))
+        .with_panel(panel(
+            13, "Tier hit ratio per tier", "Hits over lookups at each nginx tier (cluster, shared), all calling "
+            "clusters chosen: a request the cluster tier answers never reaches the shared tier.", "percentunit",
+            query(tier_hit_ratio("tier"), "{{tier}}"), max_val=1))
+        .with_panel(panel(
+            14, "Tier hit ratio per cluster", "Hits over lookups at each tier, per calling cluster: on the encoder "
+            "site's shared tier, how much of each model cluster's misses another cluster had already paid for.",
+            "percentunit", query(tier_hit_ratio("tier, cluster"), "{{cluster}} at {{tier}}"), max_val=1))
+        .with_panel(panel(
+            15, "Tier requests per cluster", "Encode requests per second each tier answered, per calling cluster "
+            "(the router's are the encoder site's requests from each model cluster).", "reqps",
+            query(f"sum by (tier, cluster) ({rate(T + '_requests_total', TC)})", "{{cluster}} at {{tier}}")))
+        .with_panel(panel(
+            16, "Tier upstream errors", "Answers of 500 or above per second from a tier's next level, or from nginx "
+            "when it could not reach it (502, 504), by tier and status: one failure counts at each tier it passes.",
+            "reqps", query(f"sum by (tier, status) ({rate(T + '_upstream_errors_total', TC)})",
+                           "{{status}} at {{tier}}"), width=12))
+        .with_panel(panel(
+            17, "Tier bytes sent", "Bytes per second each tier sent its callers (headers included).", "Bps",
+            query(f"sum by (tier) ({rate(T + '_response_bytes_total', TC)})", "{{tier}}"), width=12))
+    )
+
+
 def build() -> DashboardBuilder:
     hit = f"sum by (level) ({rate(C + '_hits_total')})"
     miss = f"sum by (level) ({rate(C + '_misses_total')})"
@@ -74,7 +109,8 @@ def build() -> DashboardBuilder:
         DashboardBuilder("mm-encoder: encoder fleet")
         .uid(UID)
         .description("The disaggregated encode workers (mm_encoder) of the chosen Dynamo namespaces: requests "
-                     "and latency per stage, the cache levels, the device, refusals and bytes moved.")
+                     "and latency per stage, the cache levels, the device, refusals and bytes moved; and the nginx "
+                     "cache tiers per calling cluster.")
         .tags(["mm-encoder", "dynamo", "multimodal"])
         .refresh("30s")
         .time("now-1h", "now")
@@ -83,6 +119,13 @@ def build() -> DashboardBuilder:
         .with_variable(
             QueryVariable("namespace").label("Dynamo namespace").datasource(DS)
             .query(f'label_values({E}_queue_depth{{dynamo_component="mm_encoder"}}, dynamo_namespace)')
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*")
+            .current(VariableOption(selected=True, text="All", value="$__all"))
+        )
+        .with_variable(
+            QueryVariable("cluster").label("Calling cluster (tiers)").datasource(DS)
+            .query(f"label_values({T}_requests_total, cluster)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
             .multi(True).include_all(True).all_value(".*")
             .current(VariableOption(selected=True, text="All", value="$__all"))
@@ -152,7 +195,7 @@ def build() -> DashboardBuilder:
             "discovery (running), when the graph has a planner.", "none",
             query('sum by (state) (dynamo_planner_encode_replicas{dynamo_namespace=~"$namespace"})', "{{state}}")))
     )
-    return d
+    return with_tier_panels(d)
 
 
 def render() -> str:

@@ -42,7 +42,7 @@ def _default(info: FieldInfo) -> str:
         return str(value).lower()
     if isinstance(value, (tuple, list)):
         return ",".join(map(str, value)) if value else "none"
-    return str(value)
+    return str(value) if value != "" else "none"  # an empty code span would not show
 
 
 def _settings_rows(cls: Any) -> list[tuple[str, str, str, str]]:

@@ -5,6 +5,8 @@
 -- space-separated); "0" otherwise. The subject's OU is never read: any certificate
 -- request can set it. nginx has no variable for a certificate's URIs, so the DER is walked here;
 -- it has been verified against the deployment's CA already, so it is well formed.
+-- An admitted caller of role cache-cluster also names the calling cluster: its URI's graph goes to
+-- $mm_peer_graph (declared with `set` before this runs; cluster.conf reads it), whatever header it sends.
 
 if ngx.var.ssl_client_verify ~= "SUCCESS" then
     return "0"
@@ -95,6 +97,10 @@ if not role then
 end
 for admitted in ngx.arg[2]:gmatch("%S+") do
     if admitted == role then
+        if role == "cache-cluster" then
+            local graph = spiffe[1]:match("^spiffe://[^/]+/([a-z0-9%-]+)/")
+            ngx.var.mm_peer_graph = (graph and #graph <= 63) and graph or "invalid"
+        end
         return "1"
     end
 end

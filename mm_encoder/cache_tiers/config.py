@@ -74,6 +74,10 @@ class TierConfig(TlsOptions):
     drop_client_key: bool = Field(False, description="ignore a caller's X-Cache-Key instead of checking it against "
                                   "the body's sha256 (the key either way; a key that differs: 400 bad_cache_key)")
     log_level: Literal["debug", "info", "notice", "warn", "error", "crit"] = "warn"
+    cluster_name: str = Field("", pattern=r"^([a-z0-9-]{1,63})?$",
+                              description="cluster tier only: the model cluster it serves, sent on as X-MM-Cluster "
+                              "(whatever its caller sent) so the levels behind count requests per cluster (serve, "
+                              "render-k8s: the graph's name; none: with TLS its graph, else the caller's header)")
     tls_allow: ROLES = Field((), description="with TLS: a role (of the caller's spiffe:// ID) that may call this tier, "
                                        "once per role (none: the tier's callers, core/topology.py)")
     tls_allow_graphs: GRAPHS = Field((), description="with TLS: another graph whose callers (of a role in "
@@ -85,8 +89,8 @@ class TierConfig(TlsOptions):
     tls_direct_server_name: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+$",
                                                description="with TLS: the name the encoders of a cluster tier's "
                                                "direct route must carry (null: --tls-server-name)")
-    ops_listen: HOST_PORT | None = Field(None, description="with TLS: where /_cache/stats, /_cache/health and "
-                                       "/_cache/status answer in plaintext (loopback or the pod network)")
+    ops_listen: HOST_PORT | None = Field(None, description="with TLS: where /_cache/stats, /metrics, /_cache/health "
+                                       "and /_cache/status answer in plaintext (loopback or the pod network)")
     user: str = Field(
         "root", pattern=r"^[A-Za-z0-9_.-]+( [A-Za-z0-9_.-]+)?$",
         description="worker user when started as root (nginx `user`); non-root starts ignore it. root so that "
@@ -160,6 +164,8 @@ class TierConfig(TlsOptions):
             raise ValueError(f"a {self.tier} tier needs --next (the next level, or the encoders)")
         elif self.shards:
             raise ValueError("--shard is for the router")
+        if self.cluster_name and self.tier != "cluster":
+            raise ValueError("--cluster-name is for a cluster tier (the levels behind it label by what it sends)")
         if (self.ops_listen is not None or self.tls_allow or self.tls_allow_graphs) and not self.tls:
             raise ValueError("--ops-listen, --tls-allow and --tls-allow-graphs go with TLS (--tls-cert, --tls-key, "
                              "--tls-ca)")
@@ -178,6 +184,14 @@ class TierConfig(TlsOptions):
     def timeout(self) -> str:
         """How long it waits for the next level."""
         return self.read_timeout or READ_TIMEOUTS[self.tier]
+
+    @property
+    def cluster(self) -> str:
+        """The calling cluster this tier names for itself: --cluster-name, else with TLS a cluster tier's own
+        graph (what the router labels it by, from its certificate); "" lets the caller's header decide."""
+        if self.cluster_name or self.tier != "cluster" or not self.tls:
+            return self.cluster_name
+        return self.identity.graph
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir or Path(tempfile.gettempdir()) / f"mm-encoder-cache-{self.tier}-{self.port}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..core.errors import CacheTierError
 from ..core.registry import config_dir
 from .config import TierConfig
+from .metrics import lua_families
 from .supervise import WATCH_S, supervise
 
 PACKAGES = "nginx libnginx-mod-http-lua lua-nginx-string"
@@ -46,10 +47,13 @@ def _snippet(name: str, fields: dict[str, str]) -> str:
 
 
 def snippets(cfg: TierConfig) -> dict[str, str]:
-    """The files nginx.conf includes from the run directory: the status locations, and with TLS the
-    handshake, the callers' roles, the next level's TLS and the plaintext ops server."""
+    """The files nginx.conf includes from the run directory: the status locations, the calling cluster's
+    maps, the metric families' Lua table, and with TLS the handshake, the callers' roles, the next
+    level's TLS and the plaintext ops server."""
     run_dir = str(cfg.resolved_run_dir().resolve())
-    out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier})}
+    out = {"ops.conf": _snippet("ops.conf", {"tier": cfg.tier}),
+           "cluster.conf": (config_dir() / "nginx" / "cluster.conf").read_text(),
+           "tier_metrics_families.lua": lua_families()}
     if cfg.tls:
         own = cfg.identity  # the tier's trust domain and graph are its callers', and those it admits besides
         graphs = list(dict.fromkeys((own.graph, *cfg.tls_allow_graphs)))
@@ -95,6 +99,7 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
         "connect_timeout": cfg.connect_timeout,
         "read_timeout": cfg.timeout,
         "drop_client_key": "1" if cfg.drop_client_key else "0",
+        "cluster_name": cfg.cluster,
         # nginx warns about `user` unless it starts as root; only then is it meaningful
         "user_directive": f"user {cfg.user};" if os.geteuid() == 0 else "",
     }
@@ -158,7 +163,7 @@ def prepare(cfg: TierConfig) -> tuple[list[str], Path]:
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     if cfg.tier != "router":
         cfg.resolved_cache_dir().mkdir(parents=True, exist_ok=True)
-    for lua in ("cache_key.lua", "peer_id.lua"):
+    for lua in ("cache_key.lua", "peer_id.lua", "tier_metrics.lua"):
         shutil.copyfile(config_dir() / "nginx" / lua, run_dir / lua)
     for name, text in snippets(cfg).items():
         (run_dir / name).write_text(text)

@@ -147,6 +147,8 @@ class _Planner:
                                   else self.reach.get("cache-router") or self.reach["encoder"])
             if tier == "cluster":
                 facts["direct"] = tuple(self.reach["encoder"])
+        if tier == "cluster":  # named by its graph, as a TLS caller's certificate names it (the graph's args win)
+            facts["cluster_name"] = self.g.name[:63]
         if r.tls is not None and r.ops is not None:
             facts |= {"tls_cert": r.tls.cert, "tls_key": r.tls.key, "tls_ca": r.tls.ca,
                       "tls_allow": tuple(sorted(callers(kind, {c.kind for c in self.g.components.values()}))),

@@ -8,8 +8,8 @@ A component's ports and their callers (`openings`):
   roles the one hop policy admits (`core.topology.callers`, which the plan gives the server as
   `--tls-allow`): never more than the server admits, and not a role it admits that no component of
   this graph dials (the hop policy lets engines fetch from an encoder and a cluster tier call a shard
-  tier, which no graph's plan does); an encoder's from Prometheus too without TLS (its /metrics is
-  there then); the planner's from Prometheus (its /metrics; `kubectl port-forward` does not pass
+  tier, which no graph's plan does); an encoder's or tier's from Prometheus too without TLS (its
+  /metrics is there then); the planner's from Prometheus (its /metrics; `kubectl port-forward` does not pass
   through policies);
 - with TLS, an encoder's or tier's plaintext ops port: from Prometheus;
 - Dynamo's system port (the operator's 9090 on workers and planners; the kubelet's probes come from the
@@ -124,8 +124,7 @@ def openings(names: K8sNames, plans: list[ComponentPlan], cp: ComponentPlan) -> 
     elif kind == "planner":
         add("http", PORTS[kind], {PROMETHEUS})
     elif kind in PORTS:  # an encoder or a tier: those that dial it, of the hop policy's callers
-        add("http", PORTS[kind], http_callers(names, plans, cp) | ({PROMETHEUS} if kind == "encoder" and not tls
-                                                                    else set())
+        add("http", PORTS[kind], http_callers(names, plans, cp) | ({PROMETHEUS} if not tls else set())
             | ({OUTSIDE} if kind == "cache-router" and names.door is not None else set()))
     if tls and (kind == "encoder" or kind in CACHE_TIERS):
         add("ops", OPS_PORT, {PROMETHEUS})

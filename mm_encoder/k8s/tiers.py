@@ -1,6 +1,7 @@
 """The graph's nginx tiers on Kubernetes: the shared tier's shards as a StatefulSet behind a headless
 Service (stable pod names the router hashes over), the router and the cluster tier as Deployments
-behind Services; each cache on a memory-backed volume sized above its `--max-size`."""
+behind Services; each cache on a memory-backed volume sized above its `--max-size`; their /metrics where
+the encoders' is, for one PodMonitor (port `mm-http`, or `mm-ops` with TLS)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from .names import (
     selector,
 )
 
+# The encoders' name for the port that serves /metrics without TLS: one PodMonitor endpoint scrapes both
+# (docs/kubernetes.md); with TLS both serve it on the plaintext ops port, `mm-ops` (tls.py).
+HTTP_PORT_NAME = "mm-http"
 _SIZE = re.compile(r"^([0-9]+)([kmgKMG]?)$")
 _MI = 1 << 20
 _GI = 1 << 30
@@ -56,7 +60,8 @@ def _tier_memory(max_size: int, keys_zone: int, c: Component) -> tuple[str, dict
 def _tier_pod(names: K8sNames, cp: ComponentPlan, resources: dict[str, Any],
               cache_size_limit: str | None) -> dict[str, Any]:
     def probe(period: int) -> dict[str, Any]:
-        return {"httpGet": {"path": cp.health_path, "port": "http"}, "periodSeconds": period, "failureThreshold": 3}
+        return {"httpGet": {"path": cp.health_path, "port": HTTP_PORT_NAME}, "periodSeconds": period,
+                "failureThreshold": 3}
 
     c = cp.component
     mounts = [{"name": "run", "mountPath": RUN_DIR}]
@@ -69,7 +74,7 @@ def _tier_pod(names: K8sNames, cp: ComponentPlan, resources: dict[str, Any],
         "image": c.image or names.g.image,
         "command": ["python", "-m", cp.module],
         "args": argv_of(cp),
-        "ports": [{"name": "http", "containerPort": TIER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": TIER_PORT, "protocol": "TCP"}],
         "readinessProbe": probe(5),
         "livenessProbe": probe(10),
         "resources": resources,
@@ -89,7 +94,7 @@ def _service(g: Graph, cname: str, kind: str, name: str, headless: bool = False)
         spec["clusterIP"] = "None"  # per-pod DNS names <pod>.<service>
         spec["publishNotReadyAddresses"] = True  # nginx resolves its upstreams once, when it starts
     spec["selector"] = selector(g, cname)
-    spec["ports"] = [{"name": "http", "port": TIER_PORT, "targetPort": "http", "protocol": "TCP"}]
+    spec["ports"] = [{"name": "http", "port": TIER_PORT, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "labels": labels(g, cname, kind)}, "spec": spec}
 

@@ -1,8 +1,9 @@
 """`mm-encoder status [--watch]`: per component of a running graph: up/down, requests, cache hit ratio
-per level, encodes, p50 and p95 latency, the frontend's slowest recent request. Reads `state.json`
-from the graph's run directory and asks each component (frontend `/mm/stats`, encoder `/metrics`,
-cache tiers `/_cache/stats`, the encode planner `/status`: encoders wanted and running, its last
-decision and why), and with TLS how long each component's certificates have left."""
+per level (and a tier's requests and hits per calling cluster), encodes, p50 and p95 latency, the
+frontend's slowest recent request. Reads `state.json` from the graph's run directory and asks each
+component (frontend `/mm/stats`, encoder `/metrics`, cache tiers `/_cache/stats`, the encode planner
+`/status`: encoders wanted and running, its last decision and why), and with TLS how long each
+component's certificates have left."""
 
 from __future__ import annotations
 
@@ -85,13 +86,10 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 for q, key in ((0.5, "p50_ms"), (0.95, "p95_ms")):
                     v = histogram_quantile(found, "dynamo_component_encode_stage_duration_seconds", q, stage="total")
                     row[key] = v * 1e3 if v is not None else None
-        elif row["up"] and url and c["kind"].startswith("cache-") and c["kind"] != "cache-router":
+        elif row["up"] and url and c["kind"].startswith("cache-"):
             raw = _get(f"{url}/_cache/stats")
             if raw:
-                counts = json.loads(raw)
-                row["requests"] = counts.get("requests", 0)
-                looked = sum(v for k, v in counts.items() if k in ("HIT", "MISS", "EXPIRED", "STALE", "UPDATING"))
-                row["hit_ratio"] = counts.get("HIT", 0) / looked if looked else None
+                row.update(tier_counts(json.loads(raw), c["kind"]))
         elif row["up"] and url and c["kind"] == "planner":
             raw = _get(f"{url}/status")
             if raw:
@@ -116,6 +114,29 @@ def collect(run_dir: Path) -> dict[str, Any]:
     if "scaling" in state:  # what `serve` carried out of the planner's decisions
         out["scaling"] = state["scaling"]
     return out
+
+
+LOOKUPS = ("HIT", "MISS", "EXPIRED", "STALE", "UPDATING")  # the results that looked in the cache
+
+
+def _hit_ratio(counts: dict[str, Any]) -> float | None:
+    looked = sum(counts.get(k, 0) for k in LOOKUPS)
+    return counts.get("HIT", 0) / looked if looked else None
+
+
+def tier_counts(stats: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A tier's row from its /_cache/stats: requests and hit ratio (a cache tier's), and the same per
+    calling cluster (`clusters`: the encoder site's operator sees which model cluster asks what)."""
+    clusters = stats.get("clusters", {})
+    router = kind == "cache-router"
+    row: dict[str, Any] = {"requests": sum(c["requests"] for c in clusters.values()) if router
+                           else stats.get("requests", 0)}
+    if not router:
+        row["hit_ratio"] = _hit_ratio(stats)
+    row["clusters"] = {name: {"requests": c["requests"], **({} if router else {"hits": c.get("HIT", 0),
+                                                                                "hit_ratio": _hit_ratio(c)})}
+                       for name, c in sorted(clusters.items())}
+    return row
 
 
 def _expiry(component: dict[str, Any]) -> dict[str, float]:
@@ -167,6 +188,10 @@ def format_lines(status: dict[str, Any]) -> list[str]:
             if d := r.get("decision"):
                 parts.append(f"last: {d['action']} {d['from']}->{d['replicas']} ({d['reason']})")
         lines.append("  " + "  ".join(parts))
+        for name, c in r.get("clusters", {}).items():  # a tier's calling clusters, one line each
+            hits = "" if "hits" not in c else f"  hits={c['hits']:.0f}" + (
+                "" if c["hit_ratio"] is None else f" ({c['hit_ratio']:.0%})")
+            lines.append(f"      from {name}: requests={c['requests']:.0f}{hits}")
     return lines
 
 

@@ -49,8 +49,8 @@ def _calls(tls: bool, *, http: dict[str, set[str]], rpc: dict[str, set[str]] | N
            responses: dict[str, set[str]], system: dict[str, set[str]], zmq_engines: tuple[str, ...] = (),
            planner: bool = False) -> dict[str, dict[int, set[str]]]:
     """Per component, per port: its callers. `http`: each HTTP port's callers (keyed by component, the port is
-    its kind's); the others by Dynamo's roles. Prometheus scrapes an encoder's /metrics on its HTTP port without
-    TLS and on its ops port with TLS; every tier's ops port (TLS) is Prometheus's too."""
+    its kind's); the others by Dynamo's roles. Prometheus scrapes an encoder's and a tier's /metrics on its HTTP
+    port without TLS and on its ops port with TLS."""
     ports: dict[str, dict[int, set[str]]] = {}
     http_port = {"encoder": ENCODER_HTTP, "frontend": FRONTEND_HTTP, "planner": PLANNER_HTTP}
     for target, callers in http.items():
@@ -58,10 +58,12 @@ def _calls(tls: bool, *, http: dict[str, set[str]], rpc: dict[str, set[str]] | N
     if "encoder" in ports:
         ports["encoder"][ENCODER_HTTP if not tls else OPS] = ports["encoder"].get(
             ENCODER_HTTP if not tls else OPS, set()) | {PROM}
-    if tls:
-        for tier in ("shared", "router", "cluster"):
-            if tier in http:
+    for tier in ("shared", "router", "cluster"):  # a tier's /metrics: as an encoder's
+        if tier in http:
+            if tls:
                 ports[tier][OPS] = {PROM}
+            else:
+                ports[tier][HTTP] |= {PROM}
     for table, port in ((rpc or {}, RPC), (responses, RESPONSES), (system, SYSTEM)):
         for target, callers in table.items():
             ports.setdefault(target, {})[port] = set(callers)

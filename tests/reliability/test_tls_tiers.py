@@ -14,10 +14,12 @@ import asyncio
 import http.client
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
@@ -47,6 +49,13 @@ def _encodes(ops: int) -> float:
                if line.startswith("dynamo_component_encode_forward_items_total{"))
 
 
+def _clusters(ops: int) -> dict[str, float]:
+    """A tier's requests per calling cluster, from its plaintext /metrics (prometheus_client's parser)."""
+    text = _get(f"http://127.0.0.1:{ops}/metrics")
+    return {s.labels["cluster"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "dynamo_component_cache_tier_requests_total"}
+
+
 def _client(issued, ca) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(ca))
     if issued is not None:
@@ -54,12 +63,12 @@ def _client(issued, ca) -> ssl.SSLContext:
     return ctx
 
 
-def _head(port: int, ctx: ssl.SSLContext) -> tuple[int, dict[str, str]]:
+def _head(port: int, ctx: ssl.SSLContext, **headers: str) -> tuple[int, dict[str, str]]:
     """The frontend's question (HEAD /v1/encode with the request in the body), raw."""
     conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
     try:
         conn.request("HEAD", "/v1/encode", body=SOURCE.body(),
-                     headers={"Content-Type": "application/json", "X-Cache-Key": SOURCE.key()})
+                     headers={"Content-Type": "application/json", "X-Cache-Key": SOURCE.key(), **headers})
         r = conn.getresponse()
         r.read()
         return r.status, dict(r.getheaders())
@@ -168,3 +177,47 @@ def test_a_tier_refuses_a_next_level_of_another_role(chain, tmp_path):
     finally:
         t.stop()
     assert _encodes(ports["worker_ops"]) == before
+
+
+def _grown(before: dict[str, dict[str, float]], ops: dict[str, int], done) -> dict[str, dict[str, float]]:
+    """Each tier's requests per calling cluster since `before`, once `done(grown)` holds (nginx counts a
+    request after its answer has gone) or 10 s have passed."""
+    deadline = time.monotonic() + 10
+    while True:
+        after = {t: _clusters(port) for t, port in ops.items()}
+        grown = {t: {k: v - before[t].get(k, 0) for k, v in after[t].items() if v != before[t].get(k, 0)}
+                 for t in ops}
+        if done(grown) or time.monotonic() > deadline:
+            return grown
+        time.sleep(0.02)
+
+
+def test_a_calling_cluster_tier_is_named_by_its_certificates_graph(chain, tmp_path):
+    """With TLS a router names a calling cluster tier by its certificate's graph, whatever X-MM-Cluster it
+    sends, and tells the shard so: an encoder site's router (`--tls-allow-graphs model-a,model-b`) in front
+    of the chain's shared tier, called by two model clusters' cluster tiers under the same CA, the first
+    claiming to be the second. A graph the router does not name is refused (403 `forbidden_peer`) and
+    counted nowhere. The chain's own cluster tier (no --cluster-name) names itself by its own graph."""
+    certs, ports, _ = chain
+    router = start_tier(tmp_path, "site-router", "router", "--shard", f"127.0.0.1:{ports['shared']}",
+                        "--tls-server-name", "cache-shared.mm-encoder.mm-encoder.local",
+                        "--tls-allow-graphs", "model-a,model-b", tls=Tls.issue(certs, "site-router", "cache-router"))
+    try:
+        ops = {"router": router.ops_port, "shared": ports["shared_ops"], "cluster": ports["cluster_ops"]}
+        before = {t: _clusters(port) for t, port in ops.items()}
+        a, b, c = (certs.ca.issue(Identity(f"cluster-{g}", "cache-cluster", graph=g), certs.root / g)
+                   for g in ("model-a", "model-b", "model-c"))
+        assert _head(router.port, _client(a, certs.ca_file), **{"X-MM-Cluster": "model-b"})[0] == 200
+        assert _head(router.port, _client(b, certs.ca_file))[0] == 200
+        status, headers = _head(router.port, _client(c, certs.ca_file), **{"X-MM-Cluster": "model-a"})
+        assert (status, headers["X-MM-Error-Code"]) == (403, "forbidden_peer")
+        _describe(ports["cluster"], certs.issue("frontend", "frontend", replace=True), certs.ca_file)
+        both = {"model-a": 1, "model-b": 1}
+        grown = _grown(before, ops, lambda g: g["cluster"] and g["router"] == both
+                       and all(g["shared"].get(k) == 1 for k in both))
+        assert grown["router"] == both
+        assert {k: v for k, v in grown["shared"].items() if k.startswith("model-")} == grown["router"]
+        assert grown["cluster"] == {"mm-encoder": 1}  # its own graph; it may have hit, or gone on as such
+        assert set(grown["shared"]) <= {"model-a", "model-b", "mm-encoder"}
+    finally:
+        router.stop()
