@@ -65,6 +65,7 @@ MODULES: dict[str, str] = {
     "tracing": "bench/tracing.py",
     "tls": "bench/tls.py",
     "wan": "bench/wan.py",
+    "clusters": "bench/clusters.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25
