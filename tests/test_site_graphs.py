@@ -90,3 +90,12 @@ def test_serve_options_name_the_site_and_refuse_what_does_not_fit():
     loud = ServeOptions("epd", bind="198.18.0.1", plaintext_off_loopback=True).apply(load_graph(GRAPHS / "epd.yaml"))
     assert not loud.tls.enabled
     assert ServeOptions("encoder-site", port=9100).apply(load_graph(GRAPHS / "encoder-site.yaml")).site_port == 9100
+
+
+def test_one_machine_runs_an_encoder_sites_door_as_one_router():
+    from mm_encoder.serve.cli import check_local
+
+    doc = graph("encoder-site")
+    doc["components"]["router"]["replicas"] = 2
+    with pytest.raises(GraphError, match="its door, one port on one machine"):
+        check_local(Graph.model_validate(doc))

@@ -71,12 +71,17 @@ class ServeOptions:
 
 
 def check_local(graph: Graph) -> None:
-    """What one machine cannot run, refused before anything starts: an interpreter that is not there,
-    or an encode planner without etcd (Dynamo's VirtualConnector keeps its decisions in etcd)."""
+    """What one machine cannot run, refused before anything starts: an interpreter that is not there, an
+    encoder site's door on several routers, or an encode planner without etcd (Dynamo's VirtualConnector
+    keeps its decisions in etcd)."""
     for name, c in graph.components.items():  # an interpreter of the graph's own (vLLM's virtualenv)
         if c.python and not os.access(c.python, os.X_OK):
             raise GraphError(f"component {name}: python {c.python} is not an executable here"
                              + (" (make vllm-venv builds it)" if c.backend == "vllm" else ""))
+    doors = [(n, c) for n, c in graph.of_kind("cache-router") if graph.site == "encoder" and c.replicas > 1]
+    if doors:
+        raise GraphError(f"component {doors[0][0]}: an encoder site's router is its door, one port on one machine: "
+                         "one replica here (render-k8s spreads several behind its LoadBalancer)")
     if graph.planner is not None and not graph.runtime.needs_etcd:
         raise GraphError(f"graph {graph.name}: an encode planner on one machine uses Dynamo's VirtualConnector, "
                          "whose state lives in etcd: set `runtime: {discovery: etcd}` (serve then runs etcd)")
