@@ -510,3 +510,47 @@ async def test_the_router_counts_per_cluster_and_shard_and_passes_the_cluster_on
         for shard in shards:
             together.update(by_cluster(await counted(shard, answered[shard.address]), REQUESTS))
         assert together == {"a": 8, "b": 1}
+
+
+async def test_an_encoder_sites_shared_tier_routes_each_request_to_its_models_encoders(tmp_path):
+    """Several models' encoders behind one shared tier (`--next-model MODEL=host:port`): a request goes to
+    the encoders of the model its X-MM-Model names (whole, without case), one without it (or naming
+    another) to --next. Two echo origin stand-ins for the two models' encoders, which record who got what."""
+    got: dict[str, list[bytes]] = {"kimi": [], "glm": []}
+    runners, addresses = [], {}
+    for name in got:
+        async def handle(request: web.Request, name=name) -> web.Response:
+            got[name].append(await request.read())
+            return web.Response(body=b"answer from " + name.encode())
+
+        app = web.Application()
+        app.router.add_post("/v1/encode", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        addresses[name] = f"127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with tiers() as start, aiohttp.ClientSession() as s:
+            shard = await start(tmp_path, "s1", "shared", "--next", addresses["kimi"],
+                                "--next-model", f"Kimi-K2.5={addresses['kimi']}",
+                                "--next-model", f"moonshotai/Kimi-K2.5={addresses['kimi']}",
+                                "--next-model", f"GLM-4.5V={addresses['glm']}")
+            cases = [(b"1", "kimi-k2.5", "kimi"), (b"2", "GLM-4.5V", "glm"), (b"3", "glm-4.5v", "glm"),
+                     (b"4", "moonshotai/Kimi-K2.5", "kimi"), (b"5", None, "kimi"), (b"6", "GLM-4.5V-x", "kimi")]
+            for body, model, expected in cases:
+                status, _, out = await post(s, shard.url(), body, **({"X-MM-Model": model} if model else {}))
+                assert (status, out) == (200, b"answer from " + expected.encode()), (body, model)
+            assert got == {"kimi": [b"1", b"4", b"5", b"6"], "glm": [b"2", b"3"]}
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_next_model_is_model_equals_address_and_not_the_routers():
+    with pytest.raises(ValidationError, match="is not MODEL=host:port"):
+        TierConfig(tier="shared", next=("127.0.0.1:1",), next_model=("no-address",))
+    with pytest.raises(ValidationError, match="not --next/--direct/--next-model"):
+        TierConfig(tier="router", shards=("127.0.0.1:1",), next_model=("m=127.0.0.1:2",))
+    cfg = TierConfig(tier="shared", next=("127.0.0.1:1",), next_model=("A=127.0.0.1:2", "a=127.0.0.1:3"))
+    assert cfg.models == {"a": ("127.0.0.1:2", "127.0.0.1:3")}

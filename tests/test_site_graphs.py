@@ -99,3 +99,22 @@ def test_one_machine_runs_an_encoder_sites_door_as_one_router():
     doc["components"]["router"]["replicas"] = 2
     with pytest.raises(GraphError, match="its door, one port on one machine"):
         check_local(Graph.model_validate(doc))
+
+
+def test_several_models_make_an_encoder_site_each_encoder_naming_its_own(tmp_path):
+    site = graph("encoder-site")
+    two = {**site["components"], "glm": {"kind": "encoder", "checkpoint": "/ck/glm", "serves": ["glm-5.2-vision"]}}
+    assert "name the models each one serves" in refused({**site, "components": two})
+    two["encoder"] = {**two["encoder"], "serves": ["Kimi-K2.5", "GLM-5.2-VISION"]}
+    assert "glm-5.2-vision is served by encoder too" in refused({**site, "components": two})
+    epd = load_graph(GRAPHS / "epd.yaml").model_dump()
+    assert "make an encoder site" in refused({**epd, "components": {**epd["components"], "glm": two["glm"]}})
+    assert "`checkpoint` and `serves` are an encoder component's" in refused(
+        {**epd, "components": {**epd["components"], "shared": {**epd["components"]["shared"], "serves": ["x"]}}})
+    two["encoder"] = {**two["encoder"], "serves": ["Kimi-K2.5"]}
+    g = Graph.model_validate({**site, "components": two})
+    plans = {cp.name: cp for cp in plan(g, LocalSite(g, tmp_path))}
+    assert plans["glm"].replicas[0].argv[:2] == ("--model", "/ck/glm")
+    shard = plans["shared"].replicas[0].tier
+    glm, kimi = (f"{r.http[0]}:{r.http[1]}" for name in ("glm", "encoder") for r in plans[name].replicas)
+    assert shard.models == {"kimi-k2.5": (kimi,), "glm-5.2-vision": (glm,)}

@@ -6,7 +6,9 @@ the root namespace to each cluster's frontend across the bridge.
 The same image asked of cluster A, then of cluster B, is encoded once across the fleet: B's cluster
 tier misses, the site's shared tier hits. A cluster the site does not name is refused by the site's
 router (its certificate's spiffe:// ID is of another graph), and serve refuses to bind off loopback
-without TLS unless told so by name. Skipped, with the reason, where namespaces cannot be made (not root).
+without TLS unless told so by name. The site serves two models: a GLM cluster's images go to the
+site's GLM encoder, the Kimi clusters' to its Kimi encoder. Skipped, with the reason, where namespaces
+cannot be made (not root).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness import hosts
 from harness.processes import Process
@@ -26,18 +29,20 @@ from harness.serve_fixtures import MODEL, ROOT, sample_content
 from mm_encoder.security.pki import Authority
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(hosts.available() is not None, reason=str(hosts.available()))]
+GLM = "glm-tiny"  # the generated GLM checkpoint's directory: its cluster's served model name
 READY_S = 240  # a serve start, the engines loading the tiny checkpoint, on 2 shared cores
 
 
 def serve(h: hosts.Hosts, i: int, graph: str, run_dir: Path, ca: Path, checkpoint: Path, *extra: str) -> Process:
+    """`graph`: a shipped graph's file name, or a path."""
     argv = [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / "graphs" / graph), "--run-dir", str(run_dir),
             "--tls-dir", str(ca), "--checkpoint", str(checkpoint), "--bind", h.addr(i), "--status-interval", "0",
             *extra]
     return Process(h.popen_argv(i, argv), name=f"serve {graph} on {h.ns(i)}", cwd=ROOT)
 
 
-def chat(address: str, ca: Path, content=None) -> dict:
-    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": content or sample_content()}]}
+def chat(address: str, ca: Path, content=None, model: str = MODEL) -> dict:
+    body = {"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": content or sample_content()}]}
     req = urllib.request.Request(f"https://{address}:8000/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=str(ca / "ca.pem"))) as r:
@@ -63,23 +68,39 @@ def counts(tier: dict) -> tuple[int, int]:
     return tier["requests"] - hits, hits
 
 
+def site_graph(base: Path, glm: Path) -> Path:
+    """graphs/encoder-site.yaml with a second model: a GLM encoder component beside the Kimi one, each
+    naming the models it serves, and a GLM cluster among the clusters it admits."""
+    doc = yaml.safe_load((ROOT / "graphs" / "encoder-site.yaml").read_text())
+    doc["components"]["encoder"]["serves"] = ["kimi-k2.5-vision", "Kimi-K2.5", "moonshotai/Kimi-K2.5"]
+    doc["components"]["glm"] = {"kind": "encoder", "checkpoint": str(glm), "serves": ["glm-5.2-vision"]}
+    doc["clusters"] = [*doc["clusters"], "cluster-glm"]
+    path = base / "encoder-site.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """Host 1: the encoder site; hosts 2 and 3: model clusters cluster-a and cluster-b; host 4: cluster-c,
-    which the site does not name. One CA, one checkpoint directory (the filesystem is shared)."""
+    """Host 1: the encoder site, two models (Kimi-K2.5 and GLM towers); hosts 2 and 3: Kimi model clusters
+    cluster-a and cluster-b; host 4: cluster-c, which the site does not name; host 5: cluster-glm, a GLM
+    model cluster. One CA, the checkpoints in one place (the filesystem is shared)."""
     base = tmp_path_factory.mktemp("sites")
-    ca, checkpoint = base / "ca", base / "ck" / MODEL
+    ca, checkpoint, glm = base / "ca", base / "ck" / MODEL, base / "ck" / GLM
     Authority.create(ca, name="operator CA for the sites test")
-    made = Process([sys.executable, "-m", "mm_encoder.cli", "make-checkpoint", str(checkpoint)], name="make-checkpoint")
-    assert made.wait(timeout=120) == 0, made.text
+    for path, preset in ((checkpoint, "tiny"), (glm, "glm-tiny")):
+        made = Process([sys.executable, "-m", "mm_encoder.cli", "make-checkpoint", "--preset", preset, str(path)],
+                       name="make-checkpoint")
+        assert made.wait(timeout=120) == 0, made.text
     procs: list[Process] = []
-    with hosts.Hosts(4) as h:
+    with hosts.Hosts(5) as h:
         try:
             site_url = f"https://{h.addr(1)}:8090"
-            procs.append(serve(h, 1, "encoder-site.yaml", base / "site", ca, checkpoint))
+            procs.append(serve(h, 1, str(site_graph(base, glm)), base / "site", ca, checkpoint))
             procs[0].wait_for("ready", READY_S)
-            for i, name in ((2, "cluster-a"), (3, "cluster-b"), (4, "cluster-c")):
-                procs.append(serve(h, i, "model-cluster.yaml", base / name, ca, checkpoint, "--name", name,
+            for i, name, ck in ((2, "cluster-a", checkpoint), (3, "cluster-b", checkpoint),
+                                (4, "cluster-c", checkpoint), (5, "cluster-glm", glm)):
+                procs.append(serve(h, i, "model-cluster.yaml", base / name, ca, ck, "--name", name,
                                    "--encoder-site", site_url))
             for p in procs[1:]:
                 p.wait_for("ready", READY_S)
@@ -134,3 +155,15 @@ def test_binding_off_loopback_without_tls_is_refused_by_name(tmp_path):
                    "--run-dir", str(tmp_path / "run"), "--bind", "198.18.0.1"], name="serve without TLS")
     assert run.wait(timeout=60) == 2
     assert "--bind 198.18.0.1 serves other hosts: with TLS" in run.text and "--plaintext-off-loopback" in run.text
+
+
+def test_one_site_serves_two_models_each_by_its_own_encoders(fleet):
+    """A GLM cluster's image goes to the site's GLM encoder (its shared tier routes by the request's model),
+    the Kimi clusters' to the Kimi encoder: one fleet of towers for both models' clusters."""
+    h, base, ca = fleet
+    before = status(h, 1, base / "site")
+    answer = chat(h.addr(5), ca, model=GLM)
+    assert answer["usage"]["prompt_tokens"] > 1000  # the image's rows spliced into GLM's prompt
+    after = status(h, 1, base / "site")
+    assert (after["glm"]["encodes"], before["glm"]["encodes"]) == (1, 0)
+    assert after["encoder"]["encodes"] == before["encoder"]["encodes"]  # the Kimi encoder did nothing

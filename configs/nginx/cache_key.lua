@@ -101,4 +101,4 @@ if route ~= nil and route ~= "" then
     end
 end
 ngx.var.cache_skip = named and "" or "1"
-ngx.var.mm_upstream = later and "mm_next" or "mm_direct"
+ngx.var.mm_upstream = later and "mm_next" or ngx.var.mm_model_pool  -- the encoders: of the request's model

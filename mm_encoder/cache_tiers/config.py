@@ -24,12 +24,14 @@ from ..security.tls import PATH, TlsOptions
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 _GRAPH = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_MODEL = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 _SIZE = re.compile(r"^[0-9]+[kmgKMG]?$")
 _TIME = re.compile(r"^[0-9]+(ms|s|m|h|d)?$")
 # What --help shows for a value (pydantic-settings prints a type alias by its name).
 HOST_PORT = TypeAliasType("HOST_PORT", str)
 HOST_PORTS = TypeAliasType("HOST_PORTS", tuple[str, ...])  # the flag once per address, or a,b
 ROLES = TypeAliasType("ROLES", tuple[str, ...])  # certificate roles (OU): the flag once per role, or a,b
+MODEL_ADDRESSES = TypeAliasType("MODEL_ADDRESSES", tuple[str, ...])  # MODEL=host:port, the flag once per pair
 GRAPHS = TypeAliasType("GRAPHS", tuple[str, ...])  # graph names: the flag once per graph, or a,b
 SIZE = TypeAliasType("SIZE", str)  # an nginx size: 512k, 64m, 1g
 TIME = TypeAliasType("TIME", str)  # an nginx time: 500ms, 30s, 10m, 24h
@@ -55,6 +57,9 @@ class TierConfig(TlsOptions):
     next: HOST_PORTS = Field((), description="the next level, once per server: the shared tier's router, "
                                       "or the encoders")
     direct: HOST_PORTS = Field((), description="the encoders, for X-Cache-Route ...,direct (none: --next)")
+    next_model: MODEL_ADDRESSES = Field((), description="an encoder of one model, MODEL=host:port, once per encoder "
+                                        "and model: requests naming that model (X-MM-Model) go to its encoders, "
+                                        "others to --direct (an encoder site's shared tier, several models)")
     shards: HOST_PORTS = Field((), alias="shard", description="router only: a shard tier, by stable name, "
                                         "once per shard")
     run_dir: PATH | None = Field(None, description="config, pid and temp files (null: a temp dir per tier and port)")
@@ -125,6 +130,25 @@ class TierConfig(TlsOptions):
             raise ValueError(f"{bad}: a graph's name is a DNS-1123 label")
         return v
 
+    @field_validator("next_model")
+    @classmethod
+    def _model_addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for pair in v:
+            model, _, address = pair.rpartition("=")
+            if not _MODEL.fullmatch(model):
+                raise ValueError(f"{pair!r} is not MODEL=host:port (a model name of [A-Za-z0-9._/-])")
+            cls._address(address)
+        return v
+
+    @property
+    def models(self) -> dict[str, tuple[str, ...]]:
+        """--next-model by model (case-insensitive, as the encoders match a name): its encoders' addresses."""
+        out: dict[str, tuple[str, ...]] = {}
+        for pair in self.next_model:
+            model, _, address = pair.rpartition("=")
+            out[model.lower()] = (*out.get(model.lower(), ()), address)
+        return out
+
     @field_validator("next", "direct", "shards")
     @classmethod
     def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -158,8 +182,8 @@ class TierConfig(TlsOptions):
         if self.tier == "router":
             if not self.shards:
                 raise ValueError("a router needs at least one --shard")
-            if self.next or self.direct:
-                raise ValueError("a router takes --shard, not --next/--direct")
+            if self.next or self.direct or self.next_model:
+                raise ValueError("a router takes --shard, not --next/--direct/--next-model")
         elif not self.next:
             raise ValueError(f"a {self.tier} tier needs --next (the next level, or the encoders)")
         elif self.shards:

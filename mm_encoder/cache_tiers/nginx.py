@@ -7,6 +7,7 @@ file (`configs/nginx/cache_key.lua`); why each directive is set the way it is: d
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import string
 import subprocess
@@ -72,6 +73,17 @@ def snippets(cfg: TierConfig) -> dict[str, str]:
     return out
 
 
+def _model_routes(cfg: TierConfig) -> dict[str, str]:
+    """One upstream per model of --next-model, and the map from a request's X-MM-Model to it (a name
+    matched whole and without case, as the encoders match it)."""
+    upstreams, entries = [], []
+    for i, (model, addresses) in enumerate(sorted(cfg.models.items())):
+        upstreams.append(f"    upstream mm_model_{i} {{\n{_next_servers(addresses)}\n        keepalive 64;\n"
+                         "        keepalive_timeout 10s;\n    }")
+        entries.append(f'        "~*^{re.escape(model)}$"  "mm_model_{i}";')
+    return {"model_upstreams": "\n".join(upstreams), "model_map": "\n".join(entries)}
+
+
 def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
     """The nginx.conf text for `cfg` (paths as they will be under cfg.run_dir; the files it
     includes from there: `snippets`)."""
@@ -116,6 +128,7 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
             lock_age=cfg.lock_age,
             next_servers=_next_servers(cfg.next),
             direct_servers=_next_servers(cfg.direct or cfg.next),
+            **_model_routes(cfg),
         )
     return template.substitute(fields)
 

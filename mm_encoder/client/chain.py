@@ -114,7 +114,8 @@ class EncoderChain:
         # hash the body themselves and refuse a key that differs
         body_out = source.body()
         headers = {"Accept": wire.CONTENT_TYPE, "Content-Type": "application/json",
-                   "X-Cache-Key": hashlib.sha256(body_out).hexdigest(), "X-Cache-Route": route}
+                   "X-Cache-Key": hashlib.sha256(body_out).hexdigest(), "X-Cache-Route": route,
+                   "X-MM-Model": source.model}  # an encoder site's shared tier routes by it (several models)
         tracing.inject(headers)  # the tiers pass it on, and the worker continues the caller's trace
         method, url = ("HEAD", chain) if header_only else ("POST", chain + "/fetch")
         for attempt in (1, 2):

@@ -39,7 +39,8 @@ def _dtype(g: Graph) -> list[str]:
 
 
 def _encoder(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:
-    argv = ["--model", site.checkpoint_dir, *_dtype(g), "--dynamo", "--namespace", g.namespace, *_http(r)]
+    argv = ["--model", site.checkpoint_of(cp.component), *_dtype(g), "--dynamo", "--namespace", g.namespace,
+            *_http(r)]
     if cp.wire_dtype:
         argv += ["--wire-dtype", cp.wire_dtype]
     if g.stock_frontend:  # Dynamo's Encode worker for the model; its handles name the chain

@@ -147,6 +147,10 @@ class _Planner:
                                   else self.reach.get("cache-router") or self.reach["encoder"])
             if tier == "cluster":
                 facts["direct"] = tuple(self.reach["encoder"])
+            if tier == "shared" and len(self.g.of_kind("encoder")) > 1:  # an encoder site's models
+                facts["next_model"] = tuple(f"{model}={address}" for name, c in self.g.of_kind("encoder")
+                                            for model in c.serves for address in self.site.reach(name, c.kind,
+                                                                                                 c.replicas))
         if tier == "cluster":  # named by its graph, as a TLS caller's certificate names it (the graph's args win)
             facts["cluster_name"] = self.g.name[:63]
         if r.tls is not None and r.ops is not None:

@@ -21,6 +21,7 @@ as Kubernetes resources; both take a graph file or a shipped graph's name (`grap
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -57,6 +58,10 @@ class Component(_Strict):
     # `serve` only: the interpreter this component runs under (vLLM lives in its own virtualenv:
     # `make vllm-venv`); a relative path is taken from the working directory. Kubernetes: the image's.
     python: str | None = None
+    # encoder only: this component's own checkpoint (default: llm.checkpoint), and the model names it
+    # answers to, by which an encoder site's shared tier routes each request (several encoder components)
+    checkpoint: str | None = None
+    serves: tuple[str, ...] = Field((), max_length=16)
 
 
 class LLM(_Strict):
@@ -203,8 +208,33 @@ class Graph(_Strict):
             for flag, why in _PLANNED_FLAGS.items():
                 if any(a == flag or a.startswith(flag + "=") for a in c.args):
                     raise ValueError(f"components.{name}.args: {flag} is the graph's to set: {why}")
+        self._check_models()
         self._check_planner()
         return self
+
+    def _check_models(self) -> None:
+        """Several encoder components are an encoder site's models: each names the models it serves, none
+        twice, so its shared tier can route a request to the encoders of the model it names."""
+        for name, c in self.components.items():
+            if (c.checkpoint or c.serves) and c.kind != "encoder":
+                raise ValueError(f"components.{name}: `checkpoint` and `serves` are an encoder component's")
+            bad = [m for m in c.serves if not re.fullmatch(r"[A-Za-z0-9._/-]{1,200}", m)]
+            if bad:
+                raise ValueError(f"components.{name}.serves: {bad} (a model name of [A-Za-z0-9._/-])")
+        encoders = self.of_kind("encoder")
+        if len(encoders) < 2:
+            return
+        if self.site != "encoder":
+            raise ValueError("several encoder components (one per model) make an encoder site: set site: encoder")
+        seen: dict[str, str] = {}
+        for name, c in encoders:
+            if not c.serves:
+                raise ValueError(f"components.{name}.serves: an encoder site with several encoder components "
+                                 "routes by model: name the models each one serves")
+            for model in c.serves:
+                if model.lower() in seen:
+                    raise ValueError(f"components.{name}.serves: {model} is served by {seen[model.lower()]} too")
+                seen[model.lower()] = name
 
     def _check_site(self, kinds: list[Kind]) -> None:
         """What each kind of site runs: an encoder site no frontend or engine and its router as the door;

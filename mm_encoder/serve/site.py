@@ -15,7 +15,7 @@ from pathlib import Path
 from ..core.errors import GraphError
 from ..core.topology import Kind
 from ..graph.planned import Address, Site, TlsFiles
-from ..graph.schema import Graph
+from ..graph.schema import Component, Graph
 from ..security.issuing import Issuer
 
 LOOPBACK = "127.0.0.1"
@@ -115,6 +115,10 @@ class LocalSite(Site):
                              plane_lifetime=timedelta(seconds=t.dynamo_cert_lifetime_s),
                              ca_lifetime=timedelta(days=t.ca_lifetime_days),
                              hosts=() if is_loopback(bind) or bind in ANY else (bind,)) if t.enabled else None
+
+    def checkpoint_of(self, component: Component) -> str:
+        """A component's own checkpoint (an encoder site's model), resolved as the graph's is."""
+        return str(Path(component.checkpoint).resolve()) if component.checkpoint else self.checkpoint_dir
 
     def tls_files(self, replica: str) -> TlsFiles:
         assert self.issuer is not None  # the plan asks only with the graph's TLS on
