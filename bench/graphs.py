@@ -60,9 +60,9 @@ def model_name(preset: str) -> str:
     return f"kimi-k2.5-{preset}"
 
 
-def chat(port: int, model: str, content, timeout: float = 120.0) -> dict:
+def chat(port: int, model: str, content, timeout: float = 120.0, max_tokens: int = 8) -> dict:
     """One streaming chat request: {"ok", "status", "ttft_s", "total_s"}."""
-    body = json.dumps({"model": model, "max_tokens": 8, "stream": True,
+    body = json.dumps({"model": model, "max_tokens": max_tokens, "stream": True,
                        "messages": [{"role": "user", "content": content}]}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})

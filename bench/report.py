@@ -58,6 +58,7 @@ MODULES: dict[str, str] = {
     "frontends": "bench/frontends.py",
     "engine": "bench/engine.py",
     "graphs": "bench/graphs.py",
+    "aiperf": "bench/aiperf.py",
     "discovery": "bench/discovery.py",
     "hostile_memory": "bench/hostile_memory.py",
     "soak": "bench/soak.py",
