@@ -27,7 +27,10 @@ Our own measurement of the same work, beside it:
   right after AIPerf's (fresh noise images for miss, the same image for hit), its medians and p99;
 - encodes per request: EPD counts the encode worker's forwards, agg the media items its engines encoded
   (it has no cache): 1 for a miss, 0 for an EPD hit, 1 for every agg request.
-AIPerf's own processes (its workers, record processors) share the machine's cores with the graph.
+AIPerf's own processes (its controller, dataset manager, workers, record processors) share the machine's
+cores with the graph: the CPU seconds each client spent are measured (AIPerf's: its process tree's, from
+getrusage(RUSAGE_CHILDREN) around its run, and its live processes' from /proc between the lines it prints
+as its profiling phase starts and completes; ours: this process's over its requests).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import base64
 import io
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -209,13 +213,48 @@ def _content(jpeg: bytes) -> list[dict]:
     return [{"type": "text", "text": TEXT}, {"type": "image_url", "image_url": {"url": url}}]
 
 
-def run_aiperf(cmd: list[str], artifacts: Path, log: Path) -> dict:
-    """One `aiperf profile` in its own session (stopped with its workers past AIPERF_TIMEOUT_S); its export."""
+def _cpu_s(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+PHASE_STARTED, PHASE_COMPLETE = "Phase profiling (profiling) started", "Phase profiling (profiling) complete"
+
+
+def session_cpu_s(sid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) of the live processes of session `sid` (AIPerf's, started in a
+    session of its own): its workers while they run, not only once reaped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            f = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[3]) == sid:  # after the name: state ppid pgrp session ... utime(11) stime(12)
+            total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+def run_aiperf(cmd: list[str], artifacts: Path, log: Path) -> tuple[dict, dict]:
+    """One `aiperf profile` in its own session (stopped with its workers past AIPERF_TIMEOUT_S): its
+    export, and the CPU seconds its processes used: in all (they are reaped by it, it by us:
+    RUSAGE_CHILDREN) and over its profiling phase (from its own lines; None where one was not seen)."""
     env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
     # Not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a tokenizer up in the hub's cache only, a local path too.
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("TRANSFORMERS_OFFLINE", None)
-    proc = Process(cmd, name="aiperf", env=env, cwd=artifacts.parent, log=log)
+    cpu0 = _cpu_s(resource.RUSAGE_CHILDREN)
+    phase: dict[str, float] = {}
+
+    def on_line(line: str) -> None:
+        for key, needle in (("start", PHASE_STARTED), ("end", PHASE_COMPLETE)):
+            if needle in line and key not in phase:
+                phase[key] = session_cpu_s(proc.pid)
+
+    proc = Process(cmd, name="aiperf", env=env, cwd=artifacts.parent, log=log, on_line=on_line)
     try:
         rc = proc.wait(AIPERF_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -225,12 +264,14 @@ def run_aiperf(cmd: list[str], artifacts: Path, log: Path) -> dict:
     export = artifacts / "profile_export_aiperf.json"
     if rc != 0 or not export.is_file():
         raise RuntimeError(f"aiperf exited {rc} (export written: {export.is_file()}); its last lines:\n{proc.tail(30)}")
-    return json.loads(export.read_text())
+    cpu = {"cpu_s": _cpu_s(resource.RUSAGE_CHILDREN) - cpu0,
+           "profiling_cpu_s": phase["end"] - phase["start"] if len(phase) == 2 else None}
+    return json.loads(export.read_text()), cpu
 
 
-def own_client(port: int, contents: list[list[dict]], concurrency: int, osl: int) -> tuple[list[dict], float]:
+def own_client(port: int, contents: list[list[dict]], concurrency: int, osl: int) -> tuple[list[dict], float, float]:
     """`contents` as streaming chat requests, `concurrency` at a time (closed loop, like AIPerf's
-    --concurrency); (results, wall seconds)."""
+    --concurrency); (results, wall seconds, CPU seconds of this process meanwhile)."""
     results: list[dict] = []
     lock = threading.Lock()
     queue = list(enumerate(contents))
@@ -245,13 +286,13 @@ def own_client(port: int, contents: list[list[dict]], concurrency: int, osl: int
             with lock:
                 results.append(r)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s(resource.RUSAGE_SELF)
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(AIPERF_TIMEOUT_S)
-    return results, time.perf_counter() - t0
+    return results, time.perf_counter() - t0, _cpu_s(resource.RUSAGE_SELF) - cpu0
 
 
 def measure(graph: str, args, work: Path) -> dict:
@@ -290,32 +331,39 @@ def one_case(graph: str, case: str, port: int, run: Path, tokenizer: Path, hit_j
     if input_file is not None:  # AIPerf's bytes of the image sent once, by AIPerf, before the run
         prime = work / f"aiperf-{graph}-{case}-prime"
         run_aiperf(aiperf_command(url, tokenizer, prime, requests=1, **shape), prime, work / f"{prime.name}.log")
+    # AIPerf's run, between two snapshots of the encodes and the frontend's records
     cmd = aiperf_command(url, tokenizer, artifacts, requests=args.requests, **shape)
-    c0, m0 = counters(port, run), _frontend(port)
-    export = run_aiperf(cmd, artifacts, work / f"aiperf-{graph}-{case}.log")
-    c1, m1 = counters(port, run), _frontend(port)
+    t0, enc0, front0 = time.perf_counter(), counters(port, run), _frontend(port)
+    export, cpu = run_aiperf(cmd, artifacts, work / f"aiperf-{graph}-{case}.log")
+    aiperf_wall, enc1, front1 = time.perf_counter() - t0, counters(port, run), _frontend(port)
     ap = parse_export(export)
+    ap["client_cpu_s"], ap["client_wall_s"] = cpu["cpu_s"], aiperf_wall  # its start and exit included
+    ap["profiling_cpu_s"] = cpu["profiling_cpu_s"]  # over its profiling phase alone
+    ap["encodes_per_request"] = _encodes(graph, enc0, enc1) / max(1, ap["requests"] or 0)
+    server = frontend_figures(front0, front1)
     if args.keep_exports:
         args.keep_exports.mkdir(parents=True, exist_ok=True)
         shutil.copy(artifacts / "profile_export_aiperf.json", args.keep_exports / f"{graph}-{case}.json")
-    # our client: the same shape of request, right after AIPerf's
+    # our client: the same shape of request, right after AIPerf's, between two snapshots too
     if case == "hit":  # our bytes of the image, seen once before: every request of ours a hit
         contents = [_content(hit_jpeg.read_bytes())] * args.requests
         chat(port, MODEL, contents[0], max_tokens=args.osl)
     else:
         contents = [_content(noise_jpeg(args.width, args.height, SEED + 1000 + i)) for i in range(args.requests)]
-    results, wall = own_client(port, contents, args.concurrency, args.osl)
-    c2 = counters(port, run)
+    enc2, front2 = counters(port, run), _frontend(port)
+    results, wall, ours_cpu = own_client(port, contents, args.concurrency, args.osl)
+    enc3, front3 = counters(port, run), _frontend(port)
     ours = client_figures(results, wall)
-    ours["encodes_per_request"] = (_encodes(graph, c1, c2) - (case == "hit")) / max(1, len(results))
-    server = frontend_figures(m0, m1)
-    ap["encodes_per_request"] = _encodes(graph, c0, c1) / max(1, ap["requests"] or 0)
+    ours["client_cpu_s"], ours["client_wall_s"] = ours_cpu, wall
+    ours["encodes_per_request"] = _encodes(graph, enc2, enc3) / max(1, len(results))
+    ours_server = frontend_figures(front2, front3)
     print(f"  {graph} {case}: aiperf latency p50 {_f(ap['request_latency_ms'], 'p50')} ms, TTFT p50 "
           f"{_f(ap['ttft_ms'], 'p50')} ms, {_f(ap['request_throughput'], 'avg', 2)} req/s, encodes/request "
           f"{ap['encodes_per_request']:.2f}; ours latency p50 {_f(ours['request_latency_ms'], 'p50')} ms, TTFT p50 "
           f"{_f(ours['ttft_ms'], 'p50')} ms, {_f(ours['request_throughput'], 'avg', 2)} req/s; the frontend's first "
           f"token p50 {_f(server['first_token_ms'], 'p50')} ms over {server['records']} records", flush=True)
-    return {"aiperf": ap, "frontend": server, "ours": ours, "command": _shown(cmd, work)}
+    # the frontend's own record of each client's requests: "frontend" AIPerf's, "frontend_ours" ours
+    return {"aiperf": ap, "frontend": server, "ours": ours, "frontend_ours": ours_server, "command": _shown(cmd, work)}
 
 
 def _f(d: dict | None, key: str, digits: int = 0) -> str:

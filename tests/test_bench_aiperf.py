@@ -122,7 +122,7 @@ def test_our_clients_figures_and_the_section():
     ap = aiperf.parse_export(json.loads(EXPORT.read_text()))
     front = aiperf.frontend_figures({"duration": (0, 0), "recent": []}, {"duration": (1.0, 4.0), "recent": []})
     case = {"aiperf": {**ap, "encodes_per_request": 0.0}, "ours": {**ours, "encodes_per_request": 0.0},
-            "frontend": front, "command": ".venv-aiperf/bin/aiperf profile ..."}
+            "frontend": front, "frontend_ours": front, "command": ".venv-aiperf/bin/aiperf profile ..."}
     result = {"aiperf_version": "0.13.0", "config": {"preset": "tiny", "image": "640x480 noise JPEG", "osl": 8,
                                                      "requests": 4, "concurrency": 2},
               "graphs": {"epd": {"cases": {"miss": case, "hit": case}}, "agg": {"cases": {"miss": case}}}}
@@ -130,3 +130,14 @@ def test_our_clients_figures_and_the_section():
     assert md.startswith("## AIPerf beside our own client (`python -m bench.aiperf`)")
     assert "| EPD hit | AIPerf | 4/4 |" in md and "| agg (baseline) | ours | 2/3 |" in md
     assert "| EPD miss / EPD hit (what a cache hit saves) | 1.00x |" in md
+
+
+def test_a_sessions_cpu_is_summed_from_proc(tmp_path):
+    tick = __import__("os").sysconf("SC_CLK_TCK")
+    rows = {"10": (10, 3 * tick, tick), "11": (10, tick, 0), "12": (99, 50 * tick, 0)}  # 12: another session
+    for pid, (sid, utime, stime) in rows.items():
+        (tmp_path / pid).mkdir()
+        fields = ["S", "1", pid, str(sid)] + ["0"] * 7 + [str(utime), str(stime)] + ["0"] * 10
+        (tmp_path / pid / "stat").write_text(f"{pid} (a (tricky) name) " + " ".join(fields) + "\n")
+    (tmp_path / "self").mkdir()
+    assert aiperf.session_cpu_s(10, proc=tmp_path) == pytest.approx(5.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 CASE_NAMES = {("epd", "miss"): "EPD miss", ("epd", "hit"): "EPD hit", ("agg", "miss"): "agg (baseline)",
@@ -14,6 +15,21 @@ def _v(d: dict | None, key: str, digits: int = 0) -> str:
     return f"{d[key]:,.{digits}f}"
 
 
+def _client(name: str) -> str:
+    return "AIPerf" if name == "aiperf" else "ours"
+
+
+def _cpu(r: dict, client: str, requests: bool) -> str:
+    """CPU seconds (wall seconds): AIPerf's over its profiling phase or its whole run; ours the same both ways."""
+    if client == "aiperf" and requests:
+        cpu, wall = r.get("profiling_cpu_s"), (r.get("benchmark_duration_s") or {}).get("avg")
+    else:
+        cpu, wall = r.get("client_cpu_s"), r.get("client_wall_s")
+    if cpu is None:
+        return "-"
+    return f"{cpu:.2f} ({wall:.1f})" if wall is not None else f"{cpu:.2f}"
+
+
 def _ratio(a: dict | None, b: dict | None, key: str) -> str:
     if not a or not b or not a.get(key) or not b.get(key):
         return "-"
@@ -22,6 +38,48 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> str:
 
 def _p50(g: dict, graph: str, case: str, client: str, metric: str) -> dict | None:
     return (g.get(graph, {}).get("cases", {}).get(case, {}).get(client) or {}).get(metric)
+
+
+def _span(values: list[float], digits: int = 2, unit: str = "x") -> str:
+    lo, hi = (f"{v:.{digits}f}" for v in (min(values), max(values)))
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def _findings(result: dict) -> list[str]:
+    """What the tables say, in words: the clients against each other, and the graphs with either client."""
+    cases = [c for g in result["graphs"].values() for c in g["cases"].values()]
+    out: list[str] = []
+
+    def ratios(a: str, b: str, metric: str) -> list[float]:
+        return [x[a][metric]["p50"] / x[b][metric]["p50"] for x in cases
+                if (x.get(a) or {}).get(metric) and (x.get(b) or {}).get(metric) and x[b][metric]["p50"]]
+
+    ttft = ratios("aiperf", "ours", "ttft_ms")
+    front = ratios("frontend", "frontend_ours", "first_token_ms")
+    prof = [(c["aiperf"]["profiling_cpu_s"], c["aiperf"]["benchmark_duration_s"]["avg"]) for c in cases
+            if c["aiperf"].get("profiling_cpu_s") is not None and c["aiperf"].get("benchmark_duration_s")]
+    if ttft and front:
+        server_side = statistics.median(front) - 1 >= 0.5 * (statistics.median(ttft) - 1)
+        text = (f"- AIPerf's TTFT p50 is {_span(ttft)} ours for the same kind of request, and the frontend's own "
+                f"first-token time for AIPerf's requests is {_span(front)} that for ours: "
+                + ("most of the gap is the server running slower while AIPerf runs beside it on the same cores, "
+                   "not AIPerf's clock." if server_side else
+                   "most of the gap is on AIPerf's side of the socket (its sending and its clock), not the server's."))
+        if prof:
+            text += (" AIPerf's processes used " + _span([c / w for c, w in prof], 2, "") + " CPU seconds per second "
+                     "while its requests ran (of the machine's " + str(result["machine"].get("cores", "?")) +
+                     " cores); our client a few hundredths.")
+        out.append(text)
+    g = result["graphs"]
+    if "epd" in g and {"miss", "hit"} <= set(g["epd"]["cases"]):
+        for metric, name in (("request_latency_ms", "latency"), ("ttft_ms", "TTFT")):
+            pairs = [(_p50(g, "epd", "miss", cl, metric), _p50(g, "epd", "hit", cl, metric))
+                     for cl in ("aiperf", "ours")]
+            r = [m["p50"] / h["p50"] for m, h in pairs if m and h and h["p50"]]
+            if len(r) == 2:
+                out.append(f"- EPD, a cache hit against a miss: {name} p50 {r[0]:.2f}x lower by AIPerf, "
+                           f"{r[1]:.2f}x by ours: both clients show the hit.")
+    return out
 
 
 def section(result: dict, plots: Path) -> str:
@@ -42,14 +100,17 @@ def section(result: dict, plots: Path) -> str:
         "JSON export's (`profile_export_aiperf.json`). **ours**: the same number of requests of the same shape "
         "at the same concurrency from bench/graphs.py's client, right after AIPerf's (fresh noise images for "
         "miss; for hit the same image, sent once before). Encodes per request: EPD counts the encode worker's "
-        "forwards, agg the media items its engines encoded. Latency: until the "
+        "forwards, agg the media items its engines encoded. Client CPU: the CPU seconds the client's processes "
+        "used, with the wall time: while its requests ran (AIPerf's process tree between the lines it prints as "
+        "its profiling phase starts and completes; ours: the benchmark's process), and in all (AIPerf's start, "
+        "dataset generation and exit included). Latency: until the "
         "last chunk; TTFT: until the first token's chunk. All processes (the graph's and AIPerf's own workers) "
         "share the machine's cores: these are scheduling figures for comparing the clients and the graphs, "
         "not capacity.",
         "",
         "| case | client | ok/sent | latency p50 ms | latency p99 ms | TTFT p50 ms | TTFT p99 ms | req/s | "
-        "encodes per request |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "encodes per request | client CPU s while its requests ran (their wall s) | client CPU s in all (wall s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for graph, g in graphs.items():
         for case, c in g["cases"].items():
@@ -59,31 +120,36 @@ def section(result: dict, plots: Path) -> str:
                 ok = f"{r.get('completed', '-')}/{r.get('requests', '-')}"
                 e = r.get("encodes_per_request")
                 lines.append(
-                    f"| {name} | {'AIPerf' if client == 'aiperf' else 'ours'} | {ok} | "
+                    f"| {name} | {_client(client)} | {ok} | "
                     f"{_v(r['request_latency_ms'], 'p50')} | {_v(r['request_latency_ms'], 'p99')} | "
                     f"{_v(r['ttft_ms'], 'p50')} | {_v(r['ttft_ms'], 'p99')} | "
                     f"{_v(r['request_throughput'], 'avg', 2)} | "
-                    f"{'-' if e is None else f'{e:.2f}'} |")
+                    f"{'-' if e is None else f'{e:.2f}'} | {_cpu(r, client, True)} | {_cpu(r, client, False)} |")
     lines += [
         "",
-        "AIPerf's requests on two clocks: AIPerf's, and the frontend's own record of each of them (/mm/stats "
-        "`recent`: `first_token_ms`, from the request's admission (its body already read and parsed) to the engine's "
-        "first item) and its request-duration histogram (`dynamo_frontend_request_duration_seconds`, sum over "
-        "count across the run: a mean; its buckets are too coarse for a median). What AIPerf's TTFT adds: "
-        "sending the ~0.6 MB body, the frontend's parsing, the first chunk's way back, and AIPerf's own scheduling.",
+        "Each client's requests on two clocks: the client's, and the frontend's own record of each request "
+        "(/mm/stats `recent`: `first_token_ms`, from the request's admission, its body already read and "
+        "parsed, to the engine's first item) and its request-duration histogram "
+        "(`dynamo_frontend_request_duration_seconds`, sum over count across the run: a mean; its buckets are "
+        "too coarse for a median). Client TTFT minus the frontend's: sending the ~0.6 MB body, the frontend "
+        "reading and parsing it, the first chunk's way back, the client's own scheduling. The frontend's "
+        "figure under one client against the other's: how much the client's own CPU use slowed the server.",
         "",
-        "| case | AIPerf TTFT p50 ms | frontend first token p50 ms | AIPerf TTFT p99 | frontend p99 | "
-        "AIPerf mean latency ms | frontend mean duration ms | frontend records / requests |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | client | client TTFT p50 ms | frontend first token p50 ms | difference ms | client TTFT p99 | "
+        "frontend p99 | client mean latency ms | frontend mean duration ms | frontend records / requests |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for graph, g in graphs.items():
         for case, c in g["cases"].items():
-            a, f = c["aiperf"], c["frontend"]
-            ft = f.get("first_token_ms")
-            lines.append(f"| {CASE_NAMES.get((graph, case), f'{graph} {case}')} | {_v(a['ttft_ms'], 'p50')} | "
-                         f"{_v(ft, 'p50')} | {_v(a['ttft_ms'], 'p99')} | {_v(ft, 'p99')} | "
-                         f"{_v(a['request_latency_ms'], 'avg')} | {_v(f, 'request_mean_ms')} | "
-                         f"{f.get('records', '-')} / {f.get('requests', '-')} |")
+            for client, front in (("aiperf", "frontend"), ("ours", "frontend_ours")):
+                a, f = c[client], c.get(front) or {}
+                ft = f.get("first_token_ms")
+                diff = "-" if not ft or not a["ttft_ms"] else f"{a['ttft_ms']['p50'] - ft['p50']:,.0f}"
+                lines.append(
+                    f"| {CASE_NAMES.get((graph, case), f'{graph} {case}')} | {_client(client)} | "
+                    f"{_v(a['ttft_ms'], 'p50')} | {_v(ft, 'p50')} | {diff} | {_v(a['ttft_ms'], 'p99')} | "
+                    f"{_v(ft, 'p99')} | {_v(a['request_latency_ms'], 'avg')} | {_v(f, 'request_mean_ms')} | "
+                    f"{f.get('records', '-')} / {f.get('requests', '-')} |")
     lines += ["", "Ratios of medians (p50), each client's figures against its own:", "",
               "| ratio | AIPerf latency | ours latency | AIPerf TTFT | ours TTFT |", "|---|---:|---:|---:|---:|"]
     pairs = [("EPD miss / EPD hit (what a cache hit saves)", ("epd", "miss"), ("epd", "hit")),
@@ -95,13 +161,18 @@ def section(result: dict, plots: Path) -> str:
         cells = [_ratio(_p50(graphs, *num, cl, m), _p50(graphs, *den, cl, m), "p50")
                  for m in ("request_latency_ms", "ttft_ms") for cl in ("aiperf", "ours")]
         lines.append(f"| {label} | {' | '.join(cells)} |")
-    lines += ["", "AIPerf against ours, per case (p50 over p50):", "",
-              "| case | latency AIPerf / ours | TTFT AIPerf / ours |", "|---|---:|---:|"]
+    lines += ["", "AIPerf against ours, per case (p50 over p50; the frontend's: its first-token time for AIPerf's "
+              "requests over that for ours):", "",
+              "| case | latency AIPerf / ours | TTFT AIPerf / ours | frontend first token, AIPerf's / ours |",
+              "|---|---:|---:|---:|"]
     for graph, g in graphs.items():
         for case, c in g["cases"].items():
+            fa, fo = (c.get(k) or {} for k in ("frontend", "frontend_ours"))
             lines.append(f"| {CASE_NAMES.get((graph, case), f'{graph} {case}')} | "
                          f"{_ratio(c['aiperf']['request_latency_ms'], c['ours']['request_latency_ms'], 'p50')} | "
-                         f"{_ratio(c['aiperf']['ttft_ms'], c['ours']['ttft_ms'], 'p50')} |")
+                         f"{_ratio(c['aiperf']['ttft_ms'], c['ours']['ttft_ms'], 'p50')} | "
+                         f"{_ratio(fa.get('first_token_ms'), fo.get('first_token_ms'), 'p50')} |")
+    lines += ["", *_findings(result)]
     example = next((c["command"] for g in graphs.values() for c in g["cases"].values() if c.get("command")), None)
     hit = next((c["command"] for g in graphs.values() for k, c in g["cases"].items() if k == "hit"), None)
     lines += ["", "The AIPerf commands the module ran (miss, then hit; $WORK: its temporary folder, the URL a free "
@@ -122,8 +193,10 @@ def section(result: dict, plots: Path) -> str:
         "- Client-side token counts disagree with the server's (the random model's text re-tokenizes "
         "differently): `--use-server-token-count`, the server's `usage`.",
         "- An image file in an input file is re-encoded by AIPerf (PIL, its default JPEG quality) before it is "
-        "sent: the server caches AIPerf's bytes, not the file's, so the file cannot be primed from outside; "
-        "AIPerf's own warm-up request (`--warmup-request-count 1`) primes it.",
+        "sent: the server caches AIPerf's bytes, not the file's, so another client cannot prime the cache with "
+        "the file; a one-request AIPerf run with the same input file does, before the measured run (AIPerf's "
+        "`--warmup-request-count` would do it too, but its warm-up is in no figure the frontend reports apart: "
+        "the frontend's records would mix it in).",
         "- AIPerf has no notion of a cache hit: that hits were hits and misses misses is checked with the "
         "encode worker's forwards (the encodes column).",
         "- `--no-server-metrics` and `--no-gpu-telemetry`: no GPU here, and the frontend's /metrics is read by "
