@@ -7,7 +7,8 @@ Operators of Dynamo measure with AIPerf (`aiperf profile`); this runs it, from i
 `mm-encoder serve GRAPH --dtype fp32 --preset tiny` on a free port with a run directory of its own:
 graphs/epd.yaml (the encode worker, cache tiers, engines that get embeddings) and graphs/agg.yaml
 (engines that encode pixels themselves), one after the other, each stopped cleanly. Per graph, after
-a warm-up (a text and an image request):
+a warm-up (a text request, then images at the cases' concurrency so that neither client pays for
+the first batches):
 - miss: AIPerf's synthetic chat requests with one `--image-source noise` JPEG each, a new random image
   per request (its way to keep a server from deduplicating inputs): every image is a cache miss;
 - hit: an AIPerf input file (`--custom-dataset-type single_turn`, written here) whose every line
@@ -15,8 +16,9 @@ a warm-up (a text and an image request):
   are AIPerf's, not the file's: a one-request AIPerf run with the same file sends them first, then
   every request of the measured run is a cache hit.
 Every request streams `--osl` tokens (AIPerf's `max_completion_tokens`), at most --concurrency in
-flight, a fixed count (--requests). AIPerf's figures are read from its JSON export
-(`profile_export_aiperf.json`): request latency, TTFT, request throughput, p50/p99.
+flight, a fixed count (--requests); in each case AIPerf first, then our client. AIPerf's figures are
+read from its JSON export (`profile_export_aiperf.json`): request latency, TTFT, request throughput,
+p50/p99.
 
 Our own measurement of the same work, beside it:
 - the frontend's own records of exactly AIPerf's requests: each request's `first_token_ms` (from its
@@ -310,10 +312,13 @@ def measure(graph: str, args, work: Path) -> dict:
             raise RuntimeError(f"{graph} serves {served_model(line)!r}, not {MODEL!r}: {line}")
         out["startup_s"] = time.perf_counter() - t_start
         tokenizer = run / "checkpoint" / MODEL
-        for content in ("warm up", _content(noise_jpeg(width, height, SEED - 1))):
-            r = chat(port, MODEL, content, max_tokens=args.osl)
+        # warm-up: a text request, then images `concurrency` at a time (the batch shapes the cases will
+        # see compiled and cached before either client measures: the first client would pay for them)
+        warm = [_content(noise_jpeg(width, height, SEED - 1 - i)) for i in range(2 * args.concurrency)]
+        for r in [chat(port, MODEL, "warm up", max_tokens=args.osl), *own_client(port, warm, args.concurrency,
+                                                                                 args.osl)[0]]:
             if not r["ok"]:
-                raise RuntimeError(f"{graph}: the warm-up request failed (HTTP {r['status']})")
+                raise RuntimeError(f"{graph}: a warm-up request failed (HTTP {r['status']})")
         hit_jpeg = work / "hit.jpg"
         hit_jpeg.write_bytes(noise_jpeg(width, height, SEED))
         for case in CASES:
@@ -378,7 +383,7 @@ def _shown(cmd: list[str], work: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="12 requests per case (default 40)")
+    p.add_argument("--quick", action="store_true", help="20 requests per case (default 40)")
     p.add_argument("--requests", type=int, default=40, help="requests per case and client")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight (AIPerf's --concurrency)")
     p.add_argument("--osl", type=int, default=8, help="tokens each request streams")
@@ -388,7 +393,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
-        args.requests = 12
+        args.requests = 20
     args.width, args.height = (int(x) for x in args.image.lower().split("x"))
     if not AIPERF.is_file():
         raise SystemExit(f"error: {AIPERF.relative_to(ROOT)} is missing: make aiperf-venv")

@@ -15,6 +15,11 @@ def _v(d: dict | None, key: str, digits: int = 0) -> str:
     return f"{d[key]:,.{digits}f}"
 
 
+def _machine(result: dict) -> str:
+    m = result.get("machine") or {}
+    return f"{m.get('cores', '?')}-core CPU machine ({m.get('cpu') or 'CPU unknown'}, device {m.get('device', 'cpu')})"
+
+
 def _client(name: str) -> str:
     return "AIPerf" if name == "aiperf" else "ours"
 
@@ -83,17 +88,24 @@ def _findings(result: dict) -> list[str]:
 
 
 def section(result: dict, plots: Path) -> str:
-    cfg, graphs = result["config"], result["graphs"]
-    lines = [
-        "## AIPerf beside our own client (`python -m bench.aiperf`)",
-        "",
+    lines = ["## AIPerf beside our own client (`python -m bench.aiperf`)", "", _intro(result), "",
+             *_clients_table(result["graphs"]), "", *_clocks_table(result["graphs"]), *_ratio_tables(result["graphs"]),
+             "", *_findings(result), *_commands(result), "", *_notes(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _intro(result: dict) -> str:
+    cfg = result["config"]
+    return (
         f"AIPerf ({result.get('aiperf_version') or '?'}, `aiperf profile`, the benchmark client Dynamo's operators "
         "use; its own virtualenv: `make aiperf-venv`) against each graph under `mm-encoder serve GRAPH --dtype fp32 "
         f"--preset {cfg['preset']}` (the generated tiny Kimi-K2.5, random weights), one graph after the other: "
         "EPD (graphs/epd.yaml: encode worker behind the cache tiers, engines that get embeddings) and the "
         "aggregated baseline (graphs/agg.yaml: engines that encode pixels themselves, no cache). Chat requests "
         f"with one {cfg['image']} each, {cfg['osl']} streamed tokens, {cfg['requests']} requests per case at "
-        f"concurrency {cfg['concurrency']} (closed loop). **miss**: AIPerf's synthetic requests with "
+        f"concurrency {cfg['concurrency']} (closed loop), after a warm-up (a text request, then "
+        f"{2 * cfg['concurrency']} image requests {cfg['concurrency']} at a time, so that neither client pays for the "
+        "first batches). **miss**: AIPerf's synthetic requests with "
         "`--image-source noise`, a new random image per request; **hit**: an AIPerf input file "
         "(`--custom-dataset-type single_turn`) naming one noise JPEG on every line, sent once before by a "
         "one-request AIPerf run (AIPerf re-encodes the file: the server must see its bytes). AIPerf's figures are its "
@@ -106,8 +118,12 @@ def section(result: dict, plots: Path) -> str:
         "dataset generation and exit included). Latency: until the "
         "last chunk; TTFT: until the first token's chunk. All processes (the graph's and AIPerf's own workers) "
         "share the machine's cores: these are scheduling figures for comparing the clients and the graphs, "
-        "not capacity.",
-        "",
+        "not capacity.")
+
+
+def _clients_table(graphs: dict) -> list[str]:
+    """Each case, each client: AIPerf's export and our client's figures, encodes, the client's CPU."""
+    lines = [
         "| case | client | ok/sent | latency p50 ms | latency p99 ms | TTFT p50 ms | TTFT p99 ms | req/s | "
         "encodes per request | client CPU s while its requests ran (their wall s) | client CPU s in all (wall s) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -125,8 +141,12 @@ def section(result: dict, plots: Path) -> str:
                     f"{_v(r['ttft_ms'], 'p50')} | {_v(r['ttft_ms'], 'p99')} | "
                     f"{_v(r['request_throughput'], 'avg', 2)} | "
                     f"{'-' if e is None else f'{e:.2f}'} | {_cpu(r, client, True)} | {_cpu(r, client, False)} |")
-    lines += [
-        "",
+    return lines
+
+
+def _clocks_table(graphs: dict) -> list[str]:
+    """Each client's requests as the client saw them and as the frontend recorded them."""
+    lines = [
         "Each client's requests on two clocks: the client's, and the frontend's own record of each request "
         "(/mm/stats `recent`: `first_token_ms`, from the request's admission, its body already read and "
         "parsed, to the engine's first item) and its request-duration histogram "
@@ -150,6 +170,11 @@ def section(result: dict, plots: Path) -> str:
                     f"{_v(a['ttft_ms'], 'p50')} | {_v(ft, 'p50')} | {diff} | {_v(a['ttft_ms'], 'p99')} | "
                     f"{_v(ft, 'p99')} | {_v(a['request_latency_ms'], 'avg')} | {_v(f, 'request_mean_ms')} | "
                     f"{f.get('records', '-')} / {f.get('requests', '-')} |")
+    return lines
+
+
+def _ratio_tables(graphs: dict) -> list[str]:
+    lines: list[str] = []
     lines += ["", "Ratios of medians (p50), each client's figures against its own:", "",
               "| ratio | AIPerf latency | ours latency | AIPerf TTFT | ours TTFT |", "|---|---:|---:|---:|---:|"]
     pairs = [("EPD miss / EPD hit (what a cache hit saves)", ("epd", "miss"), ("epd", "hit")),
@@ -172,7 +197,13 @@ def section(result: dict, plots: Path) -> str:
                          f"{_ratio(c['aiperf']['request_latency_ms'], c['ours']['request_latency_ms'], 'p50')} | "
                          f"{_ratio(c['aiperf']['ttft_ms'], c['ours']['ttft_ms'], 'p50')} | "
                          f"{_ratio(fa.get('first_token_ms'), fo.get('first_token_ms'), 'p50')} |")
-    lines += ["", *_findings(result)]
+    return lines
+
+
+def _commands(result: dict) -> list[str]:
+    graphs, flag = result["graphs"], " --quick" if result["config"].get("quick") else ""
+    lines = ["", f"Made by `python -m bench.aiperf{flag}` (`make bench-aiperf{' ARGS=--quick' if flag else ''}`; "
+             f"this document's figures through `python -m bench.report --only aiperf{flag}`)."]
     example = next((c["command"] for g in graphs.values() for c in g["cases"].values() if c.get("command")), None)
     hit = next((c["command"] for g in graphs.values() for k, c in g["cases"].items() if k == "hit"), None)
     lines += ["", "The AIPerf commands the module ran (miss, then hit; $WORK: its temporary folder, the URL a free "
@@ -180,7 +211,16 @@ def section(result: dict, plots: Path) -> str:
     for cmd in (example, hit):
         if cmd:
             lines += ["```", cmd, "```"]
-    lines += [
+    return lines
+
+
+def _notes(result: dict) -> list[str]:
+    return [
+        f"Caveats: a {_machine(result)} and a tiny checkpoint with random weights, every process of the graph and "
+        "of the client on the same cores; a handful of requests per case (a p99 is close to the slowest one); in "
+        "each case AIPerf runs first and our client right after, on a server that has just served AIPerf's "
+        "requests; AIPerf's TTFT is its first token's chunk, ours the first chunk with data (the same chunk "
+        "from this frontend). Figures move from run to run by tens of percent: compare within one run.",
         "",
         "What AIPerf did not do here, and how the module works around it:",
         "",
@@ -202,4 +242,3 @@ def section(result: dict, plots: Path) -> str:
         "- `--no-server-metrics` and `--no-gpu-telemetry`: no GPU here, and the frontend's /metrics is read by "
         "the module itself, before and after each run.",
     ]
-    return "\n".join(lines) + "\n"
