@@ -367,8 +367,10 @@ def one_case(graph: str, case: str, port: int, run: Path, tokenizer: Path, hit_j
           f"{ap['encodes_per_request']:.2f}; ours latency p50 {_f(ours['request_latency_ms'], 'p50')} ms, TTFT p50 "
           f"{_f(ours['ttft_ms'], 'p50')} ms, {_f(ours['request_throughput'], 'avg', 2)} req/s; the frontend's first "
           f"token p50 {_f(server['first_token_ms'], 'p50')} ms over {server['records']} records", flush=True)
-    # the frontend's own record of each client's requests: "frontend" AIPerf's, "frontend_ours" ours
-    return {"aiperf": ap, "frontend": server, "ours": ours, "frontend_ours": ours_server, "command": _shown(cmd, work)}
+    # the frontend's own record of each client's requests: "frontend" AIPerf's, "frontend_ours" ours;
+    # the machine's 1-minute load average as the case ended (above its cores: other work shared them)
+    return {"aiperf": ap, "frontend": server, "ours": ours, "frontend_ours": ours_server, "command": _shown(cmd, work),
+            "loadavg_1m": os.getloadavg()[0]}
 
 
 def _f(d: dict | None, key: str, digits: int = 0) -> str:

@@ -20,6 +20,16 @@ def _machine(result: dict) -> str:
     return f"{m.get('cores', '?')}-core CPU machine ({m.get('cpu') or 'CPU unknown'}, device {m.get('device', 'cpu')})"
 
 
+def _load(result: dict) -> str:
+    """The 1-minute load average as each case ended: the graph and the clients alone keep it near the
+    cores' count; well above it, other work shared the machine."""
+    loads = [c["loadavg_1m"] for g in result["graphs"].values() for c in g["cases"].values() if "loadavg_1m" in c]
+    if not loads:
+        return ""
+    return (f" The machine's 1-minute load average as each case ended: {_span(loads, 1, '')} "
+            f"({result.get('machine', {}).get('cores', '?')} cores).")
+
+
 def _client(name: str) -> str:
     return "AIPerf" if name == "aiperf" else "ours"
 
@@ -220,7 +230,8 @@ def _notes(result: dict) -> list[str]:
         "of the client on the same cores; a handful of requests per case (a p99 is close to the slowest one); in "
         "each case AIPerf runs first and our client right after, on a server that has just served AIPerf's "
         "requests; AIPerf's TTFT is its first token's chunk, ours the first chunk with data (the same chunk "
-        "from this frontend). Figures move from run to run by tens of percent: compare within one run.",
+        "from this frontend). Figures move from run to run by tens of percent: compare within one run."
+        + _load(result),
         "",
         "What AIPerf did not do here, and how the module works around it:",
         "",
