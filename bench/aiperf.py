@@ -69,7 +69,7 @@ MODEL = f"kimi-k2.5-{PRESET}"
 SEED = 20261207
 TEXT = "Describe this picture in a few words, then say what its colours are and where the light comes from."
 STARTUP_S = 600
-AIPERF_TIMEOUT_S = 600  # one `aiperf profile` run, its start included (~5 s here)
+AIPERF_TIMEOUT_S = 600  # one `aiperf profile` run, its start included (~10 s of it here)
 # From AIPerf's JSON export: (our key, its metric, unit); each a dict {"avg", "p50", "p90", "p99", "min", "max"}.
 METRICS = (("request_latency_ms", "request_latency", "ms"), ("ttft_ms", "time_to_first_token", "ms"),
            ("itl_ms", "inter_token_latency", "ms"), ("request_throughput", "request_throughput", "requests/sec"),
