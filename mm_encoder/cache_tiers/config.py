@@ -39,6 +39,11 @@ TIME = TypeAliasType("TIME", str)  # an nginx time: 500ms, 30s, 10m, 24h
 # How long a tier waits for the next level: above the slowest encode plus the inner tiers' lock
 # waits. The cluster tier waits on the shared tier, which may itself wait a lock age (600 s).
 READ_TIMEOUTS = {"cluster": "1500s", "shared": "900s", "router": "900s"}
+# A model cluster's tier to its encoder site, across the network (`--site-breaker`): a lost SYN is resent
+# after 1 s, so 2 s tells an unreachable site from a slow one; the read timeout bounds a request sent on a
+# kept-alive connection over a link that went down (no error comes back, only silence), and stays above
+# the site's encode of a large image with its queue (raise it for long videos).
+SITE_CONNECT_TIMEOUT, SITE_READ_TIMEOUT, CONNECT_TIMEOUT = "2s", "60s", "5s"
 _CLI = {"cli_kebab_case": True, "cli_implicit_flags": True}
 
 
@@ -71,8 +76,17 @@ class TierConfig(TlsOptions):
     lock_timeout: TIME = Field("600s", description="how long identical misses wait for the first one")
     lock_age: TIME = Field("600s", description="after this, one more waiter may go to the origin")
     read_timeout: TIME | None = Field(None, description="waiting for the next level (null: 1500s for the cluster "
-                                      "tier, 900s for the others)")
-    connect_timeout: TIME = "5s"
+                                      "tier, 900s for the others; 60s with --site-breaker)")
+    connect_timeout: TIME | None = Field(None, description="connecting to the next level (null: 5s; 2s with "
+                                         "--site-breaker)")
+    site_breaker: bool = Field(False, description="the next level is an encoder site across the network (serve sets "
+                               "it for a model cluster's tier): after a connect failure or timeout the site is "
+                               "marked down for --site-retry-s and misses fail at once with 503 "
+                               "encoder_site_unreachable and Retry-After, then one request probes it; hits are "
+                               "served throughout (docs/cache-tiers.md, \"An encoder site's faults\")")
+    site_retry_s: int = Field(5, ge=1, le=3600, description="with --site-breaker: how long the site stays marked "
+                              "down after a failure before one request probes it (nginx fail_timeout), and the "
+                              "503's Retry-After")
     client_max_body_size: SIZE = "96m"
     client_body_buffer_size: SIZE = "1m"
     workers: str = Field("auto", description="nginx worker processes: a number or auto")
@@ -190,6 +204,8 @@ class TierConfig(TlsOptions):
             raise ValueError("--shard is for the router")
         if self.cluster_name and self.tier != "cluster":
             raise ValueError("--cluster-name is for a cluster tier (the levels behind it label by what it sends)")
+        if self.site_breaker and self.tier != "cluster":
+            raise ValueError("--site-breaker is a model cluster's tier's, whose next level is its encoder site")
         if (self.ops_listen is not None or self.tls_allow or self.tls_allow_graphs) and not self.tls:
             raise ValueError("--ops-listen, --tls-allow and --tls-allow-graphs go with TLS (--tls-cert, --tls-key, "
                              "--tls-ca)")
@@ -207,7 +223,12 @@ class TierConfig(TlsOptions):
     @property
     def timeout(self) -> str:
         """How long it waits for the next level."""
-        return self.read_timeout or READ_TIMEOUTS[self.tier]
+        return self.read_timeout or (SITE_READ_TIMEOUT if self.site_breaker else READ_TIMEOUTS[self.tier])
+
+    @property
+    def connect(self) -> str:
+        """How long it waits to connect to the next level."""
+        return self.connect_timeout or (SITE_CONNECT_TIMEOUT if self.site_breaker else CONNECT_TIMEOUT)
 
     @property
     def cluster(self) -> str:

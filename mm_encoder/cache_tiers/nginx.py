@@ -33,14 +33,49 @@ def _servers(addresses: tuple[str, ...], extra: str = "") -> str:
     return "\n".join(f"        server {a}{extra};" for a in addresses)
 
 
-def _next_servers(addresses: tuple[str, ...]) -> str:
+def _next_servers(addresses: tuple[str, ...], breaker_s: int | None = None) -> str:
     """A tier's next level (or its encoders) as nginx's upstream servers. `max_fails=0`: a server that
     answers 503 is retried on another (`proxy_next_upstream http_503`), and nginx would otherwise count
     that 503 as a failure and, with every server overloaded at once, answer 502 "no live upstreams" to
     everything for `fail_timeout` (measured: 10 s). A lone server (a Kubernetes Service) is listed
     twice, so that a retry has somewhere to go: a new connection, which the Service may send to
-    another pod (a draining worker closes the connection it answered 503 on)."""
-    return _servers(addresses if len(addresses) > 1 else addresses * 2, " max_fails=0")
+    another pod (a draining worker closes the connection it answered 503 on).
+
+    `breaker_s` (an encoder site across the network): `max_fails=1 fail_timeout=breaker_s`, nginx's
+    passive health check as a circuit breaker. One failed connect or timeout marks a server down, and
+    with each listed down (twice: a lone server's max_fails is ignored) a miss is answered at once
+    (502, made a typed 503: `_SITE_ERRORS`) until `breaker_s` has passed; then one request per worker
+    probes, and its success closes the breaker. 503s do not count here: they are not retried on this
+    hop (`next_upstream`), so they never reach nginx's failure count."""
+    fails = " max_fails=0" if breaker_s is None else f" max_fails=1 fail_timeout={breaker_s}s"
+    return _servers(addresses if len(addresses) > 1 else addresses * 2, fails)
+
+
+# nginx's own 502/504 for the encoder site's hop (no live upstream while the breaker is open, a refused
+# or timed-out connect, a read timeout): a typed 503 the chain knows, with Retry-After; a 502 or 504 that
+# the site itself answered passes on unchanged (no proxy_intercept_errors).
+_SITE_ERRORS = "            error_page 502 504 = @mm_site_unreachable;"
+_SITE_LOCATION = """        location @@mm_site_unreachable {
+            access_log /dev/stderr mm_request;
+            default_type application/json;
+            add_header Retry-After @retry always;
+            add_header X-MM-Error-Code encoder_site_unreachable always;
+            add_header X-MM-Error "@message" always;
+            add_header X-Cache-Status "cluster=$upstream_cache_status" always;
+            return 503 '{"error": {"code": "encoder_site_unreachable", "message": "@message"}}';
+        }
+"""
+
+
+def _site_fields(cfg: TierConfig) -> dict[str, str]:
+    """The template's fields that differ for a model cluster's tier (`--site-breaker`)."""
+    if not cfg.site_breaker:
+        return {"next_upstream": "error http_503 non_idempotent", "site_errors": "", "site_location": ""}
+    retry = str(cfg.site_retry_s)
+    message = (f"the encoder site is unreachable (it is asked again at most every {retry} s); "
+               "cached items are still served")
+    return {"next_upstream": "error non_idempotent", "site_errors": _SITE_ERRORS,
+            "site_location": _Template(_SITE_LOCATION).substitute(retry=retry, message=message)}
 
 
 def _snippet(name: str, fields: dict[str, str]) -> str:
@@ -108,7 +143,7 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
         "listen": cfg.listen,
         "client_max_body_size": cfg.client_max_body_size,
         "client_body_buffer_size": cfg.client_body_buffer_size,
-        "connect_timeout": cfg.connect_timeout,
+        "connect_timeout": cfg.connect,
         "read_timeout": cfg.timeout,
         "drop_client_key": "1" if cfg.drop_client_key else "0",
         "cluster_name": cfg.cluster,
@@ -126,8 +161,9 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
             valid=cfg.valid,
             lock_timeout=cfg.lock_timeout,
             lock_age=cfg.lock_age,
-            next_servers=_next_servers(cfg.next),
-            direct_servers=_next_servers(cfg.direct or cfg.next),
+            next_servers=_next_servers(cfg.next, cfg.site_retry_s if cfg.site_breaker else None),
+            direct_servers=_next_servers(cfg.direct or cfg.next, cfg.site_retry_s if cfg.site_breaker else None),
+            **_site_fields(cfg),
             **_model_routes(cfg),
         )
     return template.substitute(fields)

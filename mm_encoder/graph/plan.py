@@ -170,12 +170,13 @@ class _Planner:
             raise GraphError(f"components.{name}: {e}") from None
 
     def _to_encoder_site(self) -> dict[str, Any]:
-        """A model cluster's tier: its next level, and its direct route, is the encoder site's router."""
+        """A model cluster's tier: its next level, and its direct route, is the encoder site's router,
+        across the network: behind a circuit breaker (`TierConfig.site_breaker`)."""
         site = self.g.encoder_site
         if site.url is None:
             raise GraphError(f"graph {self.g.name} is a model cluster: name its encoder site "
                              "(encoder_site.url, or serve --encoder-site URL)")
-        return {"next": (site.address,), "direct": (site.address,)}
+        return {"next": (site.address,), "direct": (site.address,), "site_breaker": True}
 
     def chain(self) -> Chain | None:
         """The cache chain's first level and its route, as components reach it (None: no tiers).
