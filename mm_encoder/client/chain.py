@@ -17,7 +17,14 @@ from typing import Any
 import aiohttp
 
 from ..core import wire
-from ..core.errors import Draining, EncoderUnavailable, RemoteError, RequestTooLarge, WireError
+from ..core.errors import (
+    Draining,
+    EncoderSiteUnreachable,
+    EncoderUnavailable,
+    RemoteError,
+    RequestTooLarge,
+    WireError,
+)
 from ..core.handle import MAX_HEADER_BYTES, ROUTE, chain_url
 from ..core.requests import EncodeReply, EncodeRequest
 from ..runtime import tracing
@@ -100,6 +107,8 @@ class EncoderChain:
                 if self.rpc_client is None:
                     raise
                 self.fallbacks += 1
+                if not self.rpc_client.instance_ids():
+                    raise  # no encoder over RPC either: the chain's own answer says more (a site unreachable)
                 log.warning("cache chain failed (%s); falling back to direct RPC", e.message)
         return await self._rpc(source, header_only)
 
@@ -148,7 +157,10 @@ class EncoderChain:
             if error is None:
                 raise RemoteError(f"encoder answered {status}")
             raise RemoteError.from_dict({**error, "status": status}, f"encoder answered {status}")
-        raise RemoteError(rh.get("X-MM-Error", f"encoder answered {status}"), code, status)
+        message = rh.get("X-MM-Error", f"encoder answered {status}")
+        if code == EncoderSiteUnreachable.code:  # the cluster tier's breaker: RPC may still reach an encoder
+            raise EncoderSiteUnreachable(message)
+        raise RemoteError(message, code, status)
 
     async def _rpc(self, source: EncodeRequest, header_only: bool) -> tuple[wire.WireHeader | bytes, str]:
         client = self.rpc_client

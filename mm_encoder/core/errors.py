@@ -11,7 +11,7 @@ HTTP status its transport answers. Callers map errors to responses by reading `c
     ├── RevisionMismatch, DtypeMismatch   409   the caller expects another checkpoint or row dtype
     ├── RequestTooLarge       413        above a transport's message limit
     ├── Unavailable           503        retry later or elsewhere: Overloaded, Draining,
-    │                                    EncoderUnavailable, EngineUnavailable
+    │                                    EncoderUnavailable (EncoderSiteUnreachable), EngineUnavailable
     ├── RemoteError           any        an error another component returned, code and status kept
     ├── WireError             502        a peer's wire-v1 body is broken
     ├── HandleError           502        an embedding handle that does not resolve to its own body
@@ -183,6 +183,13 @@ class Draining(Unavailable):
 
 class EncoderUnavailable(Unavailable):
     code = "encoder_unavailable"
+
+
+class EncoderSiteUnreachable(EncoderUnavailable):
+    """A model cluster's tier cannot reach its encoder site (its circuit breaker is open, or the connect
+    or read timed out): cached items are still served, a miss is this 503 at once, with Retry-After."""
+
+    code = "encoder_site_unreachable"
 
 
 class EngineUnavailable(Unavailable):
