@@ -58,11 +58,14 @@ def image(seed: int) -> list[dict]:
             {"type": "image_url", "image_url": {"url": data_url(image_bytes(natural_image(64, 48, seed=seed)))}}]
 
 
-def cluster_graph(path: Path, tier_args: tuple[str, ...] = (), engines: int = 1) -> Path:
-    """graphs/model-cluster.yaml with its tier's `args` extended and `engines` replicas (2 cores: one)."""
+def cluster_graph(path: Path, tier_args: tuple[str, ...] = (), engines: int = 1, fallback: bool = False) -> Path:
+    """graphs/model-cluster.yaml with its tier's `args` extended, `engines` replicas (2 cores: one) and
+    with `fallback` an encoder of its own (asked over RPC while the site is unreachable)."""
     g = yaml.safe_load((ROOT / "graphs" / "model-cluster.yaml").read_text())
     g["components"]["cluster"]["args"] = [*g["components"]["cluster"].get("args", []), *tier_args]
     g["components"]["engine"]["replicas"] = engines
+    if fallback:
+        g["components"]["fallback"] = {"kind": "encoder"}
     path.write_text(yaml.safe_dump(g))
     return path
 

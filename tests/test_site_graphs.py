@@ -40,8 +40,10 @@ def test_each_kind_of_site_refuses_the_other_kinds_components_by_name():
         {**site, "components": {**site["components"], "frontend": frontend}})
     assert "an encoder site needs an encoder, a cache-router" in refused(
         {**site, "components": {k: v for k, v in site["components"].items() if k != "router"}})
-    assert "a model cluster sends its misses to its encoder site; it runs no encoder" in refused(
-        {**cluster, "components": {**cluster["components"], "encoder": {"kind": "encoder"}}})
+    assert "a model cluster sends its misses to its encoder site; it runs no cache-router" in refused(
+        {**cluster, "components": {**cluster["components"], "router": {"kind": "cache-router"}}})
+    # an encoder there is the cluster's fallback (docs/cache-tiers.md, "An encoder site's faults")
+    Graph.model_validate({**cluster, "components": {**cluster["components"], "fallback": {"kind": "encoder"}}})
     assert "through its cluster tier" in refused(
         {**cluster, "components": {k: v for k, v in cluster["components"].items() if k != "cluster"}})
     assert "only a graph with site: encoder takes it" in refused({**cluster, "clusters": ["x"]})

@@ -33,7 +33,7 @@ def _servers(addresses: tuple[str, ...], extra: str = "") -> str:
     return "\n".join(f"        server {a}{extra};" for a in addresses)
 
 
-def _next_servers(addresses: tuple[str, ...], breaker_s: int | None = None) -> str:
+def _next_servers(addresses: tuple[str, ...], breaker_s: int | None = None, zone: str = "") -> str:
     """A tier's next level (or its encoders) as nginx's upstream servers. `max_fails=0`: a server that
     answers 503 is retried on another (`proxy_next_upstream http_503`), and nginx would otherwise count
     that 503 as a failure and, with every server overloaded at once, answer 502 "no live upstreams" to
@@ -46,9 +46,13 @@ def _next_servers(addresses: tuple[str, ...], breaker_s: int | None = None) -> s
     with each listed down (twice: a lone server's max_fails is ignored) a miss is answered at once
     (502, made a typed 503: `_SITE_ERRORS`) until `breaker_s` has passed; then one request per worker
     probes, and its success closes the breaker. 503s do not count here: they are not retried on this
-    hop (`next_upstream`), so they never reach nginx's failure count."""
-    fails = " max_fails=0" if breaker_s is None else f" max_fails=1 fail_timeout={breaker_s}s"
-    return _servers(addresses if len(addresses) > 1 else addresses * 2, fails)
+    hop (`next_upstream`), so they never reach nginx's failure count. The servers' state lives in the
+    shared `zone`, one breaker for all workers: each worker on its own state probed once per worker, and
+    a probe over a cut link costs its request the connect timeout."""
+    servers = addresses if len(addresses) > 1 else addresses * 2
+    if breaker_s is None:
+        return _servers(servers, " max_fails=0")
+    return f"        zone {zone} 64k;\n" + _servers(servers, f" max_fails=1 fail_timeout={breaker_s}s")
 
 
 # nginx's own 502/504 for the encoder site's hop (no live upstream while the breaker is open, a refused
@@ -150,6 +154,7 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
         # nginx warns about `user` unless it starts as root; only then is it meaningful
         "user_directive": f"user {cfg.user};" if os.geteuid() == 0 else "",
     }
+    breaker = cfg.site_retry_s if cfg.site_breaker else None
     if cfg.tier == "router":
         fields["shard_servers"] = _servers(cfg.shards, " max_fails=1 fail_timeout=10s")
     else:
@@ -161,8 +166,8 @@ def render(cfg: TierConfig, modules_dir: str | None = None) -> str:
             valid=cfg.valid,
             lock_timeout=cfg.lock_timeout,
             lock_age=cfg.lock_age,
-            next_servers=_next_servers(cfg.next, cfg.site_retry_s if cfg.site_breaker else None),
-            direct_servers=_next_servers(cfg.direct or cfg.next, cfg.site_retry_s if cfg.site_breaker else None),
+            next_servers=_next_servers(cfg.next, breaker, "mm_next_peers"),
+            direct_servers=_next_servers(cfg.direct or cfg.next, breaker, "mm_direct_peers"),
             **_site_fields(cfg),
             **_model_routes(cfg),
         )

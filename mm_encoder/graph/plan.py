@@ -51,7 +51,11 @@ def replica_name(name: str, i: int, n: int) -> str:
 
 def tier_upstreams(graph: Graph, kind: Kind) -> list[str]:
     """The components a tier of `kind` sends requests to: its `--next` level first (a router's shards),
-    then the encoders of a cluster tier's direct route."""
+    then the encoders of a cluster tier's direct route. A model cluster's tier: none of its own graph (its
+    next level is the encoder site; an encoder there is the fallback over RPC, never behind the tier)."""
+    if graph.site == "cluster" and kind == "cache-cluster":
+        return []
+
     def names(k: Kind) -> list[str]:
         return [n for n, _ in graph.of_kind(k)]
 

@@ -238,7 +238,9 @@ class Graph(_Strict):
 
     def _check_site(self, kinds: list[Kind]) -> None:
         """What each kind of site runs: an encoder site no frontend or engine and its router as the door;
-        a model cluster no encoder, router or shard, its cluster tier the way to its encoder site."""
+        a model cluster no router, shard or planner, its cluster tier the way to its encoder site, and an
+        encoder only as its fallback (off unless named: its frontend and engines ask it over Dynamo RPC
+        while the site is unreachable; docs/cache-tiers.md, "An encoder site's faults")."""
         if self.site == "encoder":
             extra = sorted({k for k in kinds if k in ("frontend", "engine", "cache-cluster")})
             if extra:
@@ -251,10 +253,11 @@ class Graph(_Strict):
         elif self.clusters:
             raise ValueError("`clusters` names who may call an encoder site: only a graph with site: encoder takes it")
         if self.site == "cluster":
-            remote = sorted({k for k in kinds if k in ("encoder", "cache-router", "cache-shared", "planner")})
+            remote = sorted({k for k in kinds if k in ("cache-router", "cache-shared", "planner")})
             if remote:
                 raise ValueError(f"a model cluster sends its misses to its encoder site; it runs no "
-                                 f"{', '.join(remote)}")
+                                 f"{', '.join(remote)} (an encoder component is its fallback while the site is "
+                                 "unreachable)")
             if "cache-cluster" not in kinds:
                 raise ValueError("a model cluster reaches its encoder site through its cluster tier: add one")
             url = self.encoder_site.url
