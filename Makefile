@@ -112,9 +112,12 @@ test-vllm: venv system-deps vllm-venv
 test-quick: venv system-deps
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The soak: the EPD graph overloaded and its components killed under load (minutes; loopback only).
+# The soak: the EPD graph overloaded and its components killed under load (minutes; loopback only); then
+# an encoder site and a model cluster on two hosts (network namespaces, as root; skipped without) through
+# a cut link, a lost host, a restarted cluster tier and a fallback encoder (bench/site_faults.py).
 soak: venv system-deps
 	$(BIN)/python -m bench.soak
+	$(BIN)/python -m bench.site_faults
 
 lint: venv
 	$(BIN)/ruff check .

@@ -85,6 +85,7 @@ class Sites:
         self.starts = 0
 
     def _serve(self, host: int, graph: Path, port: int, *extra: str) -> Served:
+        """`extra`: serve's own options besides the site's (`--restart`, `--encoder-site`)."""
         self.starts += 1
         command = self.hosts.popen_argv(host, [sys.executable, "-m", "mm_encoder.cli"])
         return Served(str(graph), self.root / f"run-{host}-{self.starts}", port, "--tls-dir", str(self.ca_dir),
@@ -96,9 +97,11 @@ class Sites:
         self.site.wait_for(READY, timeout)
         return self.site
 
-    def start_cluster(self, timeout: float = 240) -> Served:
+    def start_cluster(self, timeout: float = 240, graph: Path | None = None, restart: bool = False) -> Served:
+        """The model cluster (`graph`, else the one given at first), with `restart` under serve --restart."""
         url = f"https://{self.hosts.addr(1)}:{SITE_PORT}"
-        self.cluster = self._serve(2, self.graph, FRONTEND_PORT, "--encoder-site", url)
+        self.cluster = self._serve(2, graph or self.graph, FRONTEND_PORT, "--encoder-site", url,
+                                   *(["--restart"] if restart else []))
         self.cluster.wait_for(READY, timeout)
         return self.cluster
 
@@ -161,19 +164,33 @@ class Load:
         with self._lock:
             self.records.append(Record(kind, started, outcome))
 
-    def run(self, seconds: float, max_requests: int, clients: int = 3) -> list[Record]:
-        """Until `seconds` have passed or `max_requests` were sent; what each got."""
+    def run(self, seconds: float, max_requests: int, clients: int = 3, pause_s: float = 0.25) -> list[Record]:
+        """Until `seconds` have passed or `max_requests` were sent, each client pausing `pause_s` between
+        its requests (fast 503s would otherwise spend the count in the fault's first seconds); what each got."""
         t0 = time.monotonic()
         sent = itertools.count()
 
         def client() -> None:
             while time.monotonic() - t0 < seconds and next(sent) < max_requests:
                 self._one(t0)
+                time.sleep(pause_s)
 
         with ThreadPoolExecutor(clients) as pool:
             for f in [pool.submit(client) for _ in range(clients)]:
                 f.result()
         return self.records
+
+
+def recovery(sites: Sites, seed0: int, limit_s: float) -> float | None:
+    """Seconds until a chat with a new image is a 200 again (one every half second), None past `limit_s`."""
+    t0 = time.monotonic()
+    for seed in itertools.count(seed0):
+        if sites.chat(image(seed), timeout=limit_s).ok:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > limit_s:
+            return None
+        time.sleep(0.5)
+    return None  # not reached
 
 
 def violations(records: list[Record], *, bound_s: float, first_bound_s: float, first_s: float) -> list[str]:
@@ -191,13 +208,15 @@ def violations(records: list[Record], *, bound_s: float, first_bound_s: float, f
     return out
 
 
-def summary(records: list[Record]) -> dict[str, dict[str, object]]:
-    """Per kind: the statuses counted and the slowest answer."""
+def summary(records: list[Record], slow_s: float = 5.0) -> dict[str, dict[str, object]]:
+    """Per kind: the statuses counted, the median and slowest answer, and how many took over `slow_s`."""
     out: dict[str, dict[str, object]] = {}
     for kind in Load.KINDS:
-        mine = [r for r in records if r.kind == kind]
-        out[kind] = {"statuses": dict(Counter(str(r.outcome.status) for r in mine)),
-                     "max_s": round(max((r.outcome.seconds for r in mine), default=0.0), 2)}
+        seconds = sorted(r.outcome.seconds for r in records if r.kind == kind)
+        out[kind] = {"statuses": dict(Counter(str(r.outcome.status) for r in records if r.kind == kind)),
+                     "p50_s": round(seconds[len(seconds) // 2], 3) if seconds else None,
+                     "max_s": round(seconds[-1], 2) if seconds else None,
+                     f"over_{slow_s:g}s": sum(x > slow_s for x in seconds)}
     return out
 
 

@@ -52,7 +52,7 @@ def test_a_cut_link_to_the_encoder_site_fails_new_images_fast_and_heals_by_itsel
 
     sites.hosts.cut(1)
     try:
-        records = Load(sites, cached, seed0=1000).run(seconds=20, max_requests=60)
+        records = Load(sites, cached, seed0=1000).run(seconds=20, max_requests=90)
         status, headers = tier_answer(sites, '{"probe": "a miss while the site is cut"}')
     finally:
         sites.hosts.restore(1)
