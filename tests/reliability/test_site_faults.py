@@ -7,6 +7,7 @@ killed and restarted, the cluster tier restarted warm) are `make soak`'s: bench/
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -54,6 +55,7 @@ def test_a_cut_link_to_the_encoder_site_fails_new_images_fast_and_heals_by_itsel
     try:
         records = Load(sites, cached, seed0=1000).run(seconds=20, max_requests=90)
         status, headers = tier_answer(sites, '{"probe": "a miss while the site is cut"}')
+        streamed = sites.chat(image(900), timeout=60, stream=True)  # the breaker is open: refused before a token
     finally:
         sites.hosts.restore(1)
     restored = time.monotonic()
@@ -65,9 +67,14 @@ def test_a_cut_link_to_the_encoder_site_fails_new_images_fast_and_heals_by_itsel
     refused = sum(r.outcome.status == 503 for r in records)
     assert counted["new"]["statuses"].get("503", 0) >= 3 and counted["text"]["statuses"] == {
         "200": counted["text"]["statuses"].get("200", 0)}
-    after = sites.errors()  # each 503 the frontend answered was the site's, typed
-    assert after.get(CODE, 0) - before.get(CODE, 0) == refused and set(after) - set(before) <= {CODE}, after
+    after = sites.errors()  # each 503 the frontend answered (and the streamed refusal) was the site's, typed
+    assert after.get(CODE, 0) - before.get(CODE, 0) == refused + 1 and set(after) - set(before) <= {CODE}, after
     assert status == 503 and headers.get("X-Mm-Error-Code") == CODE and headers.get("Retry-After") == str(RETRY_S)
+    # A streamed chat is not left half-written: Dynamo answers 200 and one error event (a 503), then ends.
+    events = [json.loads(line[6:]) for line in streamed.body.splitlines() if line.startswith("data: {")]
+    assert streamed.ok and streamed.seconds < CONNECT_S + MARGIN_S, streamed
+    assert [e["error"]["code"] for e in events if "error" in e] == [503] and not any(
+        e.get("choices") for e in events), streamed.body
 
     # Back by itself, nothing restarted: within one breaker period and a probe's connect.
     seed, outcome = 5000, None
