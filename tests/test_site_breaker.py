@@ -1,15 +1,19 @@
-"""A model cluster's way to its encoder site, without processes: the cluster tier's breaker as the plan
-and the nginx config state it, the fallback encoder a cluster may name, and the chain's reading of the
-tier's typed 503 (an aiohttp server stands in for the tier; a stub for Dynamo's client). The faults
-themselves, with real hosts: tests/reliability/test_site_faults.py."""
+"""A model cluster's way to its encoder site: the cluster tier's breaker as the plan and the nginx config
+state it, the fallback encoder a cluster may name, the chain's reading of the tier's typed 503 (an
+aiohttp server stands in for the tier; a stub for Dynamo's client), and a real tier on loopback whose
+stand-in site goes away and comes back. With real hosts and a cut link: tests/reliability/test_site_faults.py."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 
+import aiohttp
 import pytest
 from aiohttp import web
 
+from harness.topology import free_port, require_nginx, tiers
 from mm_encoder.cache_tiers.config import TierConfig
 from mm_encoder.cache_tiers.nginx import render
 from mm_encoder.client.chain import EncoderChain
@@ -123,3 +127,56 @@ async def test_the_chain_reads_the_tiers_typed_503_and_falls_back_only_to_a_regi
         await chain.close()
     finally:
         await runner.cleanup()
+
+
+async def _origin(port: int) -> web.AppRunner:
+    """The encoder site as the tier sees it: 200 with the body it was sent."""
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=b"encoded:" + await request.read())
+
+    app = web.Application()
+    app.router.add_post("/v1/encode", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def test_a_real_tier_serves_hits_refuses_misses_at_once_and_lets_the_site_back_in(tmp_path):
+    """Real nginx on loopback, the site a stand-in that goes away and comes back on its port: a stopped
+    site is refused at once (the kernel's RST; a cut link is tests/reliability/test_site_faults.py)."""
+    require_nginx()
+    port = free_port()
+    site = await _origin(port)
+    async with tiers() as start, aiohttp.ClientSession() as s:
+        tier = await start(tmp_path, "cluster", "cluster", "--next", f"127.0.0.1:{port}", "--site-breaker",
+                           "--site-retry-s", "2", workers=2)
+
+        async def post(body: bytes) -> tuple[int, dict, bytes, float]:
+            t0 = time.monotonic()
+            async with s.post(tier.url(), data=body) as r:
+                return r.status, dict(r.headers), await r.read(), time.monotonic() - t0
+
+        assert (await post(b"kept"))[0] == 200
+        await site.cleanup()  # the site is gone
+        hit = await post(b"kept")
+        assert hit[0] == 200 and hit[1]["X-Cache-Status"] == "cluster=HIT" and hit[2] == b"encoded:kept"
+        for i in range(5):  # the first marks both entries down; the rest are answered without trying
+            status, headers, body, seconds = await post(f"new {i}".encode())
+            assert status == 503 and seconds < 1, (status, headers, body)
+            assert headers["X-MM-Error-Code"] == "encoder_site_unreachable" and headers["Retry-After"] == "2"
+            assert b'"code": "encoder_site_unreachable"' in body
+        # the breaker's answers are counted as upstream errors (nginx counts a request after its answer)
+        deadline = time.monotonic() + 5
+        while (stats := tier.stats())["requests"] < 7 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert stats["requests"] == 7 and stats["clusters"]["unknown"]["errors"] == 5, stats
+
+        site = await _origin(port)  # back on its port: one probe after --site-retry-s lets it in
+        try:
+            t0 = time.monotonic()
+            while (await post(b"after"))[0] != 200:
+                assert time.monotonic() - t0 < 2 + 3, "the breaker never closed"
+                await asyncio.sleep(0.2)
+        finally:
+            await site.cleanup()
