@@ -111,8 +111,9 @@ def test_the_installed_wheel_runs_without_the_repository(venv, capsys):
     assert run(str(bin_ / "mm-encoder"), "--version").strip() == VERSION
     assert "kimi-k2.5-vision" in run(str(bin_ / "mm-encoder"), "models")
     graphs = run(str(bin_ / "mm-encoder"), "graphs")
-    assert [line.split()[0] for line in graphs.splitlines()[:6]] == ["agg", "epd", "epd-autoscale", "epd-etcd",
-                                                                  "epd-stock", "epd-vllm"]
+    assert [line.split()[0] for line in graphs.splitlines()[:8]] == ["agg", "encoder-site", "epd", "epd-autoscale",
+                                                                  "epd-etcd", "epd-stock", "epd-vllm",
+                                                                  "model-cluster"]
     assert str(home / "venv") in graphs.splitlines()[-1]  # read from the install, not the checkout
     rendered = run(str(bin_ / "mm-encoder"), "render-k8s", "epd")  # with the dashboard the wheel ships
     assert "kind: ConfigMap" in rendered and "grafana_dashboard: '1'" in rendered
