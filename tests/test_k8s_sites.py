@@ -226,3 +226,26 @@ def test_single_graphs_expose_nothing_new():
     docs = k8s.render(Graph.model_validate(yaml.safe_load((GRAPHS / "epd.yaml").read_text())))
     assert not any(d["kind"] == "Service" and "type" in d["spec"] for d in docs)
     assert "ipBlock" not in str([d for d in docs if d["kind"] == "NetworkPolicy"])
+
+
+def test_an_encoder_site_of_two_models_mounts_each_checkpoint_and_routes_its_shards_by_model():
+    """A GLM encoder component with its own checkpoint beside the Kimi one: its own claim, mounted at
+    /models/glm, its `--model` there; the shards route each model to its encoders' Service."""
+    doc = doc_of("encoder-site", tls=ISSUED)
+    doc["components"]["encoder"]["serves"] = ["kimi-k2.5-vision"]
+    doc["components"]["glm"] = {"kind": "encoder", "checkpoint": "/ck/glm", "serves": ["glm-5.2-vision"]}
+    docs = k8s.render(Graph.model_validate(doc), "mm-site")
+    dgd = one(docs, DGD)
+    assert not errors(dgd, DYNAMO_GRAPH_DEPLOYMENT)
+    glm = next(c for c in dgd["spec"]["components"] if c["name"] == "glm")
+    pod = glm["podTemplate"]["spec"]
+    main = pod["containers"][0]
+    assert main["args"][main["args"].index("--model") + 1] == "/models/glm"
+    assert {"name": "model", "mountPath": "/models/glm", "readOnly": True} in main["volumeMounts"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "encoder-site-glm-model", "readOnly": True}} \
+        in pod["volumes"]
+    kimi = next(c for c in dgd["spec"]["components"] if c["name"] == "encoder")["podTemplate"]["spec"]
+    assert "/models/glm" not in str(kimi) and "encoder-site-glm-model" in dgd["metadata"]["annotations"][NOTE]
+    shard = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    routes = [shard[i + 1] for i, a in enumerate(shard) if a == "--next-model"]
+    assert routes == ["kimi-k2.5-vision=encoder-site-encoder-http:8090", "glm-5.2-vision=encoder-site-glm-http:8090"]

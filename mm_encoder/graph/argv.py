@@ -39,7 +39,7 @@ def _dtype(g: Graph) -> list[str]:
 
 
 def _encoder(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:
-    argv = ["--model", site.checkpoint_of(cp.component), *_dtype(g), "--dynamo", "--namespace", g.namespace,
+    argv = ["--model", site.checkpoint_of(cp.name, cp.component), *_dtype(g), "--dynamo", "--namespace", g.namespace,
             *_http(r)]
     if cp.wire_dtype:
         argv += ["--wire-dtype", cp.wire_dtype]

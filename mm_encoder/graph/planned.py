@@ -100,8 +100,8 @@ class Site(ABC):
     checkpoint_dir: str  # the model's checkpoint directory as components see it
     connector: str = "virtual"  # how an encode planner's decisions are carried out (planner/settings.py)
 
-    def checkpoint_of(self, component: Component) -> str:
-        """The checkpoint directory a component reads: its own (an encoder site's model), else the graph's."""
+    def checkpoint_of(self, name: str, component: Component) -> str:
+        """The checkpoint directory component `name` reads: its own (an encoder site's model), else the graph's."""
         if component.checkpoint is not None:
             raise GraphError("an encoder component's own `checkpoint` is not supported on this site yet")
         return self.checkpoint_dir

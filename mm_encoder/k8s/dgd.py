@@ -23,6 +23,7 @@ from .names import (
     PLANNER_SERVICE_ACCOUNT,
     K8sNames,
     argv_of,
+    component_model_dir,
     env_list,
     labels,
     security_context,
@@ -52,12 +53,14 @@ class _Storage:
     """Volumes of one Dynamo pod: the model's checkpoint directory, as a native pod volume
     (v1beta1 has no `pvcs` / `volumeMounts` of its own: the podTemplate carries them)."""
 
-    def __init__(self, names: K8sNames, reads_model: bool, image: str):
+    def __init__(self, names: K8sNames, reads_model: bool, image: str, component: str = ""):
         self.volumes: list[dict[str, Any]] = []
         self.mounts: list[dict[str, Any]] = []
         self.init: list[dict[str, Any]] = []
         generated = GeneratedCheckpoint.of(names.g)
-        if reads_model and names.model_pvc:
+        if component in names.component_model_pvc:  # an encoder site's model: its own checkpoint
+            self._claim("model", names.component_model_pvc[component], component_model_dir(component))
+        elif reads_model and names.model_pvc:
             self._claim("model", names.model_pvc, MODEL_DIR)
         elif reads_model and generated is not None:  # written by the same call as `mm-encoder serve` makes
             self.volumes.append({"name": "model", "emptyDir": {}})
@@ -77,7 +80,7 @@ def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
     """One `spec.components[]` entry: the operator fills in the container named `main` (probes,
     system port, discovery env) and merges what we set over its defaults."""
     c, image = cp.component, cp.component.image or names.g.image
-    storage = _Storage(names, cp.reads_model, image)
+    storage = _Storage(names, cp.reads_model, image, cp.name)
     main: dict[str, Any] = {
         "name": MAIN_CONTAINER,
         "image": image,
@@ -132,6 +135,9 @@ def graph_deployment(names: K8sNames, components: list[ComponentPlan]) -> dict[s
     llm_note = (f"the PersistentVolumeClaim {names.model_pvc} must hold the checkpoint directory (llm.checkpoint "
                 f"{llm.checkpoint}), mounted at {MODEL_DIR}" if names.model_pvc else
                 f"an init container writes the generated {llm.preset} Kimi-K2.5 checkpoint to {MODEL_DIR}")
+    for name, claim_name in names.component_model_pvc.items():
+        llm_note += (f"; the PersistentVolumeClaim {claim_name} must hold component {name}'s checkpoint "
+                     f"({g.components[name].checkpoint}), mounted at {component_model_dir(name)}")
     frontend = (f"the frontend listens on {FRONTEND_PORT}, the port of the operator's frontend Service (the graph's "
                 f"frontend_port {g.frontend_port} is for mm-encoder serve)" if g.of_kind("frontend") else
                 "no frontend")

@@ -27,6 +27,11 @@ DYNAMO_KINDS: tuple[Kind, ...] = ("frontend", "encoder", "engine", "planner")  #
 # and lets only it and itself change `replicas` of a component with a scaling adapter (its validating webhook).
 PLANNER_SERVICE_ACCOUNT = "planner-serviceaccount"
 MODEL_DIR = "/models/model"  # the checkpoint directory every model-reading component mounts
+
+
+def component_model_dir(component: str) -> str:
+    """Where a component with its own checkpoint (an encoder site's model) mounts it."""
+    return f"/models/{component}"
 RUN_DIR = "/run/mm-cache"
 CACHE_DIR = "/cache"
 PART_OF = "mm-encoder"
@@ -146,6 +151,9 @@ class K8sNames:
         self.door = claim(f"{g.name}-{g.of_kind('cache-router')[0][0]}-lb", "the encoder site's LoadBalancer "
                           "Service") if g.site == "encoder" else None
         self.model_pvc = check_name(f"{g.name}-model", "the checkpoint volume claim") if g.llm.checkpoint else None
+        # An encoder site's model with its own checkpoint (`checkpoint` on the component): its own claim.
+        self.component_model_pvc = {n: claim(f"{g.name}-{n}-model", f"component {n!r}'s checkpoint volume claim")
+                                    for n, c in g.components.items() if c.checkpoint}
         # The encoder fleet's Grafana dashboard (dashboards/grafana.py), with a graph that has encoders.
         self.dashboard = claim(f"{g.name}-grafana-dashboard", "the Grafana dashboard's ConfigMap") \
             if g.of_kind("encoder") else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..core.topology import Kind
 from ..graph.planned import Address, Site, TlsFiles
-from ..graph.schema import Graph
+from ..graph.schema import Component, Graph
 from ..security.identity import server_host
 from .names import (
     CACHE_DIR,
@@ -21,6 +21,7 @@ from .names import (
     TIER_PORT,
     TLS_FILES,
     K8sNames,
+    component_model_dir,
 )
 
 # Dynamo's TCP TLS checks every server a process dials (a worker by its pod IP, a caller's response stream
@@ -40,6 +41,10 @@ class K8sSite(Site):
     def __init__(self, names: K8sNames):
         self.names = names
         self.checkpoint_dir = MODEL_DIR
+
+    def checkpoint_of(self, name: str, component: Component) -> str:
+        """A component's own checkpoint: its own claim, mounted at /models/<component> (dgd.py)."""
+        return component_model_dir(name) if component.checkpoint else self.checkpoint_dir
 
     def listen(self, name: str, kind: Kind, replica: int) -> Address:
         return "0.0.0.0", PORTS[kind]

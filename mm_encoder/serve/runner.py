@@ -82,7 +82,7 @@ class GraphRunner:
         elif not (Path(self.site.checkpoint_dir) / "config.json").is_file():
             raise GraphError(f"llm.checkpoint {self.site.checkpoint_dir} has no config.json: not a model checkpoint")
         for name, c in self.graph.of_kind("encoder"):  # an encoder site's models: each its own checkpoint
-            if c.checkpoint and not (Path(self.site.checkpoint_of(c)) / "config.json").is_file():
+            if c.checkpoint and not (Path(self.site.checkpoint_of(name, c)) / "config.json").is_file():
                 raise GraphError(f"components.{name}.checkpoint {c.checkpoint} has no config.json: not a model "
                                  "checkpoint")
         plans = plan(self.graph, self.site)

@@ -116,7 +116,7 @@ class LocalSite(Site):
                              ca_lifetime=timedelta(days=t.ca_lifetime_days),
                              hosts=() if is_loopback(bind) or bind in ANY else (bind,)) if t.enabled else None
 
-    def checkpoint_of(self, component: Component) -> str:
+    def checkpoint_of(self, name: str, component: Component) -> str:
         """A component's own checkpoint (an encoder site's model), resolved as the graph's is."""
         return str(Path(component.checkpoint).resolve()) if component.checkpoint else self.checkpoint_dir
 
