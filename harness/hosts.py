@@ -14,6 +14,7 @@ Needs root (CAP_NET_ADMIN): `available()` says why not, for a test's skip.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import signal
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 NET = "198.18"
+LOCK = "/run/lock/mm-encoder-hosts.lock" if os.path.isdir("/run/lock") else "/tmp/mm-encoder-hosts.lock"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -52,10 +54,14 @@ class Hosts:
     def __init__(self, n: int):
         self.n = n
         self.tag = f"{random.randrange(16**4):04x}"
-        self.net = _free_net()
         self.bridge = f"mm{self.tag}br"
         self.made: list[str] = []
         try:
+            with open(LOCK, "a") as lock:  # two test workers never pick one /24: the pick and the bridge at once
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self.net = _free_net()
+                _ip("link", "add", self.bridge, "type", "bridge")
+                _ip("addr", "add", f"{NET}.{self.net}.254/24", "dev", self.bridge)
             self._make()
         except BaseException:
             self.close(check=False)
@@ -73,8 +79,6 @@ class Hosts:
         return f"mm{self.tag}h{i}a", f"mm{self.tag}h{i}b"
 
     def _make(self) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{NET}.{self.net}.254/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i in range(1, self.n + 1):
             ns, (root_end, own_end) = self.ns(i), self.veth(i)
