@@ -1,7 +1,8 @@
 -- A tier's counters per calling cluster (`require("tier_metrics")`, from the run directory), kept in the
 -- lua_shared_dict mm_cache_stats so that every worker process adds to the same numbers:
 --   record()          each encode request's log phase: requests, cache result, bytes sent, upstream errors
---                     (and the router's shard), labelled by $mm_cluster (resolved in the config's maps)
+--                     (and the router's shard), labelled by $mm_cluster (resolved in the config's maps),
+--                     and a cache tier's flat counters by result
 --   prometheus(tier)  GET /metrics: Prometheus text exposition
 --   stats()           GET /_cache/stats: the flat counters of old ("HIT", "requests", ...) and "clusters"
 -- The families (names, help, labels) are tier_metrics_families.lua, written from
@@ -48,6 +49,11 @@ end
 function M.record()
     local v = ngx.var
     local router = v.mm_tier == "router"
+    if not router then  -- the flat counters of /_cache/stats (`mm-encoder status`): every answer, by result
+        local d = ngx.shared.mm_cache_stats
+        d:incr(v.upstream_cache_status or "NONE", 1, 0)
+        d:incr("requests", 1, 0)
+    end
     local cluster = bounded("cluster", v.mm_cluster or "unknown")
     count(1, "requests", cluster)
     count(tonumber(v.bytes_sent) or 0, "bytes", cluster)

@@ -69,9 +69,6 @@ _SITE_LOCATION = """        location @@mm_site_unreachable {
             return 503 '{"error": {"code": "encoder_site_unreachable", "message": "@message"}}';
             # counted as /v1/encode's answers are: a 503 upstream error of the calling cluster
             log_by_lua_block {
-                local d = ngx.shared.mm_cache_stats
-                d:incr(ngx.var.upstream_cache_status or "NONE", 1, 0)
-                d:incr("requests", 1, 0)
                 require("tier_metrics").record()
             }
         }
