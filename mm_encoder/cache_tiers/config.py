@@ -24,7 +24,8 @@ from ..security.tls import PATH, TlsOptions
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 _GRAPH = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_MODEL = re.compile(r"[A-Za-z0-9._/-]{1,200}")
+# A model name the tiers route by (X-MM-Model, --next-model) and a graph names (`serves`).
+MODEL_NAME = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 _SIZE = re.compile(r"^[0-9]+[kmgKMG]?$")
 _TIME = re.compile(r"^[0-9]+(ms|s|m|h|d)?$")
 # What --help shows for a value (pydantic-settings prints a type alias by its name).
@@ -149,7 +150,7 @@ class TierConfig(TlsOptions):
     def _model_addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for pair in v:
             model, _, address = pair.rpartition("=")
-            if not _MODEL.fullmatch(model):
+            if not MODEL_NAME.fullmatch(model):
                 raise ValueError(f"{pair!r} is not MODEL=host:port (a model name of [A-Za-z0-9._/-])")
             cls._address(address)
         return v

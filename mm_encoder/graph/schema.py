@@ -21,7 +21,6 @@ as Kubernetes resources; both take a graph file or a shipped graph's name (`grap
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -29,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .. import __version__
+from ..cache_tiers.config import MODEL_NAME
 from ..core.dtypes import ShortName
 from ..core.errors import GraphError
 from ..core.topology import CACHE_TIERS, Kind
@@ -218,7 +218,7 @@ class Graph(_Strict):
         for name, c in self.components.items():
             if (c.checkpoint or c.serves) and c.kind != "encoder":
                 raise ValueError(f"components.{name}: `checkpoint` and `serves` are an encoder component's")
-            bad = [m for m in c.serves if not re.fullmatch(r"[A-Za-z0-9._/-]{1,200}", m)]
+            bad = [m for m in c.serves if not MODEL_NAME.fullmatch(m)]
             if bad:
                 raise ValueError(f"components.{name}.serves: {bad} (a model name of [A-Za-z0-9._/-])")
         encoders = self.of_kind("encoder")
