@@ -17,6 +17,7 @@ from pathlib import Path
 from harness import hosts
 from harness.processes import Process
 from harness.serve_fixtures import ROOT, data_url
+from harness.sites import serve_on
 from mm_encoder.core import wire
 from mm_encoder.core.requests import EncodeRequest
 from mm_encoder.security.identity import server_host
@@ -48,10 +49,8 @@ def start_site(stack: ExitStack, h: hosts.Hosts, work: Path, preset: str = "tiny
     Authority.create(ca, name="bench CA")
     made = Process([sys.executable, "-m", "mm_encoder.cli", "make-checkpoint", "--preset", preset, str(checkpoint)])
     assert made.wait(timeout=300) == 0, made.text
-    site = stack.enter_context(Process(h.popen_argv(1, [
-        sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / "graphs" / "encoder-site.yaml"), "--run-dir",
-        str(work / "site"), "--tls-dir", str(ca), "--checkpoint", str(checkpoint), "--bind", h.addr(1),
-        "--status-interval", "0"]), name="encoder site", cwd=ROOT))
+    site = stack.enter_context(serve_on(h, 1, ROOT / "graphs" / "encoder-site.yaml", work / "site", ca, checkpoint,
+                                        SITE_PORT))
     site.wait_for("ready", 300)
     return Site(work, ca, work / "site")
 

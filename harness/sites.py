@@ -70,6 +70,16 @@ def cluster_graph(path: Path, tier_args: tuple[str, ...] = (), engines: int = 1,
     return path
 
 
+def serve_on(hosts: Hosts, i: int, graph: Path, run_dir: Path, ca_dir: Path, checkpoint: Path, port: int,
+             *extra: str) -> Served:
+    """`mm-encoder serve GRAPH` in host i's network, its door on the host's address (`--port`: a frontend's,
+    an encoder site's router's), TLS from the operator's CA in `ca_dir`: how the tests and benchmarks that
+    cross sites start one. `extra`: serve's other options (`--encoder-site`, `--name`, `--restart`)."""
+    command = hosts.popen_argv(i, [sys.executable, "-m", "mm_encoder.cli"])
+    return Served(str(graph), run_dir, port, "--tls-dir", str(ca_dir), "--checkpoint", str(checkpoint),
+                  "--bind", hosts.addr(i), *extra, command=command, env=dict(os.environ), cwd=ROOT)
+
+
 class Sites:
     """The two serves; `start_site`/`start_cluster` wait for their ready lines."""
 
@@ -87,10 +97,8 @@ class Sites:
     def _serve(self, host: int, graph: Path, port: int, *extra: str) -> Served:
         """`extra`: serve's own options besides the site's (`--restart`, `--encoder-site`)."""
         self.starts += 1
-        command = self.hosts.popen_argv(host, [sys.executable, "-m", "mm_encoder.cli"])
-        return Served(str(graph), self.root / f"run-{host}-{self.starts}", port, "--tls-dir", str(self.ca_dir),
-                      "--checkpoint", str(self.checkpoint), "--bind", self.hosts.addr(host), *extra,
-                      command=command, env=dict(os.environ), cwd=ROOT)
+        return serve_on(self.hosts, host, graph, self.root / f"run-{host}-{self.starts}", self.ca_dir, self.checkpoint,
+                        port, *extra)
 
     def start_site(self, timeout: float = 240) -> Served:
         self.site = self._serve(1, ROOT / "graphs" / "encoder-site.yaml", SITE_PORT)

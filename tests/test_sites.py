@@ -25,20 +25,13 @@ import yaml
 
 from harness import hosts
 from harness.processes import Process
-from harness.serve_fixtures import MODEL, ROOT, sample_content
+from harness.serve_fixtures import MODEL, ROOT, Served, sample_content
+from harness.sites import serve_on
 from mm_encoder.security.pki import Authority
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(hosts.available() is not None, reason=str(hosts.available()))]
 GLM = "glm-tiny"  # the generated GLM checkpoint's directory: its cluster's served model name
 READY_S = 240  # a serve start, the engines loading the tiny checkpoint, on 2 shared cores
-
-
-def serve(h: hosts.Hosts, i: int, graph: str, run_dir: Path, ca: Path, checkpoint: Path, *extra: str) -> Process:
-    """`graph`: a shipped graph's file name, or a path."""
-    argv = [sys.executable, "-m", "mm_encoder.cli", "serve", str(ROOT / "graphs" / graph), "--run-dir", str(run_dir),
-            "--tls-dir", str(ca), "--checkpoint", str(checkpoint), "--bind", h.addr(i), "--status-interval", "0",
-            *extra]
-    return Process(h.popen_argv(i, argv), name=f"serve {graph} on {h.ns(i)}", cwd=ROOT)
 
 
 def chat(address: str, ca: Path, content=None, model: str = MODEL) -> dict:
@@ -92,23 +85,23 @@ def fleet(tmp_path_factory):
         made = Process([sys.executable, "-m", "mm_encoder.cli", "make-checkpoint", "--preset", preset, str(path)],
                        name="make-checkpoint")
         assert made.wait(timeout=120) == 0, made.text
-    procs: list[Process] = []
+    served: list[Served] = []
     with hosts.Hosts(5) as h:
         try:
             site_url = f"https://{h.addr(1)}:8090"
-            procs.append(serve(h, 1, str(site_graph(base, glm)), base / "site", ca, checkpoint))
-            procs[0].wait_for("ready", READY_S)
+            served.append(serve_on(h, 1, site_graph(base, glm), base / "site", ca, checkpoint, 8090))
+            served[0].wait_for("ready", READY_S)
             for i, name, ck in ((2, "cluster-a", checkpoint), (3, "cluster-b", checkpoint),
                                 (4, "cluster-c", checkpoint), (5, "cluster-glm", glm)):
-                procs.append(serve(h, i, "model-cluster.yaml", base / name, ca, ck, "--name", name,
-                                   "--encoder-site", site_url))
-            for p in procs[1:]:
-                p.wait_for("ready", READY_S)
+                served.append(serve_on(h, i, ROOT / "graphs" / "model-cluster.yaml", base / name, ca, ck, 8000,
+                                       "--name", name, "--encoder-site", site_url))
+            for s in served[1:]:
+                s.wait_for("ready", READY_S)
             yield h, base, ca
         finally:
-            for p in procs:
-                p.stop(grace_s=90)
-    assert all(p.returncode == 0 for p in procs), "\n".join(p.tail(20) for p in procs)
+            for s in served:
+                s.stop(check=False)
+    assert all(s.proc.returncode == 0 for s in served), "\n".join(s.proc.tail(20) for s in served)
 
 
 def test_one_image_asked_of_two_clusters_is_encoded_once_across_the_fleet(fleet):
