@@ -55,9 +55,8 @@ from pathlib import Path
 import numpy as np
 
 from bench import stats
-from bench.graphs import chat, counters, served_model
+from bench.graphs import chat, counters, model_name, serving
 from harness.processes import Process
-from harness.serve_fixtures import Served
 from mm_encoder.serve.site import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,10 +64,9 @@ AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 GRAPHS = ("epd", "agg")
 CASES = ("miss", "hit")
 PRESET = "tiny"
-MODEL = f"kimi-k2.5-{PRESET}"
+MODEL = model_name(PRESET)
 SEED = 20261207
 TEXT = "Describe this picture in a few words, then say what its colours are and where the light comes from."
-STARTUP_S = 600
 AIPERF_TIMEOUT_S = 600  # one `aiperf profile` run, its start included (~10 s of it here)
 # From AIPerf's JSON export: (our key, its metric, unit); each a dict {"avg", "p50", "p90", "p99", "min", "max"}.
 METRICS = (("request_latency_ms", "request_latency", "ms"), ("ttft_ms", "time_to_first_token", "ms"),
@@ -301,16 +299,9 @@ def measure(graph: str, args, work: Path) -> dict:
     """One graph under `mm-encoder serve`: warm-up, then per case AIPerf and our client."""
     port, run = free_port(), work / f"run-{graph}"
     width, height = args.width, args.height
-    t_start = time.perf_counter()
     out: dict = {"graph": graph, "cases": {}}
-    with Served(f"graphs/{graph}.yaml", run, port, "--dtype", "fp32", "--preset", PRESET) as served:
-        try:
-            line = served.proc.wait_for("ready: OpenAI base URL", STARTUP_S)
-        except AssertionError as e:
-            raise RuntimeError(f"{graph} was not ready: {e}") from None
-        if served_model(line) != MODEL:
-            raise RuntimeError(f"{graph} serves {served_model(line)!r}, not {MODEL!r}: {line}")
-        out["startup_s"] = time.perf_counter() - t_start
+    with serving(graph, run, port, PRESET) as startup_s:
+        out["startup_s"] = startup_s
         tokenizer = run / "checkpoint" / MODEL
         # warm-up: a text request, then images `concurrency` at a time (the batch shapes the cases will
         # see compiled and cached before either client measures: the first client would pay for them)

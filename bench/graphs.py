@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -183,20 +185,28 @@ def served_model(line: str) -> str | None:
     return rest.split(")", 1)[0] if sep else None
 
 
+@contextlib.contextmanager
+def serving(graph: str, run: Path, port: int, preset: str) -> Iterator[float]:
+    """`mm-encoder serve graphs/<graph>.yaml` in fp32 on the generated `preset` checkpoint
+    (harness.serve_fixtures.Served) for the block, once ready and serving that checkpoint's model: the
+    seconds it took to be ready. Stopped, and checked to leave nothing, when the block ends."""
+    model, t_start = model_name(preset), time.perf_counter()
+    with Served(f"graphs/{graph}.yaml", run, port, "--dtype", "fp32", "--preset", preset) as served:
+        try:
+            line = served.proc.wait_for("ready: OpenAI base URL", STARTUP_S)
+        except AssertionError as e:
+            raise RuntimeError(f"{graph} ({preset}) was not ready: {e}") from None
+        if served_model(line) != model:
+            raise RuntimeError(f"{graph} ({preset}) serves {served_model(line)!r}, not {model!r}: {line}")
+        yield time.perf_counter() - t_start
+
+
 def measure(graph: str, preset: str, rates: list[float], duration: float, pool: int, n_single: int) -> dict:
-    """One graph under `mm-encoder serve` (harness.serve_fixtures.Served): single requests, then each rate."""
+    """One graph under `mm-encoder serve` (`serving`): single requests, then each rate."""
     port, model = free_port(), model_name(preset)
     run = Path(tempfile.mkdtemp(prefix=f"mm-bench-graph-{graph}-{preset}-"))
-    t_start = time.perf_counter()
     try:
-        with Served(f"graphs/{graph}.yaml", run, port, "--dtype", "fp32", "--preset", preset) as served:
-            try:
-                line = served.proc.wait_for("ready: OpenAI base URL", STARTUP_S)
-            except AssertionError as e:
-                raise RuntimeError(f"{graph} ({preset}) was not ready: {e}") from None
-            if served_model(line) != model:
-                raise RuntimeError(f"{graph} ({preset}) serves {served_model(line)!r}, not {model!r}: {line}")
-            startup = time.perf_counter() - t_start
+        with serving(graph, run, port, preset) as startup:
             single = single_requests(graph, preset, port, model, n_single)
             levels = [offered_rate(graph, preset, port, model, run, rate, i, duration, pool)
                       for i, rate in enumerate(rates)]
