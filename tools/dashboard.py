@@ -65,6 +65,14 @@ def panel(ident: int, title: str, description: str, unit: str, *queries: Dataque
     return p
 
 
+def pick_any(name: str, label: str, values: str) -> QueryVariable:
+    """A variable over a label's values (`values`: label_values(...)), several at once, All by default."""
+    return (QueryVariable(name).label(label).datasource(DS).query(values)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*")
+            .current(VariableOption(selected=True, text="All", value="$__all")))
+
+
 def row(ident: int, title: str) -> Row:
     return Row(title).id(ident)
 
@@ -116,20 +124,9 @@ def build() -> DashboardBuilder:
         .time("now-1h", "now")
         .tooltip(DashboardCursorSync.CROSSHAIR)
         .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
-        .with_variable(
-            QueryVariable("namespace").label("Dynamo namespace").datasource(DS)
-            .query(f'label_values({E}_queue_depth{{dynamo_component="mm_encoder"}}, dynamo_namespace)')
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-            .multi(True).include_all(True).all_value(".*")
-            .current(VariableOption(selected=True, text="All", value="$__all"))
-        )
-        .with_variable(
-            QueryVariable("cluster").label("Calling cluster (tiers)").datasource(DS)
-            .query(f"label_values({T}_requests_total, cluster)")
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-            .multi(True).include_all(True).all_value(".*")
-            .current(VariableOption(selected=True, text="All", value="$__all"))
-        )
+        .with_variable(pick_any("namespace", "Dynamo namespace",
+                                f'label_values({E}_queue_depth{{dynamo_component="mm_encoder"}}, dynamo_namespace)'))
+        .with_variable(pick_any("cluster", "Calling cluster (tiers)", f"label_values({T}_requests_total, cluster)"))
         .with_row(row(101, "Requests"))
         .with_panel(panel(
             1, "Encode requests by outcome", "Requests per second the encode workers finished, by outcome: ok, "
