@@ -31,13 +31,15 @@ from mm_encoder.security.pki import Authority
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(hosts.available() is not None, reason=str(hosts.available()))]
 GLM = "glm-tiny"  # the generated GLM checkpoint's directory: its cluster's served model name
+TENANT = "X-Tenant"  # the tenant clusters' --tenant-header
+TENANT_CLUSTERS = (6, "tenant-a"), (7, "tenant-b")  # (host, graph name): model clusters that serve tenants
 READY_S = 240  # a serve start, the engines loading the tiny checkpoint, on 2 shared cores
 
 
-def chat(address: str, ca: Path, content=None, model: str = MODEL) -> dict:
+def chat(address: str, ca: Path, content=None, model: str = MODEL, tenant: str | None = None) -> dict:
     body = {"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": content or sample_content()}]}
     req = urllib.request.Request(f"https://{address}:8000/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **({TENANT: tenant} if tenant else {})})
     with urllib.request.urlopen(req, timeout=120, context=ssl.create_default_context(cafile=str(ca / "ca.pem"))) as r:
         return json.loads(r.read())
 
@@ -67,7 +69,7 @@ def site_graph(base: Path, glm: Path) -> Path:
     doc = yaml.safe_load((ROOT / "graphs" / "encoder-site.yaml").read_text())
     doc["components"]["encoder"]["serves"] = ["kimi-k2.5-vision", "Kimi-K2.5", "moonshotai/Kimi-K2.5"]
     doc["components"]["glm"] = {"kind": "encoder", "checkpoint": str(glm), "serves": ["glm-5.2-vision"]}
-    doc["clusters"] = [*doc["clusters"], "cluster-glm"]
+    doc["clusters"] = [*doc["clusters"], "cluster-glm", *(name for _, name in TENANT_CLUSTERS)]
     path = base / "encoder-site.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -77,7 +79,8 @@ def site_graph(base: Path, glm: Path) -> Path:
 def fleet(tmp_path_factory):
     """Host 1: the encoder site, two models (Kimi-K2.5 and GLM towers); hosts 2 and 3: Kimi model clusters
     cluster-a and cluster-b; host 4: cluster-c, which the site does not name; host 5: cluster-glm, a GLM
-    model cluster. One CA, the checkpoints in one place (the filesystem is shared)."""
+    model cluster; hosts 6 and 7: Kimi clusters that serve tenants, with one tenant key. One CA, the
+    checkpoints in one place (the filesystem is shared)."""
     base = tmp_path_factory.mktemp("sites")
     ca, checkpoint, glm = base / "ca", base / "ck" / MODEL, base / "ck" / GLM
     Authority.create(ca, name="operator CA for the sites test")
@@ -86,7 +89,10 @@ def fleet(tmp_path_factory):
                        name="make-checkpoint")
         assert made.wait(timeout=120) == 0, made.text
     served: list[Served] = []
-    with hosts.Hosts(5) as h:
+    tenant_key = base / "tenant.key"
+    tenant_key.write_bytes(b"k" * 32)
+    tenant_key.chmod(0o600)
+    with hosts.Hosts(7) as h:
         try:
             site_url = f"https://{h.addr(1)}:8090"
             served.append(serve_on(h, 1, site_graph(base, glm), base / "site", ca, checkpoint, 8090))
@@ -95,6 +101,10 @@ def fleet(tmp_path_factory):
                                 (4, "cluster-c", checkpoint), (5, "cluster-glm", glm)):
                 served.append(serve_on(h, i, ROOT / "graphs" / "model-cluster.yaml", base / name, ca, ck, 8000,
                                        "--name", name, "--encoder-site", site_url))
+            for i, name in TENANT_CLUSTERS:
+                served.append(serve_on(h, i, ROOT / "graphs" / "model-cluster.yaml", base / name, ca, checkpoint, 8000,
+                                       "--name", name, "--encoder-site", site_url, "--tenant-header", TENANT,
+                                       "--tenant-key", str(tenant_key)))
             for s in served[1:]:
                 s.wait_for("ready", READY_S)
             yield h, base, ca
@@ -160,3 +170,36 @@ def test_one_site_serves_two_models_each_by_its_own_encoders(fleet):
     after = status(h, 1, base / "site")
     assert (after["glm"]["encodes"], before["glm"]["encodes"]) == (1, 0)
     assert after["encoder"]["encodes"] == before["encoder"]["encodes"]  # the Kimi encoder did nothing
+
+
+def test_two_tenants_share_no_entry_at_any_level(fleet):
+    """Clusters tenant-a and tenant-b serve tenants (`--tenant-header X-Tenant`, one key): acme's image on
+    tenant-a is encoded; globex's first request for the same image, on tenant-b, misses its cluster tier,
+    the site's shared tier and the encoder's mm_hash LRU (a second forward pass). acme on tenant-b then
+    misses that cluster's tier but hits the shared tier: its own entry, shared across its clusters. A
+    request without the header is refused by name."""
+    h, base, ca = fleet
+    (ha, a), (hb, b) = TENANT_CLUSTERS
+
+    def levels() -> tuple[int, int, int, int, int]:
+        """(encodes, shared misses, shared hits, tenant-a's tier misses, tenant-b's tier misses)."""
+        site = status(h, 1, base / "site")
+        shards = [counts(site[n]) for n in ("shared-0", "shared-1")]
+        return (site["encoder"]["encodes"], sum(m for m, _ in shards), sum(x for _, x in shards),
+                counts(status(h, ha, base / a)["cluster"])[0], counts(status(h, hb, base / b)["cluster"])[0])
+
+    start = levels()
+    assert chat(h.addr(ha), ca, tenant="acme")["usage"]["prompt_tokens"] == 1223
+    acme = levels()
+    assert acme[0] == start[0] + 1 and acme[1] == start[1] + 1 and acme[3] >= start[3] + 1, (start, acme)
+    assert chat(h.addr(hb), ca, tenant="globex")["usage"]["prompt_tokens"] == 1223
+    globex = levels()
+    # a miss at every level: another forward pass (the mm_hash LRU held acme's body only), a shared miss
+    assert globex[0] == acme[0] + 1 and globex[1] == acme[1] + 1 and globex[4] >= acme[4] + 1, (acme, globex)
+    assert chat(h.addr(hb), ca, tenant="acme")["usage"]["prompt_tokens"] == 1223
+    again = levels()
+    # acme's second cluster: its tier misses, the site's shared tier has acme's entry; nothing encoded
+    assert again[0] == globex[0] and again[1] == globex[1] and again[2] >= globex[2] + 1, (globex, again)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        chat(h.addr(ha), ca)
+    assert refused.value.code == 400 and "[missing_tenant]" in refused.value.read().decode()

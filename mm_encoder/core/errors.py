@@ -76,6 +76,18 @@ class ContextOverflow(BadRequest):
     code = "context_length_exceeded"
 
 
+class MissingTenant(BadRequest):
+    """A frontend that serves tenants (`--tenant-header`) got a request without the tenant's header."""
+
+    code = "missing_tenant"
+
+
+class BadTenant(BadRequest):
+    """The tenant header's value is not a tenant's name (empty, too long, not printable ASCII)."""
+
+    code = "bad_tenant"
+
+
 class UnknownModelError(MMEncoderError, KeyError):
     code = "unknown_model"
     http_status = 404

@@ -2,11 +2,13 @@
 
 - `AliasCache`: (scope, URL, processor identity) -> mm_hash, with a TTL because URLs are mutable.
   A hit skips the download; scopes (tenants) never see each other's entries.
-- `BodyCache`: mm_hash -> packed response body with its header (`wire.Packed`), capped in body
+- `BodyCache`: (scope, mm_hash) -> packed response body with its header (`wire.Packed`), capped in body
   bytes (not entries: a 4K image's body is ~1000x a thumbnail's). A hit skips decode, preprocess
   and forward. It remembers the last `FORGOTTEN` mm_hashes it dropped (evicted, cleared, or too big
   to keep), so a body put back for one of them counts as a refill: a re-encode of an image this
   worker had encoded before (forwards minus refills: the unique images, for the fleet dashboard).
+  Its key is `body_key(scope, mm_hash)`: the mm_hash alone without a scope, so with tenants off
+  nothing changes; with them on, one tenant never reads (or times) another's body.
 - `SingleFlight`: concurrent identical work runs once; errors are returned to the waiters of
   that flight only, never stored.
 
@@ -124,8 +126,14 @@ def _body_size(entry: Packed) -> int:
     return len(entry.body)
 
 
+def body_key(scope: str, mm_hash: str) -> str:
+    """The mm_hash LRU's (and its single-flight's) key: the mm_hash, prefixed by the request's scope
+    when it has one (the frontend's keyed hash of a tenant, `security.tenants`)."""
+    return f"{scope}/{mm_hash}" if scope else mm_hash
+
+
 class BodyCache:
-    """LRU of mm_hash -> body and header, holding at most `max_bytes` of bodies."""
+    """LRU of `body_key(scope, mm_hash)` -> body and header, holding at most `max_bytes` of bodies."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes

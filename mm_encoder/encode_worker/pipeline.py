@@ -3,10 +3,11 @@
     encode         count, time and log the request; 503 while draining
     _answer        URL alias (scope, url, identity) -> mm_hash -> body: hit, answer
     _from_url      miss: fetch (async I/O), once per URL in flight (single-flight)
-    _from_bytes    identify (modality + mm_hash, in a thread when big) -> body cache
+    _from_bytes    identify (modality + mm_hash, in a thread when big) -> body cache, keyed by the
+                   request's scope and the mm_hash (`caches.body_key`: a tenant's own)
     _compute       miss: plan (CPU pool: the header, what it will cost) -> reserve its pixels and
                    patches (`admission`) -> decode + preprocess (CPU pool) -> DeviceBatcher (queue,
-                   forward, pack) -> body cache, once per mm_hash in flight (single-flight)
+                   forward, pack) -> body cache, once per (scope, mm_hash) in flight (single-flight)
 
 The stages run on different executors so a slow download never blocks the device. What the worker
 takes on at once is bounded by one `Admission` (items past the caches, pixels being decoded,
@@ -38,7 +39,7 @@ from ..runtime import tracing
 from ..security.pki import seconds_left
 from .admission import Admission
 from .batcher import DeviceBatcher
-from .caches import AliasCache, BodyCache, SingleFlight
+from .caches import AliasCache, BodyCache, SingleFlight, body_key
 from .metrics import ServiceMetrics
 from .settings import WorkerSettings
 
@@ -197,16 +198,16 @@ class EncodeService:
         self.check_model(req.model, req.revision, req.dtype)
         cfg = req.processor.apply(self.encoder.spec.preprocess) if req.processor else self.encoder.spec.preprocess
         if req.data is not None:
-            return await self._from_bytes(req.data, req.modality, cfg, {})
+            return await self._from_bytes(req.data, req.modality, cfg, {}, req.scope)
         url = req.url
         assert url is not None  # a request holds exactly one of `url` and `data` (EncodeRequest checks)
         if url[:5].lower() == "data:":  # inline content: nothing to alias, nothing to download
             fetched = await self.fetcher.fetch(url)
-            return await self._from_bytes(fetched.data, req.modality, cfg, {})
+            return await self._from_bytes(fetched.data, req.modality, cfg, {}, req.scope)
         identity = self.encoder.identity(cfg)
         h = self.alias.get(req.scope, url, identity)
         if h is not None:
-            packed = self.bodies.get(h)
+            packed = self.bodies.get(body_key(req.scope, h))
             if packed is not None:
                 hit = EncodeResult(packed, "alias")
                 _check_modality(req.modality, hit.header.modality)  # answer as a miss would
@@ -227,13 +228,15 @@ class EncodeService:
                 span.set_attribute("mm_encoder.bytes", len(fetched.data))
             self.metrics.fetch_bytes.inc(len(fetched.data))
             timings = {"fetch": ms_since(t0)}
-        result = await self._from_bytes(fetched.data, req.modality, cfg, timings)
+        result = await self._from_bytes(fetched.data, req.modality, cfg, timings, req.scope)
         self.alias.put(req.scope, url, identity, result.mm_hash)  # only after success: errors are not cached
         return result
 
     async def _from_bytes(
-        self, data: bytes, modality: str | None, cfg: PreprocessConfig, timings: dict[str, float]
+        self, data: bytes, modality: str | None, cfg: PreprocessConfig, timings: dict[str, float], scope: str = ""
     ) -> EncodeResult:
+        """The item's body: from the mm_hash LRU or a forward pass shared with a request in flight for
+        the same item, both within the request's scope (a tenant never joins or reuses another's)."""
         if not data:
             raise MediaError("empty", "the media item has no bytes")
         if len(data) > _HASH_IN_THREAD_BYTES:
@@ -242,15 +245,16 @@ class EncodeService:
             identified = self.encoder.identify(data, cfg)
         sniffed, h = identified
         _check_modality(modality, sniffed)
-        packed = self.bodies.get(h)
+        key = body_key(scope, h)
+        packed = self.bodies.get(key)
         if packed is not None:
             return EncodeResult(packed, "mm_hash", timings)
-        (packed, work), joined = await self._hash_flights.run(h, lambda: self._compute(data, identified, cfg))
+        (packed, work), joined = await self._hash_flights.run(key, lambda: self._compute(data, identified, cfg, key))
         if joined:
             self.metrics.coalesced.labels("encode").inc()
         return EncodeResult(packed, "coalesced" if joined else "forward", {**timings, **work})
 
-    async def _compute(self, data: bytes, identified: tuple[str, str], cfg: PreprocessConfig
+    async def _compute(self, data: bytes, identified: tuple[str, str], cfg: PreprocessConfig, key: str
                        ) -> tuple[wire.Packed, dict[str, float]]:
         modality, h = identified
         with self.admission.pending.hold():
@@ -280,7 +284,7 @@ class EncodeService:
                     self.admission.prepared.release(plan.patches)
                 else:
                     prepare.add_done_callback(lambda _: self.admission.prepared.release_soon(plan.patches))
-            self.bodies.put(h, packed)
+            self.bodies.put(key, packed)
             return packed, {**timings, **device}
 
     async def _in_pool(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:

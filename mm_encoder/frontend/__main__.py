@@ -12,6 +12,7 @@ from typing import Any
 from ..core.prompt import check_model_dir
 from ..runtime.dynamo import http_frontend
 from ..runtime.process import Lifecycle, parse_settings, run
+from ..security.tenants import Tenants, forward_header
 from .drain import drain
 from .metrics import exposition
 from .provider import ProcessorFactory
@@ -53,8 +54,16 @@ def set_runtime_threads(s: FrontendSettings, env: MutableMapping[str, str] = os.
         env.setdefault(RUNTIME_THREADS, "1")
 
 
+def _check(s: FrontendSettings) -> None:
+    """Refused before any start-up: a model directory that is not one, a tenant key that cannot be
+    used; and Dynamo's HTTP frontend told (before its runtime starts) to pass the tenant header on."""
+    check_model_dir(s.model_dir)
+    Tenants.from_files(s.tenant_header, s.tenant_key)
+    forward_header(s.tenant_header)
+
+
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(FrontendSettings, argv, check=lambda s: check_model_dir(s.model_dir))
+    settings = parse_settings(FrontendSettings, argv, check=_check)
     if settings is None:
         return 2
     set_runtime_threads(settings)  # before the first call into Dynamo

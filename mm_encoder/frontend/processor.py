@@ -40,6 +40,7 @@ from ..core.timing import ms_since
 from ..routing import BlockMMInfo, MediaSpan, block_mm_infos
 from ..runtime import tracing
 from ..runtime.dynamo import TOO_LARGE_HINT, client_error, internal_error, is_too_large, payload
+from ..security.tenants import Tenants
 from . import chunks
 from .chat import IncrementalDetokenizer, StopStrings, item_text, parse_messages, text_bytes
 from .hold import Capacity, Hold
@@ -99,7 +100,8 @@ class EngineClient(Protocol):
 class MultimodalProcessor:
     def __init__(self, *, served_name: str, spec: ModelSpec, tokenizer: ChatTokenizer, encoder: EncoderClient | None,
                  router: Router, engine_client: EngineClient, block_size: int, eos_token_ids: list[int],
-                 limits: Limits, inline_media: bool = False, trust_client_trace: bool = False) -> None:
+                 limits: Limits, inline_media: bool = False, trust_client_trace: bool = False,
+                 tenants: Tenants | None = None) -> None:
         self.served_name = served_name
         self.spec = spec
         self.tok = tokenizer
@@ -114,6 +116,7 @@ class MultimodalProcessor:
         # engines fetching and encoding them themselves
         self._media_path = self._inline if inline_media else self._by_handle
         self.trust_client_trace = trust_client_trace  # continue a client's traceparent, or link it (`generate`)
+        self.tenants = tenants or Tenants()  # the scope of each request's cache entries (`security.tenants`)
         self.stats = Stats()
         self.capacity = Capacity(limits.max_inflight_media)  # what requests in flight hold (`frontend.hold`)
         self._notes: set[asyncio.Future[None]] = set()  # router bookkeeping in flight (`_router_note`)
@@ -153,7 +156,7 @@ class MultimodalProcessor:
             hold = Hold(self.capacity, rid, lambda rid: self._router_note(self.router.free, rid))
             with FrontendRequest(rid, hold, root, self.stats.recent, self.stats.live) as state:
                 with tracing.within(root):  # no yield inside: the steps' spans are children of the request's
-                    params, stream = await self._dispatch(request, state)
+                    params, stream = await self._dispatch(request, state, context)
                 async for chunk in self._answer(state, params, stream, context):
                     yield chunk
 
@@ -167,15 +170,16 @@ class MultimodalProcessor:
             self.stats.errors[e.code] += 1
             raise client_error(e)
 
-    async def _dispatch(self, request: dict[str, Any],
-                        state: FrontendRequest) -> tuple[SamplingParams, AsyncIterator[Any]]:
-        """Parse, render, encode the media, expand, route and send: the sampling asked for and the
-        engine's stream. A refusal is raised as the client's error (a bug as a 500), counted and
-        logged once."""
+    async def _dispatch(self, request: dict[str, Any], state: FrontendRequest,
+                        context: Context | None = None) -> tuple[SamplingParams, AsyncIterator[Any]]:
+        """The tenant's scope (from the context's headers), then parse, render, encode the media,
+        expand, route and send: the sampling asked for and the engine's stream. A refusal is raised
+        as the client's error (a bug as a 500), counted and logged once."""
         rid = state.rid
         self.stats.requests += 1
         log.debug("request %s fields %s", rid, sorted(request))
         try:
+            state.scope = self.tenants.scope(context)
             params = SamplingParams.from_openai(request)
             messages, media = parse_messages(request.get("messages"), self.limits.max_media, self.splicer.reserved)
             size = self.check_text_size(messages)
@@ -208,7 +212,7 @@ class MultimodalProcessor:
         encoded: list[Encoded] = []
         if media:
             assert self.encoder is not None  # the provider makes one unless inline_media
-            encoded = await self.encoder.embed_all(media)
+            encoded = await self.encoder.embed_all(media, state.scope)
         timings["encode_ms"] = ms_since(t_enc)
         self.stats.media_items += len(media)
         grids = [(e.handle.header.modality, e.handle.num_tokens, e.handle.header.timestamps) for e in encoded]

@@ -18,6 +18,7 @@ runtime from the process's environment (the launcher passes its own).
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from ..core.registry import get_spec
 from ..core.spec import ModelSpec
 from ..families.model_card import ModelCard
 from ..runtime.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
+from ..security.tenants import METADATA_HEADER, Tenants
 from .processor import EngineClient, Limits, MultimodalProcessor, Router
 from .settings import FrontendSettings
 
@@ -50,6 +52,7 @@ class SharedParts:
     engine_client: EngineClient  # Dynamo's client of the engines' generate endpoint
     router: Router  # Dynamo's KvRouter over the same endpoint
     limits: Limits
+    tenants: Tenants  # the scope of each request's cache entries
 
 
 class ProcessorFactory:
@@ -89,6 +92,7 @@ class ProcessorFactory:
             card=card, spec=spec, tokenizer=ChatTokenizer(s.model_dir, s.allow_remote_code),
             engine_client=await runtime.endpoint(engine_path).client(),
             router=kv_router(runtime.endpoint(engine_path), s.block_size, assume_kv_reuse=s.router_assume_kv_reuse),
+            tenants=Tenants.from_files(s.tenant_header, s.tenant_key),
             limits=Limits(context_length=card.context_length, default_max_tokens=s.default_max_tokens,
                           max_media=s.max_media, max_inflight_media=s.max_inflight_media,
                           max_inflight_requests=s.max_inflight_requests))
@@ -101,7 +105,7 @@ class ProcessorFactory:
                 served_name=name, spec=p.spec, tokenizer=p.tokenizer, encoder=self.encoder,
                 router=p.router, engine_client=p.engine_client, block_size=self.s.block_size,
                 eos_token_ids=p.card.eos_token_ids, limits=p.limits, inline_media=self.s.inline_media,
-                trust_client_trace=self.s.trust_client_trace)
+                trust_client_trace=self.s.trust_client_trace, tenants=p.tenants)
         return self.processors[name]
 
     async def __call__(self, instance_id: ModelCardInstanceId, card: ModelDeploymentCard,
@@ -157,4 +161,7 @@ def chat_processor(frontend_config: object, processor_config: dict[str, Any] | N
     defaults = {k: v for k, v in (("namespace", namespace), ("block_size", block_size), ("model_dir", model_path))
                 if v is not None}
     settings = FrontendSettings(_cli_parse_args=[], **{**defaults, **options})
+    if settings.tenant_header and os.environ.get(METADATA_HEADER, "").lower() != settings.tenant_header.lower():
+        raise ValueError(f"tenant_header {settings.tenant_header}: Dynamo's frontend passes that header on only "
+                         f"with {METADATA_HEADER}={settings.tenant_header.lower()} in its environment")
     return ProcessorFactory(settings)

@@ -41,6 +41,7 @@ class FrontendRequest:
         # engine_<stage>_ms, reused_tokens and (the aggregated baseline) prompt_tokens
         self.timings: dict[str, float] = {}
         self.routed: Routed | None = None  # set once the router has chosen an engine
+        self.scope = ""  # its tenant's cache scope (`security.tenants`); "" when tenants are off
         self.engine: tracing.Stretch | None = None  # the engine call's span: from the send to its stream's end
         self._recent = recent  # the processor's /mm/stats records
         self._live = live  # the processor's routed requests in flight, by id (/mm/stats `in_flight`)

@@ -66,6 +66,13 @@ class FrontendSettings(KvOptions, TlsOptions):
     trust_client_trace: bool = Field(
         False, description="continue a client's traceparent (its trace id and sampling decision); off: each "
                            "request starts a trace of its own that links the client's (the OpenAI port is the edge)")
+    tenant_header: str | None = Field(
+        None, description="serve tenants: each request names its tenant in this header (set by the gateway; a "
+                          "request without it gets 400 missing_tenant), and every cache entry below the frontend "
+                          "is the tenant's own (docs/tenants.md)")
+    tenant_key: PATH | None = Field(
+        None, description="with --tenant-header: a file of at least 32 random bytes the tenants' cache scopes are "
+                          "keyed by (the same file on every frontend whose tenants share entries)")
     allow_remote_code: bool = Field(False, description="let transformers run the model's tokenizer code")
     inline_media: bool = Field(False, description="aggregated baseline: engines fetch and encode media themselves")
 
@@ -77,6 +84,11 @@ class FrontendSettings(KvOptions, TlsOptions):
             raise ValueError("--https-client-auth goes with --https")
         if (self.https_cert is None) != (self.https_key is None) or (self.https_cert and not self.https):
             raise ValueError("--https-cert and --https-key go together, with --https")
+        if self.tenant_header and self.inline_media:
+            raise ValueError("--tenant-header scopes the encoders' caches; the aggregated baseline (--inline-media) "
+                             "has its engines encode, with no cache to scope")
+        if (self.tenant_header is None) != (self.tenant_key is None):
+            raise ValueError("--tenant-header and --tenant-key go together")
         return self
 
 

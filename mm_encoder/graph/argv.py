@@ -81,6 +81,8 @@ def _frontend(g: Graph, site: Site, cp: ComponentPlan, r: Replica) -> list[str]:
         argv += ["--encoder-http", cp.chain.url, "--encoder-route", cp.chain.route]
     if cp.wire_dtype:
         argv += ["--wire-dtype", cp.wire_dtype]
+    if g.tenants.header:
+        argv += ["--tenant-header", g.tenants.header, "--tenant-key", site.tenant_key()]
     return argv + (["--inline-media"] if g.inline_encoding else [])
 
 

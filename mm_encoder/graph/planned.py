@@ -126,6 +126,10 @@ class Site(ABC):
         """With TLS: replica `replica`'s certificate and key and the deployment's CA, as it sees them."""
         raise GraphError("`tls` is not supported on this site yet")
 
+    def tenant_key(self) -> str:
+        """With tenants (`tenants.header`): the file the frontend keys the tenants' scopes by, as it sees it."""
+        raise GraphError("`tenants` is not supported on this site yet")
+
     def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
         """With TLS: where replica `replica` of an encoder or tier serves its status in plaintext."""
         raise GraphError("`tls` is not supported on this site yet")

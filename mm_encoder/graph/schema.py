@@ -34,6 +34,7 @@ from ..core.errors import GraphError
 from ..core.topology import CACHE_TIERS, Kind
 from ..planner.settings import check_args
 from ..runtime.dynamo import BLOCK_SIZE, NAMESPACE
+from ..security.tenants import HEADER_NAME
 
 # Options the plan sets from the graph as a whole, refused in a component's own `args`.
 _PLANNED_FLAGS = {"--wire-dtype": "the rows' dtype from encoder to engine is llm.wire_dtype",
@@ -117,6 +118,17 @@ class Tls(_Strict):
         return self
 
 
+class Tenants(_Strict):
+    """Serve tenants (docs/tenants.md): each request names its tenant in the `header` the operator's
+    gateway sets, and every cache entry below the frontend is that tenant's own. `key_file`: the
+    secret the scopes are keyed by, the same for every cluster whose tenants share the encoder site's
+    entries (`serve --tenant-key FILE`; unset: a key of this run's own, `<run dir>/tenant.key`; the
+    Kubernetes render mounts it from the Secret `<graph>-tenant-key`)."""
+
+    header: str | None = Field(None, pattern=HEADER_NAME)
+    key_file: str | None = None
+
+
 class EncoderSite(_Strict):
     """A model cluster's encoder site (`site: cluster`): where its cluster tier sends misses, and the
     site graph's name, which the site's certificates carry (`spiffe://<trust domain>/<graph>/...`): the
@@ -169,6 +181,7 @@ class Graph(_Strict):
     encoder_site: EncoderSite = Field(default_factory=EncoderSite)  # a model cluster: its encoder site
     # an encoder site with TLS: the model clusters (their graphs' names) whose cluster tiers may call it
     clusters: tuple[str, ...] = ()
+    tenants: Tenants = Field(default_factory=Tenants)  # off unless `header` names the tenant header
     components: dict[str, Component]
 
     @model_validator(mode="after")
@@ -201,6 +214,9 @@ class Graph(_Strict):
             raise ValueError("cache tiers front encode workers: add an encoder component")
         if self.tls.enabled and self.runtime.event_plane == "zmq":
             raise ValueError("tls: Dynamo's ZMQ event plane has no TLS; set runtime.event_plane: nats")
+        if self.tenants.header and (self.site == "encoder" or self.stock_frontend or self.inline_encoding):
+            raise ValueError("tenants.header is read by this project's frontend, which scopes the encoders' caches: "
+                             "not on an encoder site, with Dynamo's stock frontend or the aggregated baseline")
         if self.tls.enabled and self.stock_frontend:
             raise ValueError("tls: Dynamo's stock frontend takes none of this project's TLS options (--tls-ca, "
                              "--https); use this project's frontend")

@@ -40,6 +40,8 @@ class ServeOptions:
     encoder_site: str | None = None
     plaintext_off_loopback: bool = False
     name: str | None = None
+    tenant_header: str | None = None
+    tenant_key: Path | None = None
 
     def apply(self, graph: Graph) -> Graph:
         """The graph as this run serves it: the options over the file's settings."""
@@ -56,6 +58,10 @@ class ServeOptions:
         if self.tls or self.tls_dir:
             tls = {"enabled": True, **({"ca_dir": str(self.tls_dir.resolve())} if self.tls_dir else {})}
             graph = graph.model_copy(update={"tls": graph.tls.model_copy(update=tls)})
+        if self.tenant_header or self.tenant_key:
+            tenants = {k: v for k, v in (("header", self.tenant_header),
+                                         ("key_file", self.tenant_key and str(self.tenant_key.resolve()))) if v}
+            graph = graph.model_copy(update={"tenants": graph.tenants.model_copy(update=tenants)})
         llm = {k: v for k, v in (("checkpoint", self.checkpoint and str(self.checkpoint.resolve())),
                                  ("dtype", self.dtype), ("preset", self.preset)) if v}
         if llm:
@@ -128,6 +134,13 @@ def parser() -> argparse.ArgumentParser:
                    "anyone on that network can call the site and read its answers")
     p.add_argument("--encoder-site", metavar="URL", help="a model cluster (site: cluster): its encoder site's URL, "
                    "https://HOST:PORT with TLS (default: the graph's encoder_site.url)")
+    p.add_argument("--tenant-header", metavar="NAME", help="serve tenants: the frontend takes each request's "
+                   "tenant from this header, which the operator's gateway sets (a request without it: 400 "
+                   "missing_tenant), and every cache entry is the tenant's own (docs/tenants.md; default: the "
+                   "graph's tenants.header, unset: off)")
+    p.add_argument("--tenant-key", type=Path, metavar="FILE", help="with tenants: the secret (at least 32 random "
+                   "bytes, mode 600) the scopes are keyed by; the same file for every cluster whose tenants share "
+                   "an encoder site's entries (default: the graph's tenants.key_file, else <run dir>/tenant.key)")
     p.add_argument("--start-timeout-s", type=float, default=180.0, help="how long each replica may take to become "
                    "healthy (loading a real checkpoint's shards takes longer than the tiny model's)")
     return p

@@ -17,6 +17,7 @@ from ..core.topology import Kind
 from ..graph.planned import Address, Site, TlsFiles
 from ..graph.schema import Component, Graph
 from ..security.issuing import Issuer
+from ..security.tenants import make_key
 
 LOOPBACK = "127.0.0.1"
 ANY = ("0.0.0.0", "::")  # a bind address that is no address to connect to
@@ -123,6 +124,11 @@ class LocalSite(Site):
     def tls_files(self, replica: str) -> TlsFiles:
         assert self.issuer is not None  # the plan asks only with the graph's TLS on
         return TlsFiles(*self.issuer.files(replica), *self.issuer.plane_files(replica)[:2])
+
+    def tenant_key(self) -> str:
+        """The graph's key file, else this run's own (`make_key`: made once, kept across restarts)."""
+        key_file = self.graph.tenants.key_file
+        return str(Path(key_file).resolve() if key_file else make_key(self.run_dir / "tenant.key"))
 
     def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
         return self.listen(f"{name}:ops", kind, replica)
