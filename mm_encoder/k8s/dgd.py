@@ -12,7 +12,7 @@ from ..graph.checkpoint import GeneratedCheckpoint
 from ..graph.planned import ComponentPlan
 from ..graph.schema import Graph
 from ..runtime import tracing
-from . import availability, policies, sites, tls
+from . import availability, policies, sites, tenants, tls
 from .names import (
     ENCODER_PORT,
     FRONTEND_PORT,
@@ -103,6 +103,7 @@ def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
     if storage.volumes:
         pod["volumes"] = storage.volumes
     tls.add_to_pod(names, cp, main, pod)  # with TLS: its Secret, ops port, the frontend's HTTPS probes
+    tenants.add_to_pod(names, cp, main, pod)  # with tenants: the frontend's key
     availability.add_to_pod(names.g, cp, main, pod)  # its drain on a stop, its spread over nodes
     out: dict[str, Any] = {
         "name": names.components[cp.name],
@@ -146,7 +147,8 @@ def graph_deployment(names: K8sNames, components: list[ComponentPlan]) -> dict[s
     if names.encoder_svc:
         note += (" Encoder pods carry the labels mm-encoder/graph and mm-encoder/component (podTemplate.metadata) "
                  f"that their Services {', '.join(names.encoder_svc.values())} select.")
-    note += sites.note(names) + tls.note(names) + policies.note(names) + availability.note(names, components)
+    note += sites.note(names) + tls.note(names) + tenants.note(names) + policies.note(names)
+    note += availability.note(names, components)
     if g.planner:
         note += (f" The encode planner (component {g.planner[0]}) scales the encoders through the scaling adapter "
                  f"{names.scaling_adapter}, as ServiceAccount {PLANNER_SERVICE_ACCOUNT} (the operator's for every "

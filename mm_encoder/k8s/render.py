@@ -109,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                    "admit only these (default: anywhere)")
     p.add_argument("--plaintext-site", action="store_true", help="an encoder site without TLS: expose its router "
                    "anyway; anyone who reaches the LoadBalancer can call the encoders and read their answers")
+    p.add_argument("--tenant-header", metavar="NAME", help="serve tenants: the frontend takes each request's "
+                   "tenant from this header, set by the operator's gateway, and keys every cache entry by it "
+                   "(docs/tenants.md; the key from the Secret <graph>-tenant-key; default: the graph's tenants.header)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        graph = sites.with_options(load_graph(find_graph(args.graph)), args.name, args.encoder_site)
+        graph = sites.with_options(load_graph(find_graph(args.graph)), args.name, args.encoder_site,
+                                   args.tenant_header)
         exposure = Exposure(args.site_host, tuple(args.site_cidr), args.plaintext_site)
         text = render_yaml(graph, args.namespace, args.cert_manager_account, exposure)
     except GraphError as e:

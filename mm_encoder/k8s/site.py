@@ -18,6 +18,7 @@ from .names import (
     REQUEST_PLANE_PORT,
     RESPONSE_PLANE_PORT,
     RUN_DIR,
+    TENANT_KEY,
     TIER_PORT,
     TLS_FILES,
     K8sNames,
@@ -64,6 +65,9 @@ class K8sSite(Site):
 
     def tls_files(self, replica: str) -> TlsFiles:
         return TlsFiles(*TLS_FILES)  # the component's Secret: its replicas share one identity
+
+    def tenant_key(self) -> str:
+        return TENANT_KEY  # the graph's Secret (k8s/tenants.py)
 
     def ops_listen(self, name: str, kind: Kind, replica: int) -> Address:
         return "0.0.0.0", OPS_PORT  # in no Service: probes and Prometheus reach the pod

@@ -18,11 +18,12 @@ from ..graph.schema import Graph
 from .names import NOTE, TIER_PORT, Exposure, K8sNames, labels, selector
 
 
-def with_options(g: Graph, name: str | None = None, url: str | None = None) -> Graph:
+def with_options(g: Graph, name: str | None = None, url: str | None = None, tenant_header: str | None = None
+                 ) -> Graph:
     """The graph with `render-k8s --name NAME` (a second model cluster from one file: the name is its
-    identity) and `--encoder-site URL` over the file's, validated again as a whole (an https:// URL goes
-    with the graph's TLS), as `serve` takes the same options."""
-    if name is None and url is None:
+    identity), `--encoder-site URL` and `--tenant-header NAME` over the file's, validated again as a
+    whole (an https:// URL goes with the graph's TLS), as `serve` takes the same options."""
+    if name is None and url is None and tenant_header is None:
         return g
     if url is not None and g.site != "cluster":
         raise GraphError(f"--encoder-site names a model cluster's encoder site; graph {g.name} is not one "
@@ -30,6 +31,7 @@ def with_options(g: Graph, name: str | None = None, url: str | None = None) -> G
     doc = g.model_dump()
     doc["name"] = name or doc["name"]
     doc["encoder_site"]["url"] = url or doc["encoder_site"]["url"]
+    doc["tenants"]["header"] = tenant_header or doc["tenants"]["header"]
     try:
         return Graph.model_validate(doc)
     except ValidationError as e:
