@@ -45,8 +45,9 @@ def image(rank: int) -> bytes:
     return image_bytes(natural_image(*SIZE, seed=int(rank)), "JPEG")
 
 
-def key(rank: int) -> str:
-    return EncodeRequest(model=ENCODER_MODEL, url=data_url(image(rank), "image/jpeg"), modality="image").key()
+def key(rank: int, scope: str = "") -> str:
+    return EncodeRequest(model=ENCODER_MODEL, url=data_url(image(rank), "image/jpeg"), modality="image",
+                         scope=scope).key()
 
 
 def predict(t: Traffic, trace: Trace, shards: list[str]) -> dict:
@@ -59,13 +60,15 @@ def predict(t: Traffic, trace: Trace, shards: list[str]) -> dict:
             "unique": r["trace"]["unique_items"], "items": r["trace"]["items"]}
 
 
-def replay(trace: Trace, tiers: list[ClusterTier]) -> dict:
-    """Every item, in order, through its cluster's tier; what answered it."""
+def replay(trace: Trace, tiers: list[ClusterTier], scopes: list[str] | None = None) -> dict:
+    """Every item, in order, through its cluster's tier (in its tenant's scope: `scopes`, one per item);
+    what answered it."""
     levels: Counter[str] = Counter()
     shards: Counter[str] = Counter()
     per_cluster: dict[str, Counter[str]] = {c: Counter() for c in CLUSTERS}
-    for rank, cluster in zip(trace.ranks.tolist(), trace.clusters.tolist(), strict=True):
-        _, _, where = tiers[cluster].ask(image(rank), body=False)
+    scopes = scopes or [""] * len(trace.ranks)
+    for rank, cluster, scope in zip(trace.ranks.tolist(), trace.clusters.tolist(), scopes, strict=True):
+        _, _, where = tiers[cluster].ask(image(rank), body=False, scope=scope)
         level = "cluster" if where.startswith("cluster=HIT") else "shared" if "shared=HIT" in where else "encode"
         levels[level] += 1
         per_cluster[CLUSTERS[cluster]][level] += 1

@@ -67,6 +67,7 @@ MODULES: dict[str, str] = {
     "tls": "bench/tls.py",
     "wan": "bench/wan.py",
     "clusters": "bench/clusters.py",
+    "tenants": "bench/tenants.py",
 }
 RUNS = "_runs.json"
 TAIL_LINES = 25

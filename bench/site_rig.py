@@ -96,10 +96,12 @@ class ClusterTier:
             time.sleep(0.2)
         raise RuntimeError(f"the cluster tier did not get healthy: {self.proc.tail()}")
 
-    def ask(self, image: bytes, route: str = "cluster,shared", *, body: bool = True) -> tuple[float, int, str]:
+    def ask(self, image: bytes, route: str = "cluster,shared", *, body: bool = True,
+            scope: str = "") -> tuple[float, int, str]:
         """An engine's body fetch (POST /v1/encode/fetch), or with `body=False` the frontend's HEAD, for
-        `image`: seconds to the last byte, the body's size, X-Cache-Status."""
-        req = EncodeRequest(model=ENCODER_MODEL, url=data_url(image, "image/jpeg"), modality="image")
+        `image` (in a tenant's `scope`, as its frontend asks): seconds to the last byte, the body's size,
+        X-Cache-Status."""
+        req = EncodeRequest(model=ENCODER_MODEL, url=data_url(image, "image/jpeg"), modality="image", scope=scope)
         headers = {"Content-Type": "application/json", "Accept": wire.CONTENT_TYPE, "X-Cache-Key": req.key(),
                    "X-Cache-Route": route}
         start = time.perf_counter()

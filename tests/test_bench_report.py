@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "bench" / "report.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MODULES = ["encoder", "parity", "wire", "worker", "cache", "frontend", "frontends", "engine", "graphs", "aiperf",
-           "discovery", "hostile_memory", "soak", "autoscale", "tracing", "tls", "wan", "clusters"]
+           "discovery", "hostile_memory", "soak", "autoscale", "tracing", "tls", "wan", "clusters", "tenants"]
 
 
 def _report(tmp: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

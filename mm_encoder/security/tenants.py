@@ -69,6 +69,10 @@ class Tenants:
         if len(tenant) > MAX_TENANT or not (tenant.isascii() and tenant.isprintable()):
             raise BadTenant(f"the {self.header} header is not a tenant's name (printable ASCII, at most "
                             f"{MAX_TENANT} characters)")
+        return self.scope_of(tenant)
+
+    def scope_of(self, tenant: str) -> str:
+        """HMAC-SHA256(key, tenant), hex: a tenant's scope."""
         return hmac.new(self._key, tenant.encode(), hashlib.sha256).hexdigest()
 
 
