@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     trace = make_trace(t, size_classes(t))
     result: dict = {"machine": stats.machine(), "traffic": t.model_dump(mode="json"),
                     "small_scale": small_scale(t, trace),
-                    "predicted": {n: predict(t, trace, n, None) for n in TENANTS}, "measured": {}}
+                    "predicted": {str(n): predict(t, trace, n, None) for n in TENANTS}, "measured": {}}
     why = hosts.available()
     if why is not None:
         result["not_measured"] = f"the fleet needs network namespaces: {why}"
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
                 site = start_site(stack, h, Path(tmp) / f"t{n}")
                 tiers = [ClusterTier(stack, h, i + 2, name, site) for i, name in enumerate(CLUSTERS)]
                 m = replay(trace, tiers, scopes_of(tenants_of(trace, n, t.seed), n))
-                result["measured"][n] = {"cluster": m["cluster"]["hit_ratio"], "shared": m["shared"]["hit_ratio"],
+                result["measured"][str(n)] = {"cluster": m["cluster"]["hit_ratio"], "shared": m["shared"]["hit_ratio"],
                                          "encodes": m["encodes"],
                                          "predicted": predict(t, trace, n, site.shards())["default"]}
     return result
