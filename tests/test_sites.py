@@ -176,8 +176,10 @@ def test_two_tenants_share_no_entry_at_any_level(fleet):
     """Clusters tenant-a and tenant-b serve tenants (`--tenant-header X-Tenant`, one key): acme's image on
     tenant-a is encoded; globex's first request for the same image, on tenant-b, misses its cluster tier,
     the site's shared tier and the encoder's mm_hash LRU (a second forward pass). acme on tenant-b then
-    misses that cluster's tier but hits the shared tier: its own entry, shared across its clusters. A
-    request without the header is refused by name."""
+    misses that cluster's tier but hits the shared tier: its own entry, shared across its clusters. The
+    engines' KV too: acme's prompt again on tenant-a is routed onto its KV (Dynamo's router hashes the
+    blocks in acme's cache namespace, as the engine published them), globex's same prompt there finds
+    none of it. A request without the header is refused by name."""
     h, base, ca = fleet
     (ha, a), (hb, b) = TENANT_CLUSTERS
 
@@ -200,6 +202,15 @@ def test_two_tenants_share_no_entry_at_any_level(fleet):
     again = levels()
     # acme's second cluster: its tier misses, the site's shared tier has acme's entry; nothing encoded
     assert again[0] == globex[0] and again[1] == globex[1] and again[2] >= globex[2] + 1, (globex, again)
+
+    def last_route() -> tuple[int, int]:
+        record = get(f"https://{h.addr(ha)}:8000/mm/stats", ca)["processors"][0]["recent"][-1]
+        return record["overlap_blocks"], record["timings"].get("reused_tokens", 0)
+
+    chat(h.addr(ha), ca, tenant="acme")
+    assert last_route()[0] > 70 and last_route()[1] > 1100, last_route()  # 1223 tokens, blocks of 16
+    chat(h.addr(ha), ca, tenant="globex")
+    assert last_route() == (0, 0)
     with pytest.raises(urllib.error.HTTPError) as refused:
         chat(h.addr(ha), ca)
     assert refused.value.code == 400 and "[missing_tenant]" in refused.value.read().decode()

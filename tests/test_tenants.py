@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mm_encoder.core.errors import BadTenant, GraphError, MissingTenant
+from mm_encoder.core.engine_request import EngineRequest
+from mm_encoder.core.errors import BadRequest, BadTenant, GraphError, MissingTenant
 from mm_encoder.frontend.settings import FrontendSettings
 from mm_encoder.graph.plan import plan
 from mm_encoder.graph.schema import Graph, load_graph
@@ -65,6 +66,15 @@ def test_a_request_without_a_tenant_is_refused_by_name(value, error, words):
         tenant_of(Tenants("X-Tenant", KEY), value)
     assert refused.value.http_status == 400 and words in refused.value.message
     assert refused.value.code == {MissingTenant: "missing_tenant", BadTenant: "bad_tenant"}[error]
+
+
+def test_the_engine_request_carries_the_scope_as_its_cache_salt_only_when_set():
+    salted = EngineRequest("r", [1, 2], 3, cache_salt="ab" * 32)
+    assert EngineRequest.from_dict(salted.to_dict()).cache_salt == "ab" * 32
+    assert "cache_salt" not in EngineRequest("r", [1, 2], 3).to_dict()  # tenants off: the request as before
+    for bad in (7, "x" * 257):
+        with pytest.raises(BadRequest, match="cache_salt is a string of at most 256"):
+            EngineRequest.from_dict({**salted.to_dict(), "cache_salt": bad})
 
 
 def test_the_key_file_is_refused_when_short_or_readable_by_others(tmp_path):

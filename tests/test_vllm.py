@@ -552,8 +552,10 @@ class _Publisher:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def publish_stored(self, token_ids, num_block_tokens, block_hashes, parent_hash=None, block_mm_infos=None):
-        self.calls.append(("stored", token_ids, num_block_tokens, block_hashes, parent_hash, block_mm_infos))
+    def publish_stored(self, token_ids, num_block_tokens, block_hashes, parent_hash=None, block_mm_infos=None,
+                       cache_salt=None):
+        salt = () if cache_salt is None else (cache_salt,)  # recorded only when the relay passes one
+        self.calls.append(("stored", token_ids, num_block_tokens, block_hashes, parent_hash, block_mm_infos, *salt))
 
     def publish_removed(self, block_hashes):
         self.calls.append(("removed", block_hashes))
@@ -678,7 +680,9 @@ def test_relay_publishes_a_mixed_prompts_blocks_with_real_tokens_and_the_routers
 def test_relay_follows_the_parent_chain_into_generated_tokens(vllm_stub):
     """Chunked prefill stores blocks 0-1, then block 2 with block 1 as parent (its index comes from
     the parent); decoding fills the partial block 3 (its prompt rows' digest, registered) and then
-    block 4 (no prompt rows: the digest of no bytes), published with the event's generated tokens."""
+    block 4 (no prompt rows: the digest of no bytes), published with the event's generated tokens.
+    The request's cache_salt (a tenant's scope), in block 0's extra keys only, goes with every block
+    of the chain: the router hashes each block in the query's cache_namespace."""
     pub = _Publisher()
     relay = KvRelay(pub, BS)
     req = _kimi_pair()
@@ -687,12 +691,26 @@ def test_relay_follows_the_parent_chain_into_generated_tokens(vllm_stub):
     relay.on_events([side.stored(3, HS[3:4], parent=HS[2], generated=[7, 8])])
     relay.on_events([side.stored(4, HS[4:5], parent=HS[3], generated=[7, 8, 9, 10, 11, 12])])
     assert pub.calls == [
-        ("stored", req.token_ids[:8], [4, 4], SIGNED[:2], None, INFOS[:2]),
-        ("stored", [5, M, M, M], [4], SIGNED[2:3], SIGNED[1], INFOS[2:3]),
-        ("stored", [M, 6, 7, 8], [4], SIGNED[3:4], SIGNED[2], INFOS[3:4]),
-        ("stored", [9, 10, 11, 12], [4], SIGNED[4:5], SIGNED[3], None),
+        ("stored", req.token_ids[:8], [4, 4], SIGNED[:2], None, INFOS[:2], "tenant-a"),
+        ("stored", [5, M, M, M], [4], SIGNED[2:3], SIGNED[1], INFOS[2:3], "tenant-a"),
+        ("stored", [M, 6, 7, 8], [4], SIGNED[3:4], SIGNED[2], INFOS[3:4], "tenant-a"),
+        ("stored", [9, 10, 11, 12], [4], SIGNED[4:5], SIGNED[3], None, "tenant-a"),
     ]
     assert (relay.stored, relay.unmapped) == (5, 0)
+
+
+def test_a_tenants_token_prompt_is_salted_in_vllm_and_in_the_relayed_events(vllm_stub):
+    """A request's cache_salt reaches vLLM (its prefix cache keys block 0 by it) and the relay publishes
+    the chain with it; a request without one is relayed unsalted, as before."""
+    pub = _Publisher()
+    relay = KvRelay(pub, BS)
+    assert _admit(_engine(relay=relay), EngineRequest("t", [1, 2], 3, cache_salt="s1")) == \
+        {"type": "token", "prompt_token_ids": [1, 2], "cache_salt": "s1"}
+    relay.on_events([BlockStored([5], None, [1, 2, 3, 4], extra_keys=[("s1",)]), BlockStored([6], 5, [5, 6, 7, 8])])
+    relay.on_events([BlockStored([7], None, [1, 2, 3, 4])])
+    assert pub.calls == [("stored", [1, 2, 3, 4], [4], [5], None, None, "s1"),
+                         ("stored", [5, 6, 7, 8], [4], [6], 5, None, "s1"),
+                         ("stored", [1, 2, 3, 4], [4], [7], None, None)]
 
 
 def test_relay_publishes_nothing_it_cannot_map(vllm_stub):

@@ -73,6 +73,9 @@ class EngineRequest:
     # the frontend's trace, as W3C headers (`traceparent`, `tracestate`): the engine's spans continue
     # it (Dynamo's request plane does not carry a Python caller's trace); sent only when traced
     trace: dict[str, str] = field(default_factory=dict)
+    # the tenant's scope (`security.tenants`), which salts the prompt's KV block hashes: the engine's
+    # prefix store and the KV router share no block between tenants; sent only when set
+    cache_salt: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -88,6 +91,8 @@ class EngineRequest:
             d["stream"] = False
         if self.trace:
             d["trace"] = self.trace
+        if self.cache_salt:
+            d["cache_salt"] = self.cache_salt
         return d
 
     @classmethod
@@ -101,7 +106,8 @@ class EngineRequest:
         try:
             media = [MediaInput.from_dict(m) for m in d.get("media", [])]
             args = (str(d["request_id"]), list(d["token_ids"]), int(d["max_tokens"]), list(d.get("eos_token_ids", [])),
-                    media, dict(d.get("sampling") or {}), d.get("stream", True) is not False, _trace(d.get("trace")))
+                    media, dict(d.get("sampling") or {}), d.get("stream", True) is not False, _trace(d.get("trace")),
+                    _salt(d.get("cache_salt")))
             if d.get("prompt") is not None:
                 return InlineRequest(*args, prompt=str(d["prompt"]), media_refs=list(d.get("media_refs", [])))
             return EngineRequest(*args)
@@ -109,6 +115,18 @@ class EngineRequest:
             raise BadRequest(f"the engine request has no {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise BadRequest(f"malformed engine request: {e}") from None
+
+
+MAX_SALT = 256  # a scope is 64 hex characters (security.tenants)
+
+
+def _salt(value: Any) -> str:
+    """A request's `cache_salt`: a short string, or refused by name."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_SALT:
+        raise BadRequest(f"an engine request's cache_salt is a string of at most {MAX_SALT} characters")
+    return value
 
 
 TRACE_HEADERS = ("traceparent", "tracestate")

@@ -65,6 +65,7 @@ class Prompt:
     token_ids: list[int]
     rows: list[tuple[int, torch.Tensor]]  # (offset, rows) to write over the placeholder embeddings
     media: list[Placed] = field(default_factory=list)
+    salt: str = ""  # the tenant's scope: its blocks hash apart from every other tenant's (`EngineRequest.cache_salt`)
 
 
 class Engine(FrontDoor[Prompt, SamplingParams]):
@@ -108,7 +109,7 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
             positions = self.lm.positions(ids, [(m.modality, m.spans, m.grids) for m in prompt.media])
             logits, cache = self.lm.forward(x, reuse.cache, None if positions is None else positions[:, start:])
             stored, removed = self.prefix.add(hashes, cache)
-            self._publish(ids, hashes, infos, stored, removed)
+            self._publish(ids, hashes, infos, stored, removed, prompt.salt)
             nxt = None if positions is None else positions.max() + 1
             return logits, cache, nxt, start
 
@@ -127,15 +128,16 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
         n = n_full * self.block_size
         spans = [_clip(MediaSpan(m.mm_hash, tuple((o, k) for o, k in m.spans)), n) for m in prompt.media]
         infos = block_mm_infos(n, self.block_size, spans)
-        return block_hashes(prompt.token_ids[:n], self.block_size, infos), infos
+        return block_hashes(prompt.token_ids[:n], self.block_size, infos, prompt.salt), infos
 
     def _publish(self, ids: list[int], hashes: list[int], infos: list[BlockMMInfo | None] | None, stored: list[int],
-                 removed: list[int]) -> None:
+                 removed: list[int], salt: str = "") -> None:
         if self.publisher is None:
             return
         if stored:
             n = len(hashes) * self.block_size
-            self.publisher.publish_stored(ids[:n], [self.block_size] * len(hashes), hashes, None, infos)
+            salted = {"cache_salt": salt} if salt else {}  # the router hashes it as the query's cache_namespace
+            self.publisher.publish_stored(ids[:n], [self.block_size] * len(hashes), hashes, None, infos, **salted)
         if removed:
             self.publisher.publish_removed(removed)
 
@@ -155,7 +157,7 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
 
     async def inputs(self, req: EngineRequest, media: list[Media]) -> Prompt:
         placed = [Placed(m.mm_hash, m.modality, list(m.spans), [list(g) for g in m.grids]) for m in media]
-        return Prompt(req.token_ids, media_rows(media, self.lm.hidden_size), placed)
+        return Prompt(req.token_ids, media_rows(media, self.lm.hidden_size), placed, req.cache_salt)
 
     async def tokens(self, req: EngineRequest, prompt: Prompt, params: SamplingParams,
                      context: Any) -> AsyncIterator[tuple[TokenBatch, int]]:

@@ -210,8 +210,10 @@ class VllmEngine(FrontDoor[Any, Any]):
         from vllm.inputs import embeds_input, tokens_input
 
         spans = items(req, media, self.family)  # slices and checks of rows decoded already (off the loop)
+        # a tenant's scope: vLLM's prefix cache shares no block across tenants
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
         if not spans:
-            return tokens_input(req.token_ids)
+            return tokens_input(req.token_ids, **salt)
         if self.family.route == "mm":  # vLLM's multimodal processor (and the GLM plugin's parser) via its renderer
             try:
                 (inp,) = await self.engine.renderer.render_cmpl_async([mm_prompt(req, spans, self.family)])
@@ -223,7 +225,8 @@ class VllmEngine(FrontDoor[Any, Any]):
             placed = [MediaSpan(m.mm_hash, tuple((o, n) for o, n in m.spans)) for m in media]
             self.relay.register(mixed.token_ids, mixed.is_token_ids, block_digests(mixed.embeds, self.block_size),
                                 block_mm_infos(len(mixed.token_ids), self.block_size, placed))
-        return embeds_input(mixed.embeds, prompt_token_ids=mixed.token_ids, is_token_ids=mixed.is_token_ids)
+        return embeds_input(mixed.embeds, prompt_token_ids=mixed.token_ids, is_token_ids=mixed.is_token_ids,
+                            **salt)
 
     async def tokens(self, req: EngineRequest, inp: Any, params: Any,
                      context: Any) -> AsyncIterator[tuple[TokenBatch, int]]:

@@ -131,6 +131,8 @@ def mm_prompt(req: EngineRequest, spans: list[Item], family: VllmInput) -> dict[
         prompt["multi_modal_data"] = {m: {f"{m}_embeds": torch.cat(e), f"{m}_grid_thw": torch.tensor(g)}
                                       for m, (e, g, _) in parts.items()}
         prompt["multi_modal_uuids"] = {m: u for m, (_, _, u) in parts.items()}
+    if req.cache_salt:  # a tenant's: vLLM's prefix cache shares no block across tenants
+        prompt["cache_salt"] = req.cache_salt
     return prompt
 
 

@@ -58,7 +58,8 @@ class KvRelay:
         self.block_size = block_size
         # (block index, rows digest) -> the blocks registered under it (usually one)
         self._registered: LRUCache[tuple[int, bytes], tuple[Registered, ...]] = LRUCache(max_blocks)
-        self._index: LRUCache[int, int] = LRUCache(max_blocks)  # vLLM block hash -> block index
+        # vLLM block hash -> (block index, its chain's cache salt: a tenant's scope, or "")
+        self._index: LRUCache[int, tuple[int, str]] = LRUCache(max_blocks)
         self.stored = self.removed = self.unmapped = 0
 
     def register(self, token_ids: list[int], is_token_ids: list[bool], digests: list[bytes],
@@ -102,8 +103,9 @@ class KvRelay:
         if parent is not None and parent not in self._index:
             self.unmapped += len(ev.block_hashes)  # its chain was never relayed
             return
-        start = 0 if parent is None else self._index[parent] + 1
         keys = list(ev.extra_keys or [None] * len(ev.block_hashes))
+        # a chain's salt is in its first block's keys (vLLM: block 0 only); its later blocks inherit it
+        start, salt = (0, _salt(keys[0])) if parent is None else (self._index[parent][0] + 1, self._index[parent][1])
         tokens: list[int] = []
         infos: list[BlockMMInfo | None] = []
         hashes: list[int] = []
@@ -120,21 +122,28 @@ class KvRelay:
                     break
                 block = [*reg.token_ids, *event_tokens[len(reg.token_ids):]]
                 info = reg.mm_info
-            self._index[_key(h)] = start + j
+            self._index[_key(h)] = (start + j, salt)
             tokens += block
             infos.append(info)
             hashes.append(to_signed64(_key(h)))
         if not hashes:
             return
         parent_id = None if parent is None else to_signed64(parent)
+        salted = {"cache_salt": salt} if salt else {}  # the router hashes it as the query's cache_namespace
         self.publisher.publish_stored(tokens, [bs] * len(hashes), hashes, parent_id,
-                                      infos if any(i is not None for i in infos) else None)
+                                      infos if any(i is not None for i in infos) else None, **salted)
         self.stored += len(hashes)
 
 
 def _key(block_hash: Any) -> int:
     """vLLM's external block hash (an int, or bytes with a hash function that yields bytes) as an int."""
     return block_hash if isinstance(block_hash, int) else int.from_bytes(bytes(block_hash)[-8:], "big")
+
+
+def _salt(keys: tuple[object, ...] | None) -> str:
+    """A request's cache_salt among its first block's extra keys (the only str key a prompt without
+    LoRA or vLLM-processed media has: `to_event_extra_keys` turns ("cache_salt", s) into s)."""
+    return next((k for k in keys or () if isinstance(k, str)), "")
 
 
 def _digest(keys: tuple[object, ...] | None) -> bytes | None:

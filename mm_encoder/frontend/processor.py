@@ -85,7 +85,8 @@ class Router(Protocol):
     """What the processor asks of Dynamo's KvRouter over the engines (`runtime.dynamo.kv_router`)."""
 
     async def best_worker(self, token_ids: list[int], *, block_mm_infos: list[BlockMMInfo | None] | None = None,
-                          request_id: str | None = None) -> tuple[int, int, int]: ...
+                          request_id: str | None = None, cache_namespace: str | None = None
+                          ) -> tuple[int, int, int]: ...
     async def mark_prefill_complete(self, request_id: str, /) -> None: ...
     async def free(self, request_id: str, /) -> None: ...
 
@@ -230,21 +231,23 @@ class MultimodalProcessor:
         with tracing.span("route") as span:
             infos = block_mm_infos(prompt_tokens, self.block_size,
                                    [MediaSpan(m.mm_hash, tuple(m.spans)) for m in items])
-            worker_id, overlap = await self._route(state.hold, spliced.token_ids, infos)
+            worker_id, overlap = await self._route(state.hold, spliced.token_ids, infos, state.scope)
             span.set_attributes({"mm_frontend.worker_id": str(worker_id), "mm_frontend.overlap_blocks": overlap})
         timings["route_ms"] = ms_since(t_route)
         state.route(Routed(worker_id, overlap, prompt_tokens, [m.mm_hash for m in items]))
         req = EngineRequest(state.rid, spliced.token_ids, max_tokens, self.eos_token_ids, items,
-                            sampling=params.to_dict(), stream=interim)
+                            sampling=params.to_dict(), stream=interim, cache_salt=state.scope)
         return await self._send(req, state)
 
-    async def _route(self, hold: Hold, token_ids: list[int],
-                     infos: list[BlockMMInfo | None] | None = None) -> tuple[int, int]:
+    async def _route(self, hold: Hold, token_ids: list[int], infos: list[BlockMMInfo | None] | None = None,
+                     scope: str = "") -> tuple[int, int]:
         """(engine, overlapping blocks) from Dynamo's KV router, which from then on counts the
-        request on that engine until `Hold.release` frees it."""
+        request on that engine until `Hold.release` frees it. A tenant's `scope` is the router's cache
+        namespace: its blocks overlap only its own."""
+        namespace = {"cache_namespace": scope} if scope else {}
         try:
             worker_id, _, overlap = await self.router.best_worker(token_ids, block_mm_infos=infos,
-                                                                  request_id=hold.rid)
+                                                                  request_id=hold.rid, **namespace)
         except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
             raise EngineUnavailable(f"no engine to route to: {e}") from None
         hold.routed = True

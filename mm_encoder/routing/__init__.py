@@ -84,10 +84,12 @@ def to_signed64(h: int) -> int:
     return h - (1 << 64) if h >= (1 << 63) else h
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, infos: list[BlockMMInfo | None] | None) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, infos: list[BlockMMInfo | None] | None,
+                 salt: str = "") -> list[int]:
     """The hashes Dynamo's KV router computes for `token_ids`' full blocks (each media block's
     mm_hash mixed in by `infos`, from `block_mm_infos`), signed as KV events carry them: so the
     engines publish exactly what the router looks up. Dynamo's own function, not a copy of it."""
     from dynamo.llm import compute_block_hash_for_seq  # the `dynamo` extra: frontends and engines have it
 
-    return [to_signed64(h) for h in compute_block_hash_for_seq(list(token_ids), block_size, infos)]
+    namespace = {"cache_namespace": salt} if salt else {}  # a tenant's blocks: the router's cache_namespace
+    return [to_signed64(h) for h in compute_block_hash_for_seq(list(token_ids), block_size, infos, **namespace)]
