@@ -18,6 +18,7 @@ import ssl
 import sys
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,9 @@ def fleet(tmp_path_factory):
             for s in served[1:]:
                 s.wait_for("ready", READY_S)
             yield h, base, ca
-        finally:
-            for s in served:
-                s.stop(check=False)
+        finally:  # the serves stop side by side: each drains and checks its own processes
+            with ThreadPoolExecutor(len(served) or 1) as pool:
+                list(pool.map(lambda s: s.stop(check=False), served))
     assert all(s.proc.returncode == 0 for s in served), "\n".join(s.proc.tail(20) for s in served)
 
 
