@@ -1,0 +1,48 @@
+"""releases.toml names each release's commit (tools/releases.py reads it): the commit's own
+`mm_encoder/_version.py` says that version, CHANGELOG.md has its `[X.Y.Z] - date` section, and the
+releases come oldest first, each older than the version in this tree."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+import mm_encoder
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from releases import releases  # noqa: E402
+
+RELEASES = releases()
+
+
+def test_releases_are_ordered_and_in_the_changelog() -> None:
+    versions = [Version(r.version) for r in RELEASES]
+    assert versions == sorted(set(versions)), "releases.toml: one entry per release, oldest first"
+    assert versions[-1] <= Version(mm_encoder.__version__)
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    for r in RELEASES:
+        assert re.fullmatch(r"[0-9a-f]{40}", r.commit), f"{r.version}: the full 40-hex commit sha"
+        assert f"## [{r.version}] - {r.date}\n" in changelog, f"{r.version}: no CHANGELOG section of that date"
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=[r.version for r in RELEASES])
+def test_the_commit_has_its_version(release) -> None:
+    """Where the history is here (CI's clean clone): the recorded commit's `_version.py` says that version."""
+    if shutil.which("git") is None or _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("not a git checkout (an unpacked sdist, or no git): the release commits cannot be read")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: the release commits are not in its history")
+    out = _git("show", f"{release.commit}:mm_encoder/_version.py")
+    assert out.returncode == 0, f"release {release.version}: {release.commit} is not in this history: {out.stderr}"
+    assert re.search(rf'^__version__ = "{re.escape(release.version)}"$', out.stdout, re.M), out.stdout
