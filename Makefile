@@ -130,10 +130,12 @@ test-quick: venv system-deps
 
 # The soak: the EPD graph overloaded and its components killed under load (minutes; loopback only); then
 # an encoder site and a model cluster on two hosts (network namespaces, as root; skipped without) through
-# a cut link, a lost host, a restarted cluster tier and a fallback encoder (bench/site_faults.py).
-soak: venv system-deps
+# a cut link, a lost host, a restarted cluster tier and a fallback encoder (bench/site_faults.py); then
+# deployments mixing this tree's components with the previous release's (tests/test_mixed_release.py).
+soak: venv system-deps release-venv
 	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.site_faults
+	MM_ENCODER_SOAK=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_mixed_release.py
 
 lint: venv
 	$(BIN)/ruff check .

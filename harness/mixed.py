@@ -22,9 +22,7 @@ from pathlib import Path
 from harness.processes import Process
 from harness.serve_fixtures import MODEL, QUESTION, SAMPLE, data_url
 from harness.topology import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-RELEASE_PYTHON = ROOT / ".venv-release" / "bin" / "python"
+from harness.venvs import RELEASE_PYTHON
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,7 @@ class Mixed:
 
     def start(self) -> Mixed:
         """Every component, in serve's order, each ready before the next starts."""
+        self.root.mkdir(parents=True, exist_ok=True)
         nats_port = free_port()
         shutil.which("nats-server") or sys.exit("nats-server is not installed (make system-deps)")
         self._start("nats", ["nats-server", "-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd",
