@@ -4,10 +4,10 @@ releases come oldest first, each older than the version in this tree."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +16,11 @@ from packaging.version import Version
 import mm_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from releases import releases  # noqa: E402
-
-RELEASES = releases()
+_spec = importlib.util.spec_from_file_location("releases_tool", ROOT / "tools" / "releases.py")
+assert _spec is not None and _spec.loader is not None
+releases_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(releases_tool)
+RELEASES = releases_tool.releases()
 
 
 def test_releases_are_ordered_and_in_the_changelog() -> None:
