@@ -16,7 +16,7 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness.processes import Process
@@ -34,9 +34,15 @@ class Install:
     engine: str = "mm_encoder.engines"
     tiers: str = "mm_encoder.cache_tiers"
     frontend_args: tuple[str, ...] = ()  # what its serve adds for an fp32 graph
+    tier_args: tuple[str, ...] = ()  # added to each of its tiers' command lines
 
 
 MAIN = Install("main", Path(sys.executable), frontend_args=("--wire-dtype", "float32"))
+# A rollout's workarounds (docs/versioning.md): this tree's tiers ignoring a caller's key instead of checking it
+# (the previous release's frontends and engines send its key); this tree's frontend naming no rows' dtype (the
+# previous release's encoders and engines refuse the field).
+MAIN_TIERS_DROP_KEY = replace(MAIN, tier_args=("--drop-client-key",))
+MAIN_FRONTEND_NO_DTYPE = replace(MAIN, frontend_args=())
 # Each release's own module names (0.2.0's serve: deploy/plan.py MODULES).
 _RELEASED = {"0.2.0": {"engine": "mm_encoder.engines.worker", "tiers": "mm_encoder.deploy.cache_tiers"}}
 
@@ -61,6 +67,7 @@ class Mixed:
     timeout_s: float = 120.0
     procs: list[Process] = field(default_factory=list)
     frontend_port: int = 0
+    encoder: str = ""  # host:port, once started
 
     def _env(self, nats: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "PYTHON", "MM_"))}
@@ -83,7 +90,7 @@ class Mixed:
             dirs += ["--cache-dir", str(self.root / f"cache-{name}")]
         tiers = self.installs["tiers"]
         argv = [str(tiers.python), "-m", tiers.tiers, "up", "--tier", tier, "--listen", f"127.0.0.1:{port}"]
-        self._start(name, [*argv, *dirs, *flags], env).wait_url(
+        self._start(name, [*argv, *dirs, *flags, *tiers.tier_args], env).wait_url(
             f"http://127.0.0.1:{port}/_cache/health", self.timeout_s)
         return f"127.0.0.1:{port}"
 
@@ -101,7 +108,7 @@ class Mixed:
         self._start("encoder", [str(enc.python), "-m", "mm_encoder.worker", "--model", ckpt, "--dtype", "fp32",
                                 "--dynamo", *ns, "--http-host", "127.0.0.1", "--http-port", str(port)], env).wait_url(
             f"http://127.0.0.1:{port}/ready", self.timeout_s)
-        encoder = f"127.0.0.1:{port}"
+        encoder = self.encoder = f"127.0.0.1:{port}"
         shard = self._tier(env, "shared-0", "shared", "--next", encoder)
         router = self._tier(env, "router", "router", "--shard", shard)
         cluster = self._tier(env, "cluster", "cluster", "--next", router, "--direct", encoder,
@@ -131,6 +138,13 @@ class Mixed:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
+
+    def served_from(self) -> dict[str, float]:
+        """The encode worker's successful requests by the level that answered (its /metrics)."""
+        with urllib.request.urlopen(f"http://{self.encoder}/metrics", timeout=30) as r:
+            lines = r.read().decode().splitlines()
+        return {line.split('level="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+                if line.startswith("dynamo_component_encode_served_from_total{")}
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.tail(15)}" for p in self.procs)

@@ -31,6 +31,10 @@ def test_releases_are_ordered_and_in_the_changelog() -> None:
     for r in RELEASES:
         assert re.fullmatch(r"[0-9a-f]{40}", r.commit), f"{r.version}: the full 40-hex commit sha"
         assert f"## [{r.version}] - {r.date}\n" in changelog, f"{r.version}: no CHANGELOG section of that date"
+    # tools/venv.sh reads the newest entry without Python: `version = "..."` and `commit = "<sha>"` lines
+    text = (ROOT / "releases.toml").read_text()
+    assert re.findall(r'^version = "(.+)"$', text, re.M) == [r.version for r in RELEASES]
+    assert re.findall(r'^commit = "([0-9a-f]{40})"$', text, re.M) == [r.commit for r in RELEASES]
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:

@@ -80,7 +80,9 @@ case "${1:-}" in
     # installs nothing of this package: pyproject.toml is no part of its key
     aiperf) venv=.venv-aiperf constraints=/dev/null pins="${TORCH_PIN:?} ${AIPERF_PIN:?}" ;;
     # the release's own tree is what it installs (its constraints and pyproject come from its commit)
-    release) read -r RELEASE_VERSION _ RELEASE_COMMIT < <("$PY" tools/releases.py latest)
+    # releases.toml's last entry (read without Python: this runs before .venv exists, on any python3)
+    release) RELEASE_VERSION=$(sed -nE 's/^version = "(.+)"$/\1/p' releases.toml | tail -1)
+        RELEASE_COMMIT=$(sed -nE 's/^commit = "([0-9a-f]{40})"$/\1/p' releases.toml | tail -1)
         venv=.venv-release constraints=/dev/null pins="${TORCH_PIN:?} $RELEASE_VERSION $RELEASE_COMMIT" ;;
     *) echo "usage: tools/venv.sh main|vllm|aiperf|release" >&2; exit 2 ;;
 esac
