@@ -61,6 +61,9 @@ def halves(back: Install, front: Install) -> dict[str, Install]:
 
 @dataclass
 class Mixed:
+    """The deployment in `root` (logs, stores, nginx directories), serving `checkpoint` (a directory named as
+    the model it serves); `start` (or `with`) starts it, `chat` asks it, `stop` stops it."""
+
     root: Path
     checkpoint: Path
     installs: dict[str, Install]  # role (ROLES) -> the install it runs from

@@ -51,7 +51,6 @@ def serve(tmp_path: Path, checkpoint: Path, installs: dict[str, Install]) -> tup
     with Mixed(tmp_path / "run", checkpoint.resolve(), installs) as m:
         first, second = m.chat(), m.chat()
         assert outcome(*first) == outcome(*second), m.logs()
-        assert first[0] in (200, 400), m.logs()
         return first
 
 
