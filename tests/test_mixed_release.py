@@ -45,12 +45,16 @@ def old() -> Install:
     return released(PREVIOUS, python)
 
 
-def serve(tmp_path: Path, checkpoint: Path, installs: dict[str, Install]) -> tuple[int, dict]:
+def serve(tmp_path: Path, checkpoint: Path, installs: dict[str, Install],
+          served_from: dict[str, float] | None = None) -> tuple[int, dict]:
     """The README's request against that deployment, twice (a miss, then the tiers' hit): both answers
-    must agree; the first one's (status, body)."""
+    must agree; the first one's (status, body). `served_from`: the encode worker's (this tree's) answers by
+    level after both."""
     with Mixed(tmp_path / "run", checkpoint.resolve(), installs) as m:
         first, second = m.chat(), m.chat()
         assert outcome(*first) == outcome(*second), m.logs()
+        if served_from is not None:
+            assert m.served_from() == served_from, m.logs()
         return first
 
 
@@ -59,8 +63,11 @@ def outcome(status: int, answer: dict) -> tuple[int, object]:
 
 
 def test_upgraded_encoders_and_engines_behind_previous_tiers_and_frontend(tmp_path, checkpoint, old) -> None:
-    """The upgrade order's midpoint: the previous release's frontend and tiers, this tree's encoder and engine."""
-    status, answer = serve(tmp_path, checkpoint, {"encoder": MAIN, "tiers": old, "engine": MAIN, "frontend": old})
+    """The upgrade order's midpoint: the previous release's frontend and tiers, this tree's encoder and engine.
+    The frontend asks the tiers by the previous key and the engine by the body's sha256: the encoder is asked
+    twice and runs one forward pass (its own cache answers the second); the second request hits the tiers."""
+    installs = {"encoder": MAIN, "tiers": old, "engine": MAIN, "frontend": old}
+    status, answer = serve(tmp_path, checkpoint, installs, served_from={"forward": 1.0, "mm_hash": 1.0})
     assert status == 200, answer
     assert answer["choices"][0]["message"]["content"] == readme_content()
     assert answer["usage"] == {"prompt_tokens": 1223, "completion_tokens": 20, "total_tokens": 1243}
