@@ -24,6 +24,13 @@ from harness.serve_fixtures import MODEL, QUESTION, SAMPLE, data_url
 from harness.topology import free_port
 from harness.venvs import RELEASE_PYTHON
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @dataclass(frozen=True)
 class Install:
@@ -48,7 +55,15 @@ _RELEASED = {"0.2.0": {"engine": "mm_encoder.engines.worker", "tiers": "mm_encod
 
 
 def released(version: str, python: Path = RELEASE_PYTHON) -> Install:
-    return Install(version, python, **_RELEASED[version])
+    """A release's install (its module names, where they differ from this tree's)."""
+    return Install(version, python, **_RELEASED.get(version, {}))
+
+
+def previous_release() -> tuple[str, str]:
+    """releases.toml's newest entry, the release `.venv-release` holds: (version, commit)."""
+    with (ROOT / "releases.toml").open("rb") as f:
+        newest = tomllib.load(f)["release"][-1]
+    return newest["version"], newest["commit"]
 
 
 ROLES = ("encoder", "tiers", "engine", "frontend")
