@@ -88,7 +88,7 @@ vllm-background:
 	    $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm > $(VLLM_TESTS).log 2>&1 9>&-; \
 	    echo $$? > $(VLLM_TESTS).rc; fi; } > /dev/null 2>&1 & echo $$! > $(VLLM_BUILD).pid
 
-# The previous release's virtualenv, built in the background (about 45 s from pip's cache; nothing when its
+# The previous release's virtualenv, built in the background (40-90 s from pip's cache; nothing when its
 # key is unchanged) while the suite starts; the mixed-release test waits for it (harness/venvs.py), with its
 # log's tail if it failed. Log and exit status: $(RELEASE_BUILD).log, .rc.
 RELEASE_BUILD := $(RELEASE_VENV)/build
