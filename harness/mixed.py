@@ -60,10 +60,16 @@ def released(version: str, python: Path = RELEASE_PYTHON) -> Install:
 
 
 def previous_release() -> tuple[str, str]:
-    """releases.toml's newest entry, the release `.venv-release` holds: (version, commit)."""
+    """The release before this tree's version (releases.toml's newest entry of another version; a tree
+    of the newest release's version before that release is recorded: the newest), the one
+    `.venv-release` holds (tools/venv.sh picks alike): (version, commit). A release's promise is with
+    the one before it."""
+    import mm_encoder
+
     with (ROOT / "releases.toml").open("rb") as f:
-        newest = tomllib.load(f)["release"][-1]
-    return newest["version"], newest["commit"]
+        releases = tomllib.load(f)["release"]
+    before = [r for r in releases if r["version"] != mm_encoder.__version__] or releases
+    return before[-1]["version"], before[-1]["commit"]
 
 
 ROLES = ("encoder", "tiers", "engine", "frontend")

@@ -80,9 +80,14 @@ case "${1:-}" in
     # installs nothing of this package: pyproject.toml is no part of its key
     aiperf) venv=.venv-aiperf constraints=/dev/null pins="${TORCH_PIN:?} ${AIPERF_PIN:?}" ;;
     # the release's own tree is what it installs (its constraints and pyproject come from its commit)
-    # releases.toml's last entry (read without Python: this runs before .venv exists, on any python3)
-    release) RELEASE_VERSION=$(sed -nE 's/^version = "(.+)"$/\1/p' releases.toml | tail -1)
-        RELEASE_COMMIT=$(sed -nE 's/^commit = "([0-9a-f]{40})"$/\1/p' releases.toml | tail -1)
+    # the release before this tree's version: releases.toml's newest entry of another version, else
+    # (a tree of the newest release's version, before its release is recorded) the newest; read without
+    # Python: this runs before .venv exists, on any python3
+    release) this=$(sed -nE 's/^__version__ = "(.+)"$/\1/p' mm_encoder/_version.py)
+        pairs=$(sed -nE 's/^version = "(.+)"$/\1/p; s/^commit = "([0-9a-f]{40})"$/\1/p' releases.toml | paste - -)
+        pair=$(awk -v this="$this" '$1 != this' <<<"$pairs" | tail -1)
+        pair=${pair:-$(tail -1 <<<"$pairs")}
+        RELEASE_VERSION=${pair%%$'\t'*} RELEASE_COMMIT=${pair##*$'\t'}
         venv=.venv-release constraints=/dev/null pins="${TORCH_PIN:?} $RELEASE_VERSION $RELEASE_COMMIT" ;;
     *) echo "usage: tools/venv.sh main|vllm|aiperf|release" >&2; exit 2 ;;
 esac
