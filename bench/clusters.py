@@ -100,11 +100,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json")
-    args = p.parse_args()
-    stats.emit(run(args), args.json, "clusters")
+    stats.cli(__doc__, "clusters", run)
 
 
 if __name__ == "__main__":

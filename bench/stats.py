@@ -103,3 +103,14 @@ def emit(result: dict, json_path, name: str) -> None:
     section = importlib.import_module(f"bench.sections.{name}").section
     with tempfile.TemporaryDirectory() as plots:
         print(section(result, Path(plots)))
+
+
+def cli(doc: str | None, name: str, run) -> None:
+    """The command line of a module whose only options are `--quick` and `--json`: run, then `emit`."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    emit(run(args), args.json, name)
