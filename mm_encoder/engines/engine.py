@@ -136,8 +136,9 @@ class Engine(FrontDoor[Prompt, SamplingParams]):
             return
         if stored:
             n = len(hashes) * self.block_size
-            salted = {"cache_salt": salt} if salt else {}  # the router hashes it as the query's cache_namespace
-            self.publisher.publish_stored(ids[:n], [self.block_size] * len(hashes), hashes, None, infos, **salted)
+            # a tenant's salt: the router hashes these blocks as it hashes its queries' cache_namespace
+            self.publisher.publish_stored(ids[:n], [self.block_size] * len(hashes), hashes, None, infos,
+                                          cache_salt=salt or None)
         if removed:
             self.publisher.publish_removed(removed)
 

@@ -129,9 +129,9 @@ class KvRelay:
         if not hashes:
             return
         parent_id = None if parent is None else to_signed64(parent)
-        salted = {"cache_salt": salt} if salt else {}  # the router hashes it as the query's cache_namespace
         self.publisher.publish_stored(tokens, [bs] * len(hashes), hashes, parent_id,
-                                      infos if any(i is not None for i in infos) else None, **salted)
+                                      infos if any(i is not None for i in infos) else None,
+                                      cache_salt=salt or None)  # the router hashes it as the query's cache_namespace
         self.stored += len(hashes)
 
 

@@ -91,5 +91,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int, infos: list[BlockMMI
     engines publish exactly what the router looks up. Dynamo's own function, not a copy of it."""
     from dynamo.llm import compute_block_hash_for_seq  # the `dynamo` extra: frontends and engines have it
 
-    namespace = {"cache_namespace": salt} if salt else {}  # a tenant's blocks: the router's cache_namespace
-    return [to_signed64(h) for h in compute_block_hash_for_seq(list(token_ids), block_size, infos, **namespace)]
+    # a tenant's blocks (`salt`: its scope) hash in the router's cache_namespace
+    return [to_signed64(h) for h in compute_block_hash_for_seq(list(token_ids), block_size, infos,
+                                                                cache_namespace=salt or None)]
