@@ -38,7 +38,15 @@ podman_args() {
     echo "--runtime=runc --network=host --ulimit=nofile=$nofile:$nofile --ulimit=nproc=${IMAGES_NPROC:-32768}:${IMAGES_NPROC:-32768}"
 }
 
+need_root() {
+    [ "$(id -u)" = 0 ] && return 0
+    echo "error: building the images needs root: rootful podman (its storage, bind mounts, the host network) and"
+    echo "  debootstrap; run: sudo make images"
+    exit 1
+}
+
 need_tools() {
+    need_root
     local missing=()
     for t in $TOOLS; do command -v "$t" > /dev/null || missing+=("$t"); done
     [ ${#missing[@]} = 0 ] && return 0
@@ -137,8 +145,8 @@ build_image() {  # build_image DOCKERFILE TAG
 case "${1:-}" in
     tools) need_tools ;;
     base) need_tools; timed "base image" build_base ;;
-    cpu) timed "$CPU_IMAGE" build_image docker/Dockerfile.cpu "$CPU_IMAGE" ;;
-    vllm) timed "$VLLM_IMAGE" build_image docker/Dockerfile.vllm "$VLLM_IMAGE" ;;
+    cpu) need_root; timed "$CPU_IMAGE" build_image docker/Dockerfile.cpu "$CPU_IMAGE" ;;
+    vllm) need_root; timed "$VLLM_IMAGE" build_image docker/Dockerfile.vllm "$VLLM_IMAGE" ;;
     all) need_tools; timed "base image" build_base
          timed "$CPU_IMAGE" build_image docker/Dockerfile.cpu "$CPU_IMAGE"
          timed "$VLLM_IMAGE" build_image docker/Dockerfile.vllm "$VLLM_IMAGE" ;;
