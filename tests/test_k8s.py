@@ -157,7 +157,7 @@ def test_graph_deployment_has_the_crd_shape(name):
         assert type(comp["replicas"]) is int and comp["replicas"] == c.replicas
         assert comp["runtimeVersionOverride"] == dgd_objects.DYNAMO_VERSION
         main = main_of(comp)
-        assert main["image"] == graph.image
+        assert main["image"] == (graph.vllm_image if c.backend == "vllm" else graph.image)
         module = "dynamo.frontend" if c.stock else "mm_encoder.engines.vllm" if c.backend == "vllm" else MODULES[c.kind]
         assert main["command"] == ["python", "-m", module]
         assert all(isinstance(a, str) for a in main["args"])
@@ -299,6 +299,47 @@ def test_agg_renders_no_nginx_objects_and_engines_encode_inline(agg):
     assert "--inline-media" in frontend and "--encoder-http" not in frontend
     epd_engine = main_of(components(one(docs_of(load_graph(GRAPHS / "epd.yaml")), DGD))["engine"])["args"]
     assert "--encode-inline" not in epd_engine and opt(epd_engine, "--encoder-chain") == ["http://epd-cluster:8080"]
+
+
+def _images(docs: list[dict]) -> dict[str, set[str]]:
+    """Every container's image, by the object (a DGD component by its name) that runs it."""
+    out: dict[str, set[str]] = {}
+    for doc in docs:
+        if doc["kind"] == DGD:
+            for comp in doc["spec"]["components"]:
+                pod = comp["podTemplate"]["spec"]
+                out[comp["name"]] = {c["image"] for c in pod["containers"] + pod.get("initContainers", [])}
+        elif doc["kind"] in ("Deployment", "StatefulSet"):
+            pod = doc["spec"]["template"]["spec"]
+            out[doc["metadata"]["name"]] = {c["image"] for c in pod["containers"] + pod.get("initContainers", [])}
+    return out
+
+
+def test_the_vllm_engine_runs_the_vllm_image_and_every_other_container_the_main_one():
+    """graphs/epd-vllm.yaml: the engine's `main` container runs the graph's `vllm_image` (vLLM in an image
+    of its own: docker/Dockerfile.vllm, `make images`), every other container the graph's `image`, the
+    engine's `make-checkpoint` init container included (it needs the main image's transformers). A
+    component's own `image` wins over both; a transformers engine runs the main image."""
+    graph = load_graph(GRAPHS / "epd-vllm.yaml")
+    assert graph.vllm_image == f"mm-encoder-vllm:{graph.image.split(':')[1]}-cpu"
+    docs = docs_of(graph)
+    engine = components(one(docs, DGD))["engine"]
+    assert main_of(engine)["image"] == graph.vllm_image
+    assert [c["image"] for c in engine["podTemplate"]["spec"]["initContainers"]] == [graph.image]
+    images = _images(docs)
+    assert len(images) >= 4 and "epd-vllm-cluster" in images, images
+    assert {n: i for n, i in images.items() if n != "engine"} == {n: {graph.image} for n in images if n != "engine"}
+    moved = graph.model_copy(update={"image": "reg.example/mm-encoder:0.2.0-cpu",
+                                     "vllm_image": "reg.example/mm-encoder-vllm:0.2.0-cpu"})
+    images = _images(docs_of(moved))
+    assert images.pop("engine") == {"reg.example/mm-encoder-vllm:0.2.0-cpu", "reg.example/mm-encoder:0.2.0-cpu"}
+    assert set().union(*images.values()) == {"reg.example/mm-encoder:0.2.0-cpu"}
+    doc = yaml.safe_load((GRAPHS / "epd-vllm.yaml").read_text())
+    doc["components"]["engine"]["image"] = "reg.example/own-vllm:1"
+    engine = components(one(docs_of(Graph.model_validate(doc)), DGD))["engine"]
+    assert main_of(engine)["image"] == "reg.example/own-vllm:1"
+    transformers_engine = components(one(docs_of(load_graph(GRAPHS / "epd.yaml")), DGD))["engine"]
+    assert main_of(transformers_engine)["image"] == graph.image
 
 
 @pytest.mark.parametrize("name", ["epd", "agg", "epd-stock"])

@@ -168,6 +168,8 @@ class Graph(_Strict):
     namespace: str = Field(NAMESPACE, pattern=r"^[a-z0-9][a-z0-9_-]*$")
     description: str = ""
     image: str = f"mm-encoder:{__version__}"
+    # Kubernetes only: the image of a `backend: vllm` engine (vLLM in an image of its own, docker/Dockerfile.vllm)
+    vllm_image: str = f"mm-encoder-vllm:{__version__}-cpu"
     frontend_port: int = Field(8000, ge=1, le=65535)
     llm: LLM = Field(default_factory=LLM)
     block_size: int = Field(BLOCK_SIZE, ge=1)

@@ -10,7 +10,7 @@ from ..core.errors import GraphError
 from ..core.topology import Kind
 from ..graph.checkpoint import GeneratedCheckpoint
 from ..graph.planned import ComponentPlan
-from ..graph.schema import Graph
+from ..graph.schema import Component, Graph
 from ..runtime import tracing
 from . import availability, policies, sites, tenants, tls
 from .names import (
@@ -76,11 +76,21 @@ class _Storage:
         self.mounts.append({"name": name, "mountPath": path, "readOnly": True})
 
 
+def main_image(g: Graph, c: Component) -> str:
+    """The image a component's `main` container runs: its own `image`, else, for a vLLM engine, the
+    graph's `vllm_image` (vLLM pins another transformers, so it has an image of its own), else the
+    graph's `image`."""
+    if c.image:
+        return c.image
+    return g.vllm_image if c.kind == "engine" and c.backend == "vllm" else g.image
+
+
 def _component(names: K8sNames, cp: ComponentPlan) -> dict[str, Any]:
     """One `spec.components[]` entry: the operator fills in the container named `main` (probes,
-    system port, discovery env) and merges what we set over its defaults."""
-    c, image = cp.component, cp.component.image or names.g.image
-    storage = _Storage(names, cp.reads_model, image, cp.name)
+    system port, discovery env) and merges what we set over its defaults. A generated checkpoint's
+    init container runs the main image (`make-checkpoint` needs the `engine` extra's transformers)."""
+    c, image = cp.component, main_image(names.g, cp.component)
+    storage = _Storage(names, cp.reads_model, c.image or names.g.image, cp.name)
     main: dict[str, Any] = {
         "name": MAIN_CONTAINER,
         "image": image,
