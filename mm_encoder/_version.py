@@ -2,4 +2,4 @@
 source) and so does the package (`mm_encoder.__version__`, `mm-encoder --version`). What a version
 number promises: docs/versioning.md."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

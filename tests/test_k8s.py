@@ -329,11 +329,11 @@ def test_the_vllm_engine_runs_the_vllm_image_and_every_other_container_the_main_
     images = _images(docs)
     assert len(images) >= 4 and "epd-vllm-cluster" in images, images
     assert {n: i for n, i in images.items() if n != "engine"} == {n: {graph.image} for n in images if n != "engine"}
-    moved = graph.model_copy(update={"image": "reg.example/mm-encoder:0.2.0-cpu",
-                                     "vllm_image": "reg.example/mm-encoder-vllm:0.2.0-cpu"})
+    moved = graph.model_copy(update={"image": "reg.example/mm-encoder:0.3.0-cpu",
+                                     "vllm_image": "reg.example/mm-encoder-vllm:0.3.0-cpu"})
     images = _images(docs_of(moved))
-    assert images.pop("engine") == {"reg.example/mm-encoder-vllm:0.2.0-cpu", "reg.example/mm-encoder:0.2.0-cpu"}
-    assert set().union(*images.values()) == {"reg.example/mm-encoder:0.2.0-cpu"}
+    assert images.pop("engine") == {"reg.example/mm-encoder-vllm:0.3.0-cpu", "reg.example/mm-encoder:0.3.0-cpu"}
+    assert set().union(*images.values()) == {"reg.example/mm-encoder:0.3.0-cpu"}
     doc = yaml.safe_load((GRAPHS / "epd-vllm.yaml").read_text())
     doc["components"]["engine"]["image"] = "reg.example/own-vllm:1"
     engine = components(one(docs_of(Graph.model_validate(doc)), DGD))["engine"]
