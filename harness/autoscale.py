@@ -77,7 +77,8 @@ class Load:
     `max_requests` in all; bounded in count and time (`max_s`). `stream`: streamed requests (usage
     included), each 200 with its time to first token. `active` clients send (all by default);
     `set_clients(n)` changes that during the run (a ramp): a thread whose index is `n` or more idles
-    until it is let in again or the load ends."""
+    until it is let in again or the load ends. `tenant_header`: a tenant-serving frontend's header,
+    client i sending as tenant-i."""
 
     port: int
     clients: int = 2
@@ -89,6 +90,7 @@ class Load:
     active: int | None = None
     answers: list[Answer] = field(default_factory=list)
     tls: ssl.SSLContext | None = None  # a TLS graph's frontend: HTTPS with this context
+    tenant_header: str | None = None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -134,19 +136,21 @@ class Load:
         pixels[8:16, :16] = (n * 37 % 256, n * 91 % 256, n * 53 % 256)
         return image_bytes(Image.fromarray(pixels, "RGB"), "JPEG")
 
-    def _request(self, n: int) -> urllib.request.Request:
+    def _request(self, n: int, index: int = 0) -> urllib.request.Request:
         body: dict = {"model": MODEL, "max_tokens": self.max_tokens, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(self._image(n), "image/jpeg")}},
             {"type": "text", "text": "what is it?"}]}]}
         if self.stream:
             body.update(stream=True, stream_options={"include_usage": True})
         scheme = "https" if self.tls is not None else "http"
+        tenant = {self.tenant_header: f"tenant-{index}"} if self.tenant_header else {}
         return urllib.request.Request(f"{scheme}://127.0.0.1:{self.port}/v1/chat/completions",
-                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json",
+                                                                               **tenant})
 
     def _client(self, index: int) -> None:
         while (n := self._next(index)) is not None:
-            req = self._request(n)
+            req = self._request(n, index)
             t0 = time.monotonic()
             try:
                 with urllib.request.urlopen(req, timeout=300, context=self.tls) as r:

@@ -7,8 +7,9 @@ and a killed encoder leaves the fleet serving; no request is lost (every one ans
 with Retry-After). TLS and autoscaling together, and certificates that renew themselves (issue 43):
 every certificate lives 15 s here, so serve renews all of them every 10 s throughout, while scaling
 too; new handshakes at the encoder present new serials and `mm-encoder status` shows each
-certificate's time left. The planner runs in `--dry-run` here, so the decisions are the test's (the
-load-driven ones: `make bench`'s ramp, BENCHMARKS.md)."""
+certificate's time left. The graph serves tenants (`tenants.header`), each load client one: the scope
+composes with scaling, renewals and restarts. The planner runs in `--dry-run` here, so the decisions
+are the test's (the load-driven ones: `make bench`'s ramp, BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
     require_nginx()
     graph = yaml.safe_load((ROOT / "graphs" / "epd-autoscale.yaml").read_text())
     graph["tls"] = {"enabled": True, "cert_lifetime_s": LIFETIME_S}
+    graph["tenants"] = {"header": "X-Tenant"}  # and serving tenants: each client is one (tenant-0, tenant-1)
     (tmp_path / "epd-autoscale.yaml").write_text(yaml.safe_dump(graph))
     run, port = tmp_path / "run", free_port()
     with Served(str(tmp_path / "epd-autoscale.yaml"), run, port, "--restart",
@@ -86,7 +88,7 @@ def test_serve_scales_the_encoders_up_and_drains_them_down_with_no_request_lost(
         peer.check_hostname = False
         assert list(_encoders(served)) == ["encoder-0"]
         first = _serial(_encoders(served)["encoder-0"]["url"], peer)
-        load = Load(port, clients=2, tls=tls_client(tls["ca"], tls["cert"], tls["key"]))
+        load = Load(port, clients=2, tls=tls_client(tls["ca"], tls["cert"], tls["key"]), tenant_header="X-Tenant")
         try:
             wait_until("answers before scaling", lambda: load.count() >= 4, 120)
             renewed = _renewals(served)
