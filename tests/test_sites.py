@@ -64,6 +64,17 @@ def counts(tier: dict) -> tuple[int, int]:
     return tier["requests"] - hits, hits
 
 
+def tenant_cluster_graph(base: Path) -> Path:
+    """graphs/model-cluster.yaml serving tenants (`tenants.header`) with one engine: every request of every
+    tenant reaches the same engine, so its prefix store, not only the router, is what keeps them apart."""
+    doc = yaml.safe_load((ROOT / "graphs" / "model-cluster.yaml").read_text())
+    doc["tenants"] = {"header": TENANT}
+    doc["components"]["engine"]["replicas"] = 1
+    path = base / "tenant-cluster.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 def site_graph(base: Path, glm: Path) -> Path:
     """graphs/encoder-site.yaml with a second model: a GLM encoder component beside the Kimi one, each
     naming the models it serves, and a GLM cluster among the clusters it admits."""
@@ -103,9 +114,8 @@ def fleet(tmp_path_factory):
                 served.append(serve_on(h, i, ROOT / "graphs" / "model-cluster.yaml", base / name, ca, ck, 8000,
                                        "--name", name, "--encoder-site", site_url))
             for i, name in TENANT_CLUSTERS:
-                served.append(serve_on(h, i, ROOT / "graphs" / "model-cluster.yaml", base / name, ca, checkpoint, 8000,
-                                       "--name", name, "--encoder-site", site_url, "--tenant-header", TENANT,
-                                       "--tenant-key", str(tenant_key)))
+                served.append(serve_on(h, i, tenant_cluster_graph(base), base / name, ca, checkpoint, 8000,
+                                       "--name", name, "--encoder-site", site_url, "--tenant-key", str(tenant_key)))
             for s in served[1:]:
                 s.wait_for("ready", READY_S)
             yield h, base, ca
@@ -178,9 +188,10 @@ def test_two_tenants_share_no_entry_at_any_level(fleet):
     tenant-a is encoded; globex's first request for the same image, on tenant-b, misses its cluster tier,
     the site's shared tier and the encoder's mm_hash LRU (a second forward pass). acme on tenant-b then
     misses that cluster's tier but hits the shared tier: its own entry, shared across its clusters. The
-    engines' KV too: acme's prompt again on tenant-a is routed onto its KV (Dynamo's router hashes the
-    blocks in acme's cache namespace, as the engine published them), globex's same prompt there finds
-    none of it. A request without the header is refused by name."""
+    engine's KV too (one engine per tenant cluster): acme's prompt again on tenant-a reuses its KV and the
+    router counts the overlap (it hashes the blocks in acme's cache namespace, as the engine published
+    them); globex's same prompt on the same engine reuses none of it. A request without the header is
+    refused by name."""
     h, base, ca = fleet
     (ha, a), (hb, b) = TENANT_CLUSTERS
 
