@@ -21,6 +21,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.autoscale import wait_until
 from harness.certs import Certs
 from harness.media_factory import image_bytes, natural_image
 from harness.serve_fixtures import data_url
@@ -173,7 +174,8 @@ def test_a_tier_refuses_a_next_level_of_another_role(chain, tmp_path):
         router = certs.issue("router-x", "cache-router")
         status, _ = _head(t.port, _client(router, certs.ca_file))
         assert status == 502
-        assert "certificate" in t.log.read_text()
+        # nginx's error line reaches the tier's log after its answer does: waited for, not read at once
+        wait_until("the tier's log naming the refused certificate", lambda: "certificate" in t.log.read_text(), 15)
     finally:
         t.stop()
     assert _encodes(ports["worker_ops"]) == before
