@@ -16,6 +16,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter, OrderedDict
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
+from harness.autoscale import wait_until
 from harness.ring import index_of, point_of, server_of
 from harness.topology import require_nginx, tiers
 from mm_encoder.cache_tiers.ring import HashRing, server_points
@@ -345,6 +347,12 @@ def test_the_command_loads_no_torch_and_a_million_requests_take_seconds():
 # --- against a real graph ----------------------------------------------------------------------------
 
 
+def _heads(log: Path) -> list[dict]:
+    """A tier's HEAD requests, as its access log's JSON lines record them."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
+    return [line for line in lines if line["method"] == "HEAD"]
+
+
 def _within(sim: float, measured: float, rel: float = 0.10) -> bool:
     return abs(sim - measured) <= rel * max(abs(sim), abs(measured))
 
@@ -360,8 +368,10 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
     with the router's own shard names and the frontend's own keys.
 
     Per media item the frontend's HEAD walks the chain and the engine's fetch finds at the cluster
-    tier what the HEAD wrote: a cluster tier counts 2 lookups per item, so its counter's hit ratio
-    is (1 + the per-item hit ratio) / 2. Compared within 10%: encodes per unique image, the cluster
+    tier what the HEAD wrote: a cluster tier counts 2 lookups per item. The item's own lookup is the
+    HEAD (cluster A's from its tier's access log, cluster B's as the test asked it): a fetch that
+    overtakes the HEAD's fill asks the next level by design, a second miss the model does not count
+    (on a loaded machine, a few items in 48). Compared within 10%: encodes per unique image, the cluster
     tiers' and the shared tier's hit ratios per item, the busiest shard's share; the worker cache's
     hit ratio (0 when the tiers hold everything) within 0.1."""
     require_nginx()
@@ -400,14 +410,23 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
                     await r.read()
                     return r.headers.get("X-Cache-Status", "")
 
+            heads_b = []  # cluster B's HEAD answers: what the model calls its per-item lookups
             for rank, cluster in zip(trace.ranks.tolist(), trace.clusters.tolist(), strict=True):
                 if cluster == 0:
                     content = [{"type": "text", "text": QUESTION},
                                {"type": "image_url", "image_url": {"url": urls[rank]}}]
                     await asyncio.to_thread(chat, port, content, max_tokens=1)
                 else:
-                    await ask(other.address, "HEAD", sources[rank])
+                    heads_b.append(await ask(other.address, "HEAD", sources[rank]))
                     await ask(other.address, "POST", sources[rank], "/v1/encode/fetch")
+            items_a = sum(1 for c in trace.clusters.tolist() if c == 0)
+
+            def every_head() -> list[dict] | None:
+                """Cluster A's HEADs (the frontend's), once its tier's access log has them all."""
+                heads = _heads(run / "cluster.log")
+                return heads if len(heads) == items_a else None
+
+            heads_a = wait_until("cluster A's tier logging every HEAD", every_head, 30)
             rows = {c["name"]: c for c in collect(run)["components"]}
             raw = json.loads(await (await s.get(f"http://{other.address}/_cache/stats")).read())
             seen_a = {r for r, c in zip(trace.ranks.tolist(), trace.clusters.tolist(), strict=True) if c == 0}
@@ -420,11 +439,13 @@ async def test_model_matches_a_real_epd_graph(tmp_path):
 
     shards = [rows["shared-0"], rows["shared-1"]]
     lookups_a, lookups_b = rows["cluster"]["requests"], raw["requests"]
-    hits_c = rows["cluster"]["hit_ratio"] * lookups_a + raw.get("HIT", 0)
+    # per item, the HEAD's answer: an engine's fetch that overtakes the HEAD's fill asks the next level
+    # by design (configs/nginx/cache-tier.conf), a second miss at the tier the model does not count
+    hits_c = sum(h["cache"] == "HIT" for h in heads_a) + sum(h.startswith("cluster=HIT") for h in heads_b)
     shard_requests = sum(x["requests"] for x in shards)
     measured = {
         "encodes per unique image": rows["encoder"]["encodes"] / sim.unique,
-        "cluster tiers' hit ratio per item": 2 * hits_c / (lookups_a + lookups_b) - 1,
+        "cluster tiers' hit ratio per item": hits_c / sim.items,
         "shared tier's hit ratio": sum(x["hit_ratio"] * x["requests"] for x in shards) / shard_requests,
         "busiest shard's share": max(x["requests"] for x in shards) / shard_requests,
     }
