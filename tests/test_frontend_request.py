@@ -38,7 +38,7 @@ class Router:
     def __init__(self) -> None:
         self.freed: list[str] = []
 
-    async def best_worker(self, token_ids, *, block_mm_infos=None, request_id=None):
+    async def best_worker(self, token_ids, *, block_mm_infos=None, request_id=None, cache_namespace=None):
         return WORKER, 0, 3
 
     async def mark_prefill_complete(self, rid: str) -> None:

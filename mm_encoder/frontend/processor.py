@@ -244,10 +244,9 @@ class MultimodalProcessor:
         """(engine, overlapping blocks) from Dynamo's KV router, which from then on counts the
         request on that engine until `Hold.release` frees it. A tenant's `scope` is the router's cache
         namespace: its blocks overlap only its own."""
-        namespace = {"cache_namespace": scope} if scope else {}
         try:
-            worker_id, _, overlap = await self.router.best_worker(token_ids, block_mm_infos=infos,
-                                                                  request_id=hold.rid, **namespace)
+            worker_id, _, overlap = await self.router.best_worker(token_ids, block_mm_infos=infos, request_id=hold.rid,
+                                                                  cache_namespace=scope or None)
         except Exception as e:  # Dynamo raises a plain Exception when no engine is registered
             raise EngineUnavailable(f"no engine to route to: {e}") from None
         hold.routed = True

@@ -18,7 +18,6 @@ runtime from the process's environment (the launcher passes its own).
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ from ..core.registry import get_spec
 from ..core.spec import ModelSpec
 from ..families.model_card import ModelCard
 from ..runtime.dynamo import GENERATE_ENDPOINT, chat_engine, endpoint_path, kv_router, make_runtime
-from ..security.tenants import METADATA_HEADER, Tenants
+from ..security.tenants import Tenants, check_forwarded
 from .processor import EngineClient, Limits, MultimodalProcessor, Router
 from .settings import FrontendSettings
 
@@ -161,7 +160,5 @@ def chat_processor(frontend_config: object, processor_config: dict[str, Any] | N
     defaults = {k: v for k, v in (("namespace", namespace), ("block_size", block_size), ("model_dir", model_path))
                 if v is not None}
     settings = FrontendSettings(_cli_parse_args=[], **{**defaults, **options})
-    if settings.tenant_header and os.environ.get(METADATA_HEADER, "").lower() != settings.tenant_header.lower():
-        raise ValueError(f"tenant_header {settings.tenant_header}: Dynamo's frontend passes that header on only "
-                         f"with {METADATA_HEADER}={settings.tenant_header.lower()} in its environment")
+    check_forwarded(settings.tenant_header)
     return ProcessorFactory(settings)

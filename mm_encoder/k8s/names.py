@@ -40,7 +40,8 @@ PART_OF = "mm-encoder"
 TLS_DIR = "/etc/mm-encoder/tls"
 TLS_FILES = (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
 TENANT_DIR = "/etc/mm-encoder/tenant"  # with tenants: the frontend's key, from the graph's Secret
-TENANT_KEY = f"{TENANT_DIR}/tenant.key"
+TENANT_FILE = "tenant.key"  # its key in the Secret and its file in TENANT_DIR
+TENANT_KEY = f"{TENANT_DIR}/{TENANT_FILE}"
 OPS_PORT = 9091  # beside the operator's system port (9090) on a worker
 # Dynamo's own listeners, fixed so that a NetworkPolicy can name them: the system port the operator sets on
 # workers and planners (/health, /live, /metrics), the TCP request plane's server (DYN_TCP_RPC_PORT: encoders,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..graph.planned import ComponentPlan
-from .names import TENANT_DIR, TENANT_KEY, K8sNames
+from .names import TENANT_DIR, TENANT_FILE, K8sNames
 
 VOLUME = "tenant-key"
 SECRET_MODE = 0o400  # the kubelet adds group read for the pod's fsGroup: 0440 (security.tenants accepts it)
@@ -24,7 +24,7 @@ def add_to_pod(names: K8sNames, cp: ComponentPlan, container: dict[str, Any], sp
     container.setdefault("volumeMounts", []).append({"name": VOLUME, "mountPath": TENANT_DIR, "readOnly": True})
     spec.setdefault("volumes", []).append({"name": VOLUME, "secret": {
         "secretName": secret_name(names), "defaultMode": SECRET_MODE,
-        "items": [{"key": TENANT_KEY.rsplit("/", 1)[1], "path": TENANT_KEY.rsplit("/", 1)[1]}]}})
+        "items": [{"key": TENANT_FILE, "path": TENANT_FILE}]}})
 
 
 def note(names: K8sNames) -> str:

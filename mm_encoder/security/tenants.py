@@ -53,10 +53,6 @@ class Tenants:
             raise ValueError("--tenant-header needs --tenant-key FILE: the secret the scopes are keyed by")
         return cls(header, read_key(key_file))
 
-    @property
-    def enabled(self) -> bool:
-        return self.header is not None
-
     def scope(self, context: Any) -> str:
         """The request's scope, from the header its context carries; refused by name without it."""
         if self.header is None:
@@ -85,6 +81,14 @@ def forward_header(header: str | None, env: MutableMapping[str, str] = os.enviro
         raise ValueError(f"{METADATA_HEADER}={current} is set, and --tenant-header {header} needs it: "
                          "Dynamo's frontend passes one header prefix to the processor")
     env[METADATA_HEADER] = header.lower()
+
+
+def check_forwarded(header: str | None, env: MutableMapping[str, str] = os.environ) -> None:
+    """Under Dynamo's own frontend, whose runtime started before the processor loads: the variable
+    must already name the tenant header (set by the operator), or the header never arrives."""
+    if header and env.get(METADATA_HEADER, "").lower() != header.lower():
+        raise ValueError(f"tenant_header {header}: Dynamo's frontend passes that header on only with "
+                         f"{METADATA_HEADER}={header.lower()} in its environment")
 
 
 def read_key(path: Path) -> bytes:
